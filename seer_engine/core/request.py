@@ -1,0 +1,95 @@
+"""A request as the scheduler sees it: tokens, how many are computed, and its status."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from seer_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+_arrival_counter = itertools.count()
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    The scheduling rule is uniform: ``num_computed_tokens`` chases ``num_tokens``
+    (prompt + output so far). A prefill chunk, a prefix-cache hit, a decode step and
+    recomputation after preemption all just move ``num_computed_tokens`` forward.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never None, never beyond the model's context
+    seed: int  # resolved: every request has one, so sampling depends on (seed, position) only
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    priority: int = 0  # smaller runs first under the priority policy
+    group_id: str | None = None
+    sample_index: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+    # Chained hashes of this request's full blocks, extended lazily by the KV manager.
+    block_hashes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

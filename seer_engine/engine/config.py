@@ -1,0 +1,61 @@
+"""Engine configuration: one dataclass, vLLM-named fields, shared by the API and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"  # a Hugging Face folder, or "tiny" for the built-in random model
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory-based sizing
+    kv_cache_memory_gb: float | None = None  # KV budget; default 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads for this instance
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field (``--max-num-seqs`` for ``max_num_seqs``), as vLLM names them."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                continue
+            kind = {"int": int, "float": float}.get(
+                str(f.type).split(" | ")[0].replace("'", ""), str
+            )
+            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,293 @@
+"""One engine instance: add_request / step / abort over scheduler + model runner."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from seer_engine.core.kv_cache_manager import KVCacheManager
+from seer_engine.core.policies import SchedulingPolicy, make_policy
+from seer_engine.core.request import Request, RequestStatus
+from seer_engine.core.scheduler import Scheduler, SchedulerConfig
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
+from seer_engine.model_executor.model_runner import (
+    ModelRunner,
+    ScheduledChunk,
+    kv_cache_bytes_per_block,
+)
+from seer_engine.model_executor.weight_loader import safetensors_files
+from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def resolve_model_path(model: str) -> Path:
+    """``tiny`` names the built-in random-weight model (created on first use)."""
+    if model == "tiny":
+        from seer_engine.model_executor.tiny_model import default_tiny_model_dir
+
+        return default_tiny_model_dir()
+    return Path(model).expanduser()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+@dataclass
+class _Parent:
+    """A user request; its n samples run as separate scheduler requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request] = field(default_factory=list)
+    outputs: dict[int, CompletionOutput] = field(default_factory=dict)  # finished samples
+
+    @property
+    def finished(self) -> bool:
+        return len(self.outputs) == len(self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.detokenizer = Detokenizer.from_pretrained(config.tokenizer or path)
+        self.device = resolve_device(config.device)
+        self.dtype = self.model_config.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.max_model_len = self._max_model_len()
+        num_blocks = self._num_kv_blocks()
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.runner = ModelRunner(
+            self.model_config, self.dtype, self.device, config.block_size, num_blocks, backend
+        )
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        self.scheduler = Scheduler(sched_cfg, self.kv_manager, policy or make_policy(config.scheduling_policy))
+        self._seed_rng = random.Random(config.seed)
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, _Parent] = {}
+
+    # -- sizing --------------------------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:
+            limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay inside it
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds what the model supports ({limit})")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        if cfg.kv_cache_memory_gb is not None:
+            budget = int(cfg.kv_cache_memory_gb * (1 << 30))
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1 - cfg.gpu_memory_utilization) * total) - self._weight_bytes()
+        else:
+            budget = 1 << 30
+        needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(1, min(budget // per_block, needed))
+
+    def _weight_bytes(self) -> int:
+        """Size of the weights once loaded in the engine dtype, from the checkpoint files."""
+        files = safetensors_files(self.model_config.path)
+        on_disk = sum(f.stat().st_size for f in files)
+        return on_disk * self.dtype.itemsize // self.model_config.dtype.itemsize
+
+    # -- requests ------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return prompt, self.detokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {t!r} is out of the vocabulary (valid ids: 0..{self.vocab_size - 1})"
+                )
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> list[Request]:
+        """Queue a request (n samples); returns the scheduler requests it became."""
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params.validate()
+        text, ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                "(at least one output token must fit)"
+            )
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(f"stop token id {t} is out of the vocabulary")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        parent = _Parent(request_id, text, ids, params)
+        for i in range(params.n):
+            child = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}-{i}",
+                prompt_token_ids=ids,
+                sampling_params=params,
+                max_tokens=max_tokens,
+                seed=(base_seed + i * 0x9E3779B97F4A7C15) & _SEED_MASK,
+                eos_token_ids=self.eos_token_ids,
+                prompt=text,
+                priority=priority,
+                group_id=group_id if group_id is not None else request_id,
+                sample_index=i,
+            )
+            parent.children.append(child)
+        self._parents[request_id] = parent
+        for child in parent.children:
+            self._child_parent[child.request_id] = parent
+            self.scheduler.add_request(child)
+        return parent.children
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort requests by id (user ids or sample ids); returns their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        children: list[str] = []
+        for rid in ids:
+            parent = self._parents.get(rid)
+            children.extend(c.request_id for c in parent.children) if parent else children.append(rid)
+        done = self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+        return self._collect_outputs(done)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- stepping ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns outputs of the user requests that finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        batch = [
+            ScheduledChunk(req, n, self.kv_manager.block_ids(req.request_id))
+            for req, n in sched.scheduled
+        ]
+        result = self.runner.execute(batch)
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        for req in updated:
+            lp = result.logprobs.get(req.request_id)
+            if lp is not None:
+                self._record_logprobs(req, lp)
+            if not req.is_finished and req.sampling_params.stop:
+                self._check_stop_strings(req)
+        return self._collect_outputs([r for r in updated if r.is_finished])
+
+    def _record_logprobs(self, req: Request, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
+        chosen, rank, top = lp
+        token = req.output_token_ids[-1]
+        entry = {token: (chosen, rank)}
+        for r, (tid, value) in enumerate(top, start=1):
+            entry.setdefault(tid, (value, r))
+        req.logprobs.append(entry)
+        req.cumulative_logprob += chosen
+
+    def _check_stop_strings(self, req: Request) -> None:
+        if req.num_output_tokens < req.sampling_params.min_tokens:
+            return
+        hit = self.detokenizer.find_stop_string(req.output_token_ids, req.sampling_params.stop)
+        if hit is not None:
+            req.stop_reason = hit
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _collect_outputs(self, finished: list[Request]) -> list[RequestOutput]:
+        done_parents: list[_Parent] = []
+        for req in finished:
+            parent = self._child_parent.pop(req.request_id, None)
+            if parent is None:
+                continue
+            parent.outputs[req.sample_index] = self._completion(req)
+            if parent.finished:
+                done_parents.append(parent)
+        outputs = []
+        for parent in done_parents:
+            del self._parents[parent.request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id=parent.request_id,
+                    prompt=parent.prompt,
+                    prompt_token_ids=parent.prompt_token_ids,
+                    outputs=[parent.outputs[i] for i in range(len(parent.children))],
+                    finished=True,
+                )
+            )
+        return outputs
+
+    def _completion(self, req: Request) -> CompletionOutput:
+        params = req.sampling_params
+        text = self.detokenizer.decode(req.output_token_ids, params.skip_special_tokens)
+        if isinstance(req.stop_reason, str):
+            cut = text.find(req.stop_reason)
+            if cut >= 0:
+                text = text[: cut + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]
+        return CompletionOutput(
+            index=req.sample_index,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=self.detokenizer.logprobs_to_output(req.logprobs),
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+        )

@@ -1,0 +1,61 @@
+"""The offline API, shaped like vLLM's ``LLM``: build once, ``generate`` many times."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.outputs import RequestOutput
+from seer_engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """``LLM(model="tiny").generate(["Hello"], SamplingParams(max_tokens=32))``."""
+
+    def __init__(self, model: str = "tiny", **engine_args: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.detokenizer.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, param_list)):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+        return [done[rid] for rid in ids]
+
+    def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        return self.engine.abort_request(request_ids)

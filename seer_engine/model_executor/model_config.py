@@ -1,0 +1,141 @@
+"""Reads a Hugging Face model folder's config.json into what the decoder needs.
+
+One decoder implementation serves the Llama family; the differences between
+architectures are a handful of switches recorded here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelLoadError(ValueError):
+    """The model folder cannot be served; the message says what is wrong or missing."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16")
+    return _DTYPES[key]
+
+
+@dataclass
+class ModelConfig:
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    sliding_window: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+        if not config_file.is_file():
+            raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model folder")
+        try:
+            cfg = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs!r} in {config_file}; "
+                f"seer_engine serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ModelLoadError(f"{config_file} lacks required key {key!r}")
+            return cfg[key]
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = cfg.get("attention_bias", False)
+        return cls(
+            path=path,
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            sliding_window=sliding,
+            eos_token_ids=_eos_ids(path, cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def _eos_ids(path: Path, cfg: dict[str, Any]) -> list[int]:
+    """EOS ids from generation_config.json (which may list several) and config.json."""
+    ids: list[int] = []
+    gen_file = path / "generation_config.json"
+    sources = [cfg]
+    if gen_file.is_file():
+        sources.insert(0, json.loads(gen_file.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return ids

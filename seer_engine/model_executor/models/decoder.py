@@ -1,0 +1,170 @@
+"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+The architectures differ only in switches read by ``ModelConfig`` (q/k/v bias,
+q/k RMSNorm, tied embeddings, rope scaling). Projections are fused (qkv, gate+up)
+to halve the matmuls per layer; ``load_weights`` maps Hugging Face tensor names onto
+the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from seer_engine.model_executor.attention import AttentionBackend, AttentionMetadata
+from seer_engine.model_executor.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from seer_engine.model_executor.model_config import ModelConfig, ModelLoadError
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Module):
+    """Token ids of a flattened batch -> final hidden states; ``logits`` on selected rows."""
+
+    # HF tensor name fragment -> (our parameter fragment, shard index within the fused tensor)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # -- weights -------------------------------------------------------------------
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        c = self.cfg
+        if fused == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (partly fused) parameters; every one must arrive."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected: set[str] = set()
+        for name in params:
+            if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            parts = name.split(".")
+            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f in parts), None)
+            if fused is None:
+                expected.add(name)
+            else:
+                for hf, (ours, shard) in self._FUSED.items():
+                    if ours == fused:
+                        expected.add(f"{name}#{shard}")
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            fused_hit = next((k for k in self._FUSED if f".{k}." in f".{name}"), None)
+            if fused_hit is not None:
+                ours, shard = self._FUSED[fused_hit]
+                name = name.replace(fused_hit, ours)
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(f"checkpoint tensor {hf_name!r} matches no model parameter")
+                sizes = self._shard_sizes(ours)
+                target = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+                key = f"{name}#{shard}"
+            else:
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(f"checkpoint tensor {hf_name!r} matches no model parameter")
+                target, key = param.data, name
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(key)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ModelLoadError(f"checkpoint is incomplete: {len(missing)} tensors missing ({shown})")

@@ -1,0 +1,108 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, logprobs.
+
+Random draws use the exponential-race trick (argmax of p / q with q ~ Exp(1) is a
+sample from p) with noise seeded by (request seed, position) only. So a request's
+tokens never depend on which other requests share its batch, on chunking, on
+migration or on speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): independent streams per request and position."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs from one request that samples this step."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    position: int  # index of the token being sampled within the whole sequence
+    banned_token_ids: list[int]  # e.g. EOS / stop ids before min_tokens is reached
+    num_logprobs: int | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: None, or (sampled logprob, sampled rank, [(token, logprob), ...top-N])
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+def exponential_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(position_seed(seed, position))
+    return torch.empty(vocab, device=device).exponential_(generator=gen)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask one row's temperature-scaled logits to the allowed set (in place)."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        logits[order[drop_sorted]] = float("-inf")
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits.masked_fill_(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """``logits`` ``[len(rows), vocab]`` float32 -> one token per row."""
+        raw_logprobs = None
+        if any(r.num_logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, row.banned_token_ids] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        for i, row in enumerate(rows):
+            if row.temperature == 0.0:
+                continue
+            scaled = apply_top_k_top_p_min_p(logits[i] / row.temperature, row.top_k, row.top_p, row.min_p)
+            probs = scaled.softmax(-1)
+            noise = exponential_noise(row.seed, row.position, probs.shape[-1], probs.device)
+            tokens[i] = (probs / noise).argmax()
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, rows))
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int], rows: list[SamplingRow]):
+        out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
+        if raw is None:
+            return out
+        for i, row in enumerate(rows):
+            if row.num_logprobs is None:
+                continue
+            lp = raw[i]
+            chosen = lp[tokens[i]]
+            rank = int((lp > chosen).sum()) + 1
+            top: list[tuple[int, float]] = []
+            if row.num_logprobs > 0:
+                values, ids = torch.topk(lp, row.num_logprobs)
+                top = list(zip(ids.tolist(), values.tolist()))
+            out[i] = (float(chosen), rank, top)
+        return out

@@ -1,0 +1,55 @@
+"""Loads a Hugging Face folder (single or sharded safetensors) into the decoder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from seer_engine.model_executor.model_config import ModelConfig, ModelLoadError
+from seer_engine.model_executor.models.decoder import DecoderForCausalLM
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's files, checked against the shard index when there is one."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"checkpoint in {path} is incomplete: missing shard files {missing}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights found in {path}")
+    return files
+
+
+def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """Build the decoder on ``device`` in ``dtype`` and fill it from the folder's weights."""
+    torch_default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = DecoderForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch_default)
+    # Rotary tables stay float32 (as in the reference); only parameters take the model dtype.
+    model.load_weights(iterate_weights(cfg.path))
+    return model.eval().requires_grad_(False)
