@@ -49,27 +49,41 @@ class SamplingParams:
             return isinstance(x, (int, float)) and not isinstance(x, bool)
 
         check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        check(is_num(self.temperature) and self.temperature >= 0.0,
-              f"temperature must be >= 0, got {self.temperature!r}")
-        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
-              f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
-              f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}")
-        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
-              f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(
+            is_num(self.temperature) and self.temperature >= 0.0,
+            f"temperature must be >= 0, got {self.temperature!r}",
+        )
+        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(
+            is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+            f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}",
+        )
+        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
         check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0,
-              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        check(all(isinstance(s, str) and s for s in self.stop),
-              f"stop must be a list of non-empty strings, got {self.stop!r}")
-        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        check(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        check(
+            is_int(self.min_tokens) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        check(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a list of non-empty strings, got {self.stop!r}",
+        )
+        check(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        check(
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
 
     def clone(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)

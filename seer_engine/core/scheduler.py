@@ -50,9 +50,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, policy: SchedulingPolicy
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, policy: SchedulingPolicy) -> None:
         self.config = config
         self.kv = kv_manager
         self.policy = policy
@@ -170,9 +168,7 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if id(r) not in ids]
         return budget
 
-    def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests that stop.
 
         ``sampled`` holds a token for each request whose chunk reached its last token.

@@ -51,9 +51,7 @@ class EngineConfig:
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 continue
-            kind = {"int": int, "float": float}.get(
-                str(f.type).split(" | ")[0].replace("'", ""), str
-            )
+            kind = {"int": int, "float": float}.get(str(f.type).split(" | ")[0].replace("'", ""), str)
             parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
 
     @classmethod

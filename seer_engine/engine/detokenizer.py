@@ -60,6 +60,5 @@ class Detokenizer:
         if logprobs is None:
             return None
         return [
-            {tid: Logprob(lp, rank, self.piece(tid)) for tid, (lp, rank) in step.items()}
-            for step in logprobs
+            {tid: Logprob(lp, rank, self.piece(tid)) for tid, (lp, rank) in step.items()} for step in logprobs
         ]

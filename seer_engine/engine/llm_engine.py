@@ -97,7 +97,9 @@ class LLMEngine:
                 f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"
             )
-        self.scheduler = Scheduler(sched_cfg, self.kv_manager, policy or make_policy(config.scheduling_policy))
+        self.scheduler = Scheduler(
+            sched_cfg, self.kv_manager, policy or make_policy(config.scheduling_policy)
+        )
         self._seed_rng = random.Random(config.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, _Parent] = {}
@@ -222,8 +224,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = [
-            ScheduledChunk(req, n, self.kv_manager.block_ids(req.request_id))
-            for req, n in sched.scheduled
+            ScheduledChunk(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]
         result = self.runner.execute(batch)
         updated = self.scheduler.update_from_output(sched, result.sampled)

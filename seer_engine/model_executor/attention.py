@@ -89,7 +89,11 @@ def _gather_context(
 
 
 def _masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_len: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """q ``[B, Q, H, D]``, k/v ``[B, K, Hkv, D]``; query at position p sees keys 0..p.
@@ -98,9 +102,7 @@ def _masked_attention(
     number of valid keys (padding beyond it is masked out).
     """
     key_idx = torch.arange(k.shape[1], device=k.device)
-    mask = (key_idx[None, None, :] <= q_pos[:, :, None]) & (
-        key_idx[None, None, :] < kv_len[:, None, None]
-    )
+    mask = (key_idx[None, None, :] <= q_pos[:, :, None]) & (key_idx[None, None, :] < kv_len[:, None, None])
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),

@@ -95,7 +95,9 @@ class ModelConfig:
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         rope = cfg.get("rope_parameters") or {}
-        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        rope_scaling = cfg.get("rope_scaling") or (
+            rope if rope.get("rope_type") not in (None, "default") else None
+        )
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         is_qwen2 = arch == "Qwen2ForCausalLM"

@@ -118,7 +118,11 @@ class ModelRunner:
             return StepResult({}, {})
         ids, pos, meta, logits_rows = self._prepare(batch)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        samplers = [c.request for c in batch if c.request.num_computed_tokens + c.num_new_tokens == c.request.num_tokens]
+        samplers = [
+            c.request
+            for c in batch
+            if c.request.num_computed_tokens + c.num_new_tokens == c.request.num_tokens
+        ]
         if not samplers:
             return StepResult({}, {})
         logits = self.model.logits(hidden[torch.tensor(logits_rows, device=self.device)])

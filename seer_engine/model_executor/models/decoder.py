@@ -132,9 +132,7 @@ class DecoderForCausalLM(nn.Module):
             if fused is None:
                 expected.add(name)
             else:
-                for hf, (ours, shard) in self._FUSED.items():
-                    if ours == fused:
-                        expected.add(f"{name}#{shard}")
+                expected.update(f"{name}#{shard}" for shard in range(len(self._shard_sizes(fused))))
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")

@@ -1,0 +1,124 @@
+"""The ``seer_engine`` command: one subcommand per job, each in its own small function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from seer_engine.sampling_params import InvalidRequestError
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from seer_engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Offline generation: prompts from --prompt flags or a file, one JSON line per prompt."""
+    from seer_engine.entrypoints.llm import LLM
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = ["The rollout phase of reinforcement learning", "Once upon a time"]
+    params = _sampling_params(args)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - start
+    total = 0
+    for out in outputs:
+        for sample in out.outputs:
+            total += len(sample.token_ids)
+        print(
+            json.dumps(
+                {
+                    "prompt": out.prompt,
+                    "outputs": [
+                        {"text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
+                        for s in out.outputs
+                    ],
+                }
+            )
+        )
+    print(
+        f"generated {total} tokens for {len(prompts)} prompts in {elapsed:.2f}s "
+        f"({total / max(elapsed, 1e-9):.1f} tokens/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    from seer_engine.engine.config import EngineConfig
+
+    cfg = EngineConfig.from_cli_args(args)
+    return {k: v for k, v in vars(cfg).items() if k != "model"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from seer_engine.engine.config import EngineConfig
+    from seer_engine.model_executor.tiny_model import add_cli as add_make_tiny_model
+
+    parser = argparse.ArgumentParser(
+        prog="seer_engine", description="LLM inference engine for RL rollouts (Seer)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation (prints JSON lines)")
+    EngineConfig.add_cli_args(gen)
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", default=None, help="a text file, one prompt per line")
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    add_make_tiny_model(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from seer_engine.model_executor.model_config import ModelLoadError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (InvalidRequestError, ModelLoadError, ValueError) as e:
+        parser.exit(2, f"seer_engine {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random-weight models made on the fly, and reference outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+# Keep the 2-core CI machine responsive and runs reproducible.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(arch="qwen3", **kwargs) -> Path``; each distinct model is built once."""
+    from seer_engine.model_executor.tiny_model import make_tiny_model
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "qwen3", **kwargs) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = make_tiny_model(out, arch=arch, **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """``hf_model(path, dtype) -> transformers model``, cached."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def load(path: Path, dtype=torch.float32):
+        key = (str(path), dtype)
+        if key not in cache:
+            cache[key] = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        return cache[key]
+
+    return load
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy continuation from transformers (EOS ignored, like ignore_eos)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

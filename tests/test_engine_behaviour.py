@@ -1,0 +1,223 @@
+"""Engine behaviour: block sharing, preemption, seeds, stops, aborts, priorities, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine import LLM, InvalidRequestError, SamplingParams
+from seer_engine.model_executor.model_config import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model):
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    return LLM(str(model_path), max_num_batched_tokens=256)
+
+
+def _run_to_end(engine):
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    return outs
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    engine = llm.engine
+    kv = engine.kv_manager
+    prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
+    children = engine.add_request("shared", prompt, SamplingParams(n=8, max_tokens=8, seed=3))
+    engine.step()
+    engine.step()
+    tables = [kv.block_ids(c.request_id) for c in children]
+    assert all(len(t) >= 3 for t in tables)
+    first_two = {tuple(t[:2]) for t in tables}
+    assert len(first_two) == 1, f"prompt blocks not shared: {tables}"
+    shared_blocks = [kv.pool.blocks[b] for b in tables[0][:2]]
+    assert all(b.ref_cnt == 8 for b in shared_blocks)
+    assert len({t[2] for t in tables}) == 8, "the partial last block is private"
+    outs = _run_to_end(engine)
+    assert len(outs) == 1 and len(outs[0].outputs) == 8
+    assert [o.index for o in outs[0].outputs] == list(range(8))
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_seeded_sampling_ignores_batch_composition(model_path):
+    target = list(range(20, 45))
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=32)
+    alone = LLM(str(model_path)).generate([target], params)[0].outputs[0].token_ids
+    others = [list(range(30, 30 + n)) for n in (5, 60, 17, 33)]
+    crowd = LLM(str(model_path), max_num_batched_tokens=24).generate(
+        others + [target] + others,
+        [SamplingParams(temperature=1.0, max_tokens=40, seed=i) for i in range(4)]
+        + [params]
+        + [SamplingParams(temperature=0.5, max_tokens=20) for _ in range(4)],
+    )
+    assert crowd[4].outputs[0].token_ids == alone
+    unseeded = LLM(str(model_path)).generate([target], params.clone(seed=4321))[0]
+    assert unseeded.outputs[0].token_ids != alone
+
+
+def test_preemption_by_recompute_keeps_outputs(model_path):
+    prompts = [list(range(40 + i, 80 + i)) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    roomy = LLM(str(model_path)).generate(prompts, params)
+    tight = LLM(str(model_path), num_kv_blocks=16)
+    outs = tight.generate(prompts, params)
+    stats = tight.engine.scheduler.stats
+    assert stats.preemptions > 0 and stats.recomputed_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    kv = tight.engine.kv_manager
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_stop_conditions(llm):
+    prompt = list(range(50, 70))
+    free_run = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    tokens = free_run.outputs[0].token_ids
+    assert len(tokens) == 30 and free_run.outputs[0].finish_reason == "length"
+
+    stop_id = tokens[5]
+    first = tokens.index(stop_id)
+    by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]))
+    assert by_id[0].outputs[0].token_ids == tokens[: first + 1]
+    assert by_id[0].outputs[0].finish_reason == "stop"
+    assert by_id[0].outputs[0].stop_reason == stop_id
+
+    late = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, min_tokens=first + 2, stop_token_ids=[stop_id])
+    )[0].outputs[0]
+    assert len(late.token_ids) > first + 1 and stop_id not in late.token_ids[: first + 2]
+
+    text = free_run.outputs[0].text
+    middle = len(text) // 2
+    stop_str = text[middle : middle + 3]
+    assert len(stop_str.strip()) == 3, f"pick a printable stop string from {text!r}"
+    first_at = text.find(stop_str)
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, stop=[stop_str], ignore_eos=True)
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_str
+    assert out.text == text[:first_at]
+    assert len(out.token_ids) < 30
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=30, stop=[stop_str], include_stop_str_in_output=True),
+    )[0].outputs[0]
+    assert kept.text == text[: first_at + 3]
+
+
+def test_eos_stops_unless_ignored(llm):
+    engine = llm.engine
+    prompt = list(range(50, 70))
+    tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = tokens[0].outputs[0].token_ids
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({tokens[4]})  # pretend this token is the model's EOS
+    try:
+        stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        ignored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[
+            0
+        ].outputs[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.token_ids == tokens[: tokens.index(tokens[4]) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    assert ignored.token_ids == tokens and ignored.finish_reason == "length"
+
+
+def test_abort_returns_partial_tokens(llm):
+    engine = llm.engine
+    engine.add_request("long", list(range(10, 30)), SamplingParams(max_tokens=500, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    [out] = engine.abort_request("long")
+    assert out.outputs[0].finish_reason == "abort"
+    assert 0 < len(out.outputs[0].token_ids) < 500
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+def test_priority_policy_orders_admission(model_path):
+    llm = LLM(str(model_path), scheduling_policy="priority", max_num_seqs=1)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for rid, prio in (("low", 5), ("high", 0), ("mid", 2)):
+        engine.add_request(rid, list(range(10, 20)), params, priority=prio)
+    order = [o.request_id for o in _run_to_end(engine)]
+    assert order == ["high", "mid", "low"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(n=0), "n must"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+        (dict(logprobs=50), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(seed="x"), "seed"),
+    ],
+)
+def test_invalid_sampling_params_are_named(kwargs, needle):
+    with pytest.raises(InvalidRequestError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_prompts_are_named(llm):
+    engine = llm.engine
+    vocab = engine.vocab_size
+    with pytest.raises(InvalidRequestError, match=f"token id {vocab} is out of the vocabulary"):
+        llm.generate([[1, 2, vocab]])
+    with pytest.raises(InvalidRequestError, match="token id -1"):
+        llm.generate([[1, -1]])
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.generate([[5] * engine.max_model_len])
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([""])
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", [1, 2], SamplingParams())
+        engine.add_request("dup", [1, 2], SamplingParams())
+    engine.abort_request("dup")
+    assert not engine.has_unfinished_requests()
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_bad_model_folders_are_named(tmp_path, model_path):
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLM(str(tmp_path))
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(model_path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        LLM(str(bad))
+    (bad / "config.json").write_text(json.dumps(cfg))
+    for f in bad.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLM(str(bad))
+
+    from safetensors.torch import load_file, save_file
+
+    partial = tmp_path / "partial"
+    shutil.copytree(model_path, partial)
+    weights = load_file(str(partial / "model.safetensors"))
+    dropped = sorted(weights)[3]
+    del weights[dropped]
+    save_file(weights, str(partial / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="incomplete"):
+        LLM(str(partial))

@@ -1,0 +1,151 @@
+"""The engine against transformers: greedy tokens and logprobs must match."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from seer_engine import LLM, SamplingParams
+
+NEW_TOKENS = 64
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """8+ prompts of different lengths; three share a long prefix so prefix caching hits."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]
+    shared = tok(40)
+    prompts = [tok(n) for n in (3, 9, 17, 31, 50, 70)]
+    prompts += [shared + tok(5), shared + tok(12), shared[:33]]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, hf_model):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = tiny_model(arch)
+            model = hf_model(path)
+            prompts = _prompts(model.config.vocab_size)
+            cache[arch] = (path, prompts, [hf_greedy(model, p, NEW_TOKENS) for p in prompts])
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(enable_prefix_caching=True, max_num_batched_tokens=2048),
+        dict(enable_prefix_caching=False, max_num_batched_tokens=2048),
+        dict(enable_prefix_caching=True, max_num_batched_tokens=16),  # forces chunked prefill
+    ],
+    ids=["prefix-cache", "no-prefix-cache", "chunked-prefill"],
+)
+def test_greedy_matches_transformers(arch, engine_args, references):
+    path, prompts, expected = references(arch)
+    llm = LLM(str(path), **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate(prompts, params)
+    for prompt, out, ref in zip(prompts, outs, expected):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+        assert out.outputs[0].finish_reason == "length"
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.pool.num_blocks, "every block must be free after the run"
+    if engine_args["enable_prefix_caching"]:
+        assert kv.prefix_hits > 0, "prompts sharing a prefix must hit the prefix cache"
+    else:
+        assert kv.prefix_hits == 0
+    if engine_args["max_num_batched_tokens"] < max(map(len, prompts)):
+        assert llm.engine.scheduler.stats.steps > NEW_TOKENS + len(prompts) // 2
+
+
+def test_logprobs_match_transformers(tiny_model, hf_model):
+    path = tiny_model("qwen3")
+    model = hf_model(path)
+    prompts = _prompts(model.config.vocab_size, seed=1)[:4]
+    llm = LLM(str(path))
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, logprobs=5, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        sample = out.outputs[0]
+        full = torch.tensor([prompt + sample.token_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(full).logits[0].float(), dim=-1)
+        total = 0.0
+        for step, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            row = ref[len(prompt) - 1 + step]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top_ids = torch.topk(row, 5).indices.tolist()
+            assert set(top_ids) <= set(entry), "top-5 logprobs must be reported"
+            for tid in top_ids:
+                assert abs(entry[tid].logprob - row[tid].item()) < 1e-4
+            total += entry[token].logprob
+        assert sample.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch,kwargs",
+    [
+        ("llama", dict(tie_word_embeddings=True)),
+        (
+            "llama",
+            dict(
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            ),
+        ),
+        ("mistral", dict(head_dim=32, num_heads=4, hidden_size=96)),
+        ("qwen3", dict(num_kv_heads=1)),
+    ],
+    ids=["tied-embeddings", "llama3-rope", "mistral-head-dim", "qwen3-mqa"],
+)
+def test_model_variants_match_transformers(arch, kwargs, tiny_model, hf_model):
+    path = tiny_model(arch, **kwargs)
+    model = hf_model(path)
+    prompts = _prompts(model.config.vocab_size, seed=2)[::3]
+    prompts.append(list(range(5, 5 + 150)))  # long enough for llama3 scaling to matter
+    llm = LLM(str(path))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, min_tokens=24))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24)
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_model, hf_model, tmp_path):
+    path = tiny_model("qwen2")
+    model = hf_model(path)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (tmp_path / f).write_bytes((path / f).read_bytes())
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    prompt = _prompts(model.config.vocab_size)[3]
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    sharded = LLM(str(tmp_path)).generate([prompt], params)[0].outputs[0].token_ids
+    assert sharded == hf_greedy(model, prompt, 16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_transformers(dtype, tiny_model, hf_model):
+    """Low precision: rounding differs from the reference, so compare the first tokens."""
+    path = tiny_model("qwen3")
+    torch_dtype = getattr(torch, dtype)
+    model = hf_model(path, torch_dtype)
+    prompts = _prompts(model.config.vocab_size, seed=3)[:3]
+    llm = LLM(str(path), dtype=dtype)
+    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch_dtype
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, min_tokens=4))
+    agree = sum(o.outputs[0].token_ids[:2] == hf_greedy(model, p, 2) for p, o in zip(prompts, outs))
+    assert agree >= 2
