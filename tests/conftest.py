@@ -11,6 +11,13 @@ import pytest
 # Keep the 2-core CI machine responsive and runs reproducible.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton reads TRITON_INTERPRET when a kernel is defined, so it must be set before any
+# test imports seer_engine.kernels: without a GPU the kernels run in the interpreter.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 

@@ -82,10 +82,11 @@ def _gather_context(
     """Keys/values ``[B, ctx_len, kv_heads, head_dim]`` for rows of a block table."""
     block_size = kv_cache.shape[2]
     num_blocks = (ctx_len + block_size - 1) // block_size
-    blocks = block_tables[:, :num_blocks].long()
-    k = kv_cache[0][blocks].flatten(1, 2)[:, :ctx_len]
-    v = kv_cache[1][blocks].flatten(1, 2)[:, :ctx_len]
-    return k, v
+    blocks = block_tables[:, :num_blocks].reshape(-1)
+    # index_select is far cheaper than advanced indexing on a large cache tensor.
+    k = kv_cache[0].index_select(0, blocks).view(-1, num_blocks * block_size, *kv_cache.shape[3:])
+    v = kv_cache[1].index_select(0, blocks).view(-1, num_blocks * block_size, *kv_cache.shape[3:])
+    return k[:, :ctx_len], v[:, :ctx_len]
 
 
 def _masked_attention(
@@ -103,15 +104,15 @@ def _masked_attention(
     """
     key_idx = torch.arange(k.shape[1], device=k.device)
     mask = (key_idx[None, None, :] <= q_pos[:, :, None]) & (key_idx[None, None, :] < kv_len[:, None, None])
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    b, nq, h, d = q.shape
+    hkv = k.shape[2]
+    # Plain matmuls: on CPU they beat the fused SDPA kernel for short decode queries.
+    qg = q.reshape(b, nq, hkv, h // hkv, d)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k).float() * scale
+    scores.masked_fill_(~mask[:, None, None], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    return out.reshape(b, nq, h, d)
 
 
 def torch_paged_attention(

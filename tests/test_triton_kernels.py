@@ -1,0 +1,244 @@
+"""The Triton attention backend against the torch reference.
+
+Without a GPU the kernels run under Triton's CPU interpreter. Triton reads
+TRITON_INTERPRET when a kernel is decorated, so it must be set before
+``seer_engine.kernels.paged_attention`` is first imported; torch does not import
+triton, so checking for CUDA first is safe. Shapes are tiny: the interpreter executes
+every program in Python.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from seer_engine.kernels import paged_attention as pa  # noqa: E402
+from seer_engine.model_executor.attention import (  # noqa: E402
+    AttentionMetadata,
+    get_attention_backend,
+    torch_paged_attention,
+    torch_store_kv,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    # The interpreter rounds fp32 -> bf16 by truncation, the reference to nearest.
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+# (cached tokens, new tokens) per request: decode rows, a prefill chunk over a cached
+# prefix, a prefill from 0, a first decode; no seq_len is a multiple of 16 or 8.
+MIXED = [(20, 1), (13, 7), (0, 11), (36, 1)]
+SCALE = 0.3
+
+
+def make_batch(
+    reqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random query/key/value and a cache whose every slot holds random data.
+
+    Each request gets shuffled, non-contiguous block ids (a few blocks stay unused), so
+    a kernel that reads a wrong block, or a slot past seq_len, sees noise.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-(cached + new) // block_size) for cached, new in reqs]
+    num_blocks = sum(blocks_per_req) + 3
+    block_ids = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(reqs), max(blocks_per_req), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_req):
+        block_tables[i, :n] = block_ids[used : used + n]
+        used += n
+
+    query_start_loc, slots = [0], []
+    for i, (cached, new) in enumerate(reqs):
+        query_start_loc.append(query_start_loc[-1] + new)
+        for pos in range(cached, cached + new):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    num_tokens = query_start_loc[-1]
+    seq_lens = [cached + new for cached, new in reqs]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        max_query_len=max(new for _, new in reqs),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[new for _, new in reqs],
+        seq_lens_cpu=seq_lens,
+    )
+    query = rand(num_tokens, num_heads, head_dim)
+    key = rand(num_tokens, num_kv_heads, head_dim)
+    value = rand(num_tokens, num_kv_heads, head_dim)
+    kv_cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
+    return query, key, value, kv_cache, meta
+
+
+def check_attention(
+    reqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    **tiles: int,
+) -> None:
+    query, _, _, kv_cache, meta = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    expected = torch_paged_attention(query, kv_cache, meta, SCALE)
+    actual = pa.triton_paged_attention(query, kv_cache, meta, SCALE, **tiles)
+    assert actual.dtype == query.dtype
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+def test_kernels_run_where_expected() -> None:
+    """On CPU the kernels must have been built for the interpreter (the env var worked)."""
+    assert pa._is_interpreted() == (not torch.cuda.is_available())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
+    _, key, value, kv_cache, meta = make_batch(MIXED, 4, 2, 32, dtype=dtype)
+    # Keys as a strided view (as when split from a fused projection).
+    fused = torch.cat([key, value], dim=1)
+    key = fused[:, :2]
+    expected = kv_cache.clone()
+    torch_store_kv(key, value, expected, meta.slot_mapping)
+    pa.triton_store_kv(key, value, kv_cache, meta.slot_mapping)
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (8, 1)])
+def test_mixed_batch_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    check_attention(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_q,tile_n", [(1, 16), (2, 16), (4, 32)])
+def test_tiles_cross_blocks_and_queries(block_size: int, block_q: int, tile_n: int) -> None:
+    """Several key tiles per query (online softmax rescaling), several query tiles per
+    request, and key tiles smaller than, equal to and larger than a block."""
+    reqs = [(45, 1), (30, 9), (0, 19)]
+    check_attention(reqs, 4, 2, 32, block_size, block_q=block_q, tile_n=tile_n)
+
+
+def test_block_size_not_power_of_two() -> None:
+    """Nothing in the kernels needs a power-of-two block size (16 is the default)."""
+    check_attention([(30, 1), (10, 9)], 4, 2, 32, block_size=12, block_q=2, tile_n=16)
+
+
+def test_decode_only_batch() -> None:
+    """The single-query tile shape, including a request whose context is one token."""
+    check_attention([(0, 1), (17, 1), (40, 1)], 8, 2, 32, tile_n=16)
+
+
+@pytest.mark.parametrize("head_dim", [16, 80, 128, 256])
+def test_head_dims(head_dim: int) -> None:
+    """Power-of-two head sizes at both ends, and a padded one (80)."""
+    check_attention([(9, 1), (5, 4)], 2, 1, head_dim, dtype=torch.float16)
+
+
+def test_forward_matches_torch_backend() -> None:
+    """Store then attend, with q/k/v as views of one fused projection."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    _, _, _, kv_cache, meta = make_batch(MIXED, num_heads, num_kv_heads, head_dim)
+    num_tokens = meta.slot_mapping.shape[0]
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device=DEVICE)
+    query, key, value = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    torch_cache = kv_cache.clone()
+
+    expected = get_attention_backend("torch").forward(query, key, value, torch_cache, meta, SCALE)
+    backend = get_attention_backend("triton")
+    assert backend.name == "triton"
+    actual = backend.forward(query, key, value, kv_cache, meta, SCALE)
+    assert torch.equal(kv_cache, torch_cache)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+
+
+def test_empty_batch() -> None:
+    query, key, value, kv_cache, meta = make_batch([(5, 1)], 2, 1, 32)
+    empty = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:0],
+        query_start_loc=meta.query_start_loc[:1],
+        seq_lens=meta.seq_lens[:0],
+        block_tables=meta.block_tables[:0],
+        max_query_len=0,
+        max_seq_len=0,
+        query_lens_cpu=[],
+        seq_lens_cpu=[],
+    )
+    before = kv_cache.clone()
+    out = pa.TritonAttentionBackend().forward(query[:0], key[:0], value[:0], kv_cache, empty, SCALE)
+    assert out.shape == (0, 2, 32)
+    assert torch.equal(kv_cache, before)
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from seer_engine.kernels import paged_attention as pa
+
+    target = GPUTarget("cuda", 90, 32)
+    ints = lambda *names: {n: "i32" for n in names}
+    strides = ints("stride_ckv", "stride_cblk", "stride_coff", "stride_chead")
+    for dt, head_dim, group, block_q, tile_n in [("bf16", 128, 4, 16, 64), ("fp32", 80, 1, 1, 16)]:
+        sig = {"out_ptr": "*" + dt, "q_ptr": "*" + dt, "cache_ptr": "*" + dt,
+               "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+               "query_start_loc_ptr": "*i32", "scale_log2e": "fp32", "num_reqs": "i32",
+               **ints("stride_qt", "stride_qh", "stride_ot", "stride_oh"), **strides,
+               "stride_bt": "i32"}
+        consts = dict(QUERIES_PER_KV=group, GROUP_PAD=group, HEAD_DIM=head_dim,
+                      HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=16,
+                      BLOCK_Q=block_q, BLOCK_M=max(16, block_q * group), TILE_N=tile_n,
+                      UPCAST=False)
+        triton.compile(ASTSource(pa._paged_attention_kernel, sig, consts), target=target)
+    sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16",
+           "slot_mapping_ptr": "*i64",
+           **ints("stride_kt", "stride_kh", "stride_vt", "stride_vh"), **strides}
+    consts = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
+    triton.compile(ASTSource(pa._store_kv_kernel, sig, consts), target=target)
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels for real")
+def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
+    """Without a GPU, at least compile the GPU path (to a Hopper cubin) so that code the
+    interpreter tolerates but the compiler rejects is caught here."""
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    bundled = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    if not os.path.exists(bundled) and shutil.which("ptxas") is None:
+        pytest.skip("no ptxas to assemble the kernels with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    repo_root = str(Path(pa.__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
