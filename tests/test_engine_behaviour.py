@@ -221,3 +221,17 @@ def test_bad_model_folders_are_named(tmp_path, model_path):
     save_file(weights, str(partial / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="incomplete"):
         LLM(str(partial))
+
+
+def test_streaming_reports_progress_every_step(llm):
+    engine = llm.engine
+    engine.add_request("s", list(range(10, 30)), SamplingParams(n=2, max_tokens=6, temperature=0,
+                                                                ignore_eos=True), stream=True)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen.extend(engine.step())
+    lengths = [len(o.outputs[0].token_ids) for o in seen]
+    assert lengths == sorted(lengths) and lengths[-1] == 6 and len(seen) == 6
+    assert [o.finished for o in seen] == [False] * 5 + [True]
+    assert seen[-1].outputs[1].finish_reason == "length" and seen[0].outputs[0].finish_reason is None
+    assert seen[-1].outputs[0].text.startswith(seen[2].outputs[0].text)

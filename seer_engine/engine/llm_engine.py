@@ -59,6 +59,7 @@ class _Parent:
     params: SamplingParams
     children: list[Request] = field(default_factory=list)
     outputs: dict[int, CompletionOutput] = field(default_factory=dict)  # finished samples
+    stream: bool = False  # report progress every step, not only at the end
 
     @property
     def finished(self) -> bool:
@@ -161,6 +162,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         group_id: str | None = None,
+        stream: bool = False,
     ) -> list[Request]:
         """Queue a request (n samples); returns the scheduler requests it became."""
         if request_id in self._parents:
@@ -178,7 +180,7 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        parent = _Parent(request_id, text, ids, params)
+        parent = _Parent(request_id, text, ids, params, stream=stream)
         for i in range(params.n):
             child = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}-{i}",
@@ -219,7 +221,7 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns outputs of the user requests that finished."""
+        """Run one scheduled batch; returns finished user requests (and streaming progress)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -234,7 +236,7 @@ class LLMEngine:
                 self._record_logprobs(req, lp)
             if not req.is_finished and req.sampling_params.stop:
                 self._check_stop_strings(req)
-        return self._collect_outputs([r for r in updated if r.is_finished])
+        return self._collect_outputs(updated)
 
     def _record_logprobs(self, req: Request, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
         chosen, rank, top = lp
@@ -253,25 +255,32 @@ class LLMEngine:
             req.stop_reason = hit
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _collect_outputs(self, finished: list[Request]) -> list[RequestOutput]:
-        done_parents: list[_Parent] = []
-        for req in finished:
-            parent = self._child_parent.pop(req.request_id, None)
+    def _collect_outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        """Final outputs of user requests whose samples all finished, plus progress of
+        streaming ones (``finished=False``, every sample's tokens so far)."""
+        touched: dict[str, _Parent] = {}
+        for req in updated:
+            parent = self._child_parent.get(req.request_id)
             if parent is None:
                 continue
-            parent.outputs[req.sample_index] = self._completion(req)
-            if parent.finished:
-                done_parents.append(parent)
+            touched[parent.request_id] = parent
+            if req.is_finished:
+                parent.outputs[req.sample_index] = self._completion(req)
+                del self._child_parent[req.request_id]
         outputs = []
-        for parent in done_parents:
-            del self._parents[parent.request_id]
+        for parent in touched.values():
+            if not (parent.finished or parent.stream):
+                continue
+            if parent.finished:
+                del self._parents[parent.request_id]
+            samples = [parent.outputs.get(c.sample_index) or self._completion(c) for c in parent.children]
             outputs.append(
                 RequestOutput(
                     request_id=parent.request_id,
                     prompt=parent.prompt,
                     prompt_token_ids=parent.prompt_token_ids,
-                    outputs=[parent.outputs[i] for i in range(len(parent.children))],
-                    finished=True,
+                    outputs=samples,
+                    finished=parent.finished,
                 )
             )
         return outputs
