@@ -13,7 +13,7 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,8 @@ class AttentionMetadata:
     # Host copies so the torch backend can group requests without device syncs.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per-step precomputation a backend shares across layers (e.g. gather plans, masks).
+    plan_cache: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -76,76 +78,81 @@ def torch_store_kv(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def _gather_context(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, ctx_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys/values ``[B, ctx_len, kv_heads, head_dim]`` for rows of a block table."""
-    block_size = kv_cache.shape[2]
-    num_blocks = (ctx_len + block_size - 1) // block_size
-    blocks = block_tables[:, :num_blocks].reshape(-1)
+@dataclass
+class _TorchAttentionGroup:
+    """Requests attended together: their query rows, context blocks and visibility mask."""
+
+    rows: torch.Tensor  # [B * Q] indices into the flattened query
+    batch: int
+    q_len: int
+    block_ids: torch.Tensor  # [B * num_blocks] block ids to gather
+    num_blocks: int
+    ctx_len: int
+    visible: torch.Tensor  # [B, 1, 1, Q, ctx_len] bool
+
+
+def _plan_torch_attention(meta: AttentionMetadata, block_size: int, device: torch.device):
+    """Group the batch once per step (every layer reuses it): decode rows (q_len == 1)
+    together in one padded batch, each longer chunk on its own so padding never
+    multiplies prefill work."""
+    starts = [0]
+    for q_len in meta.query_lens_cpu:
+        starts.append(starts[-1] + q_len)
+    decode = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+    members = [decode] if decode else []
+    members += [[i] for i, q in enumerate(meta.query_lens_cpu) if q > 1]
+    plan = []
+    for reqs in members:
+        q_len = meta.query_lens_cpu[reqs[0]]
+        ctx_len = max(meta.seq_lens_cpu[i] for i in reqs)
+        num_blocks = -(-ctx_len // block_size)
+        rows = [starts[i] + j for i in reqs for j in range(q_len)]
+        idx = torch.tensor(reqs, device=device)
+        seq_lens = meta.seq_lens[idx].long()
+        q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=device)[None, :]
+        key = torch.arange(ctx_len, device=device)
+        visible = (key[None, None, :] <= q_pos[:, :, None]) & (key[None, None, :] < seq_lens[:, None, None])
+        plan.append(
+            _TorchAttentionGroup(
+                rows=torch.tensor(rows, device=device),
+                batch=len(reqs),
+                q_len=q_len,
+                block_ids=meta.block_tables[idx, :num_blocks].reshape(-1),
+                num_blocks=num_blocks,
+                ctx_len=ctx_len,
+                visible=visible[:, None, None],
+            )
+        )
+    return plan
+
+
+def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, g: _TorchAttentionGroup, scale: float):
+    """Masked attention for one group with plain matmuls (on CPU they beat the fused
+    SDPA kernel for short decode queries). Head h reads kv head h // (H / Hkv)."""
+    _, _, block_size, hkv, d = kv_cache.shape
+    h = query.shape[1]
     # index_select is far cheaper than advanced indexing on a large cache tensor.
-    k = kv_cache[0].index_select(0, blocks).view(-1, num_blocks * block_size, *kv_cache.shape[3:])
-    v = kv_cache[1].index_select(0, blocks).view(-1, num_blocks * block_size, *kv_cache.shape[3:])
-    return k[:, :ctx_len], v[:, :ctx_len]
-
-
-def _masked_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_len: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q ``[B, Q, H, D]``, k/v ``[B, K, Hkv, D]``; query at position p sees keys 0..p.
-
-    ``q_pos`` ``[B, Q]`` holds each query's absolute position, ``kv_len`` ``[B]`` the
-    number of valid keys (padding beyond it is masked out).
-    """
-    key_idx = torch.arange(k.shape[1], device=k.device)
-    mask = (key_idx[None, None, :] <= q_pos[:, :, None]) & (key_idx[None, None, :] < kv_len[:, None, None])
-    b, nq, h, d = q.shape
-    hkv = k.shape[2]
-    # Plain matmuls: on CPU they beat the fused SDPA kernel for short decode queries.
-    qg = q.reshape(b, nq, hkv, h // hkv, d)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k).float() * scale
-    scores.masked_fill_(~mask[:, None, None], float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
-    return out.reshape(b, nq, h, d)
+    k = kv_cache[0].index_select(0, g.block_ids).view(g.batch, -1, hkv, d)[:, : g.ctx_len]
+    v = kv_cache[1].index_select(0, g.block_ids).view(g.batch, -1, hkv, d)[:, : g.ctx_len]
+    q = query.index_select(0, g.rows).view(g.batch, g.q_len, hkv, h // hkv, d)
+    if q.dtype != torch.float32:  # accumulate half-precision inputs in float32
+        q, k, v = q.float(), k.float(), v.float()
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q, k) * scale
+    scores.masked_fill_(~g.visible, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(g.batch * g.q_len, h, d)
 
 
 def torch_paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Reference paged attention in plain PyTorch.
-
-    Decode rows (q_len == 1) are attended together in one padded batch; longer query
-    chunks (prefill) one request at a time so that padding never multiplies work.
-    """
+    """Reference paged attention in plain PyTorch."""
+    plan = meta.plan_cache.get("torch")
+    if plan is None:
+        plan = meta.plan_cache["torch"] = _plan_torch_attention(meta, kv_cache.shape[2], query.device)
     out = torch.empty_like(query)
-    starts = [0]
-    for q_len in meta.query_lens_cpu:
-        starts.append(starts[-1] + q_len)
-    decode_rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-    if decode_rows:
-        rows = torch.tensor(decode_rows, device=query.device)
-        tok = torch.tensor([starts[i] for i in decode_rows], device=query.device)
-        lens = meta.seq_lens[rows].long()
-        max_len = max(meta.seq_lens_cpu[i] for i in decode_rows)
-        k, v = _gather_context(kv_cache, meta.block_tables[rows], max_len)
-        q = query[tok][:, None]
-        out[tok] = _masked_attention(q, k, v, (lens - 1)[:, None], lens, scale)[:, 0].to(out.dtype)
-    for i, q_len in enumerate(meta.query_lens_cpu):
-        if q_len == 1:
-            continue
-        seq_len = meta.seq_lens_cpu[i]
-        start = starts[i]
-        k, v = _gather_context(kv_cache, meta.block_tables[i : i + 1], seq_len)
-        q = query[start : start + q_len][None]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-        kv_len = torch.tensor([seq_len], device=query.device)
-        out[start : start + q_len] = _masked_attention(q, k, v, q_pos, kv_len, scale)[0].to(out.dtype)
+    for group in plan:
+        out.index_copy_(0, group.rows, _attend_group(query, kv_cache, group, scale).to(out.dtype))
     return out
 
 
