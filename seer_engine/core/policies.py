@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from seer_engine.core.request import Request
+from seer_engine.core.context_manager import ContextManager
+from seer_engine.core.request import Request, RolloutSample
 
 
 class SchedulingPolicy:
@@ -55,3 +56,77 @@ def make_policy(name: str | SchedulingPolicy) -> SchedulingPolicy:
     if name not in SCHEDULING_POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; choose from {sorted(SCHEDULING_POLICIES)}")
     return SCHEDULING_POLICIES[name]()
+
+
+# -- rollout policies ------------------------------------------------------------------
+#
+# One interface for the Request Buffer (real engine) and the simulator: a policy says
+# whether responses run in chunks, whether whole groups are pinned to instances up
+# front, and in which order buffered samples are dispatched.
+
+
+class RolloutPolicy:
+    name = "abstract"
+    chunked = True  # divided rollout: at most chunk_tokens per dispatch
+    pin_groups_up_front = False  # veRL-style: every group sent to one instance at the start
+
+    def __init__(self, context: ContextManager | None = None) -> None:
+        self.context = context or ContextManager()
+
+    def priority(self, sample: RolloutSample, now: float) -> Any:
+        """Dispatch order among buffered samples (smaller first)."""
+        return (sample.group.order, sample.sample_index)
+
+
+class BaselinePolicy(RolloutPolicy):
+    """veRL-style: whole groups to instances up front, FCFS, no chunks, preempt by recompute."""
+
+    name = "baseline"
+    chunked = False
+    pin_groups_up_front = True
+
+
+class DividedPolicy(RolloutPolicy):
+    """Divided rollout alone: chunks dispatched FCFS to any instance with free KV."""
+
+    name = "divided"
+
+
+class ContextAwarePolicy(RolloutPolicy):
+    """Divided rollout + the Context Manager's probe-first, longest-first order."""
+
+    name = "context"
+
+    def priority(self, sample: RolloutSample, now: float) -> Any:
+        return self.context.priority(sample, now)
+
+
+class OraclePolicy(RolloutPolicy):
+    """Longest-first with the true lengths (benchmarks only: they must be handed in)."""
+
+    name = "oracle"
+
+    def __init__(self, true_lengths: dict[str, int], context: ContextManager | None = None) -> None:
+        super().__init__(context)
+        self.true_lengths = true_lengths
+
+    def priority(self, sample: RolloutSample, now: float) -> Any:
+        return (-self.true_lengths[sample.key], sample.group.order, sample.sample_index)
+
+
+ROLLOUT_POLICIES: dict[str, type[RolloutPolicy]] = {
+    p.name: p for p in (BaselinePolicy, DividedPolicy, ContextAwarePolicy, OraclePolicy)
+}
+
+
+def make_rollout_policy(
+    name: str, true_lengths: dict[str, int] | None = None, **context_args
+) -> RolloutPolicy:
+    if name not in ROLLOUT_POLICIES:
+        raise ValueError(f"unknown rollout policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}")
+    context = ContextManager(**context_args)
+    if name == "oracle":
+        if true_lengths is None:
+            raise ValueError("the oracle policy needs the true lengths (trace replay only)")
+        return OraclePolicy(true_lengths, context)
+    return ROLLOUT_POLICIES[name](context)

@@ -70,7 +70,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Output tokens may arrive with the request: a rollout chunk resuming a sample.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
         if self.sampling_params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
 
@@ -93,3 +94,49 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+@dataclass
+class Group:
+    """One prompt sampled n times: the unit RL trainers submit and Seer schedules by."""
+
+    group_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # max_tokens is the sample's whole budget
+    n: int
+    prompt: str | None = None
+    order: int = 0  # submission order within the rollout
+
+
+@dataclass
+class RolloutSample:
+    """One response of a group as the Request Buffer tracks it across chunks.
+
+    It holds what a real scheduler can know: the tokens generated so far and where
+    its KV was last, never how long it will get.
+    """
+
+    group: Group
+    sample_index: int
+    seed: int
+    max_tokens: int  # the original budget of the whole response
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    instance: int | None = None  # engine instance holding its KV (prefix cache) after a chunk
+    enqueued_at: float = 0.0  # when it last entered the Request Buffer
+    finished_at: float | None = None
+    chunks: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.group.group_id}/{self.sample_index}"
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -47,6 +47,7 @@ class SchedulerStats:
     recomputed_tokens: int = 0  # tokens computed again because preemption dropped their KV
     scheduled_tokens: int = 0
     generated_tokens: int = 0
+    sampled_rows: int = 0  # request-steps that emitted tokens (> tokens once drafts are accepted)
 
 
 class Scheduler:
@@ -183,6 +184,7 @@ class Scheduler:
                 continue
             request.append_output_token(token)
             self.stats.generated_tokens += 1
+            self.stats.sampled_rows += 1
             updated.append(request)
             status = check_stop(request, token, self.config.max_model_len)
             if status is not None:

@@ -7,6 +7,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -47,6 +48,13 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
+
+
+class TokenSource(Protocol):
+    """Decides the emitted token after the model ran (trace replay). The model still
+    runs for real; only the token that is appended changes."""
+
+    def next_token(self, request: Request, sampled: int) -> int: ...
 
 
 @dataclass
@@ -102,6 +110,8 @@ class LLMEngine:
             sched_cfg, self.kv_manager, policy or make_policy(config.scheduling_policy)
         )
         self._seed_rng = random.Random(config.seed)
+        # Trace replay swaps sampled tokens for recorded ones; None in normal serving.
+        self.token_source: TokenSource | None = None
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, _Parent] = {}
 
@@ -163,22 +173,18 @@ class LLMEngine:
         priority: int = 0,
         group_id: str | None = None,
         stream: bool = False,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> list[Request]:
-        """Queue a request (n samples); returns the scheduler requests it became."""
+        """Queue a request (n samples); returns the scheduler requests it became.
+
+        ``prior_output_token_ids`` resumes a sample that already generated tokens (the
+        next chunk of a divided rollout): they count towards max_tokens, min_tokens, stop
+        strings and sampling positions, and their KV is recomputed or taken from the
+        prefix cache like any other context. Logprobs cover only new tokens.
+        """
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        params.validate()
-        text, ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                "(at least one output token must fit)"
-            )
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise InvalidRequestError(f"stop token id {t} is out of the vocabulary")
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        text, ids, prior, max_tokens = self._check_request(prompt, params, prior_output_token_ids)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         parent = _Parent(request_id, text, ids, params, stream=stream)
         for i in range(params.n):
@@ -193,6 +199,7 @@ class LLMEngine:
                 priority=priority,
                 group_id=group_id if group_id is not None else request_id,
                 sample_index=i,
+                output_token_ids=list(prior),
             )
             parent.children.append(child)
         self._parents[request_id] = parent
@@ -229,6 +236,11 @@ class LLMEngine:
             ScheduledChunk(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]
         result = self.runner.execute(batch)
+        if self.token_source is not None:
+            by_id = {req.request_id: req for req, _ in sched.scheduled}
+            result.sampled = {
+                rid: self.token_source.next_token(by_id[rid], tok) for rid, tok in result.sampled.items()
+            }
         updated = self.scheduler.update_from_output(sched, result.sampled)
         for req in updated:
             lp = result.logprobs.get(req.request_id)
@@ -301,3 +313,117 @@ class LLMEngine:
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
         )
+
+    # -- serving primitives: request checks, RL weight sync, memory release ------------
+    #
+    # Used by the server (AsyncEngine). Between rollouts an RL trainer loads new
+    # weights and wants the accelerator memory back while it trains; these calls do
+    # that without rebuilding the engine.
+
+    _ARCHITECTURE_FIELDS = (
+        "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+        "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+    )  # fmt: skip
+
+    def validate_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """Make add_request's checks without queuing anything; returns the prompt's ids.
+
+        A server that holds requests while paused refuses bad ones at once with this.
+        It also refuses a request that could never fit the KV cache (prompt plus
+        max_tokens over all blocks), which would otherwise preempt itself forever.
+        """
+        return self._check_request(prompt, params)[1]
+
+    def _check_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
+    ) -> tuple[str | None, list[int], list[int], int]:
+        """Every check a new request passes: (prompt text, prompt ids, prior output, max_tokens)."""
+        params.validate()
+        text, ids = self.encode_prompt(prompt)
+        prior = list(prior_output_token_ids)
+        if prior:
+            self.encode_prompt(prior)  # same vocabulary check as a prompt
+            if params.n != 1:
+                raise InvalidRequestError("prior_output_token_ids needs n == 1")
+        if len(ids) + len(prior) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids) + len(prior)} tokens but max_model_len is {self.max_model_len} "
+                "(at least one output token must fit)"
+            )
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(f"stop token id {t} is out of the vocabulary")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if len(prior) >= max_tokens:
+            raise InvalidRequestError(f"max_tokens ({max_tokens}) leaves no room after the prior output")
+        needed = self.kv_manager.blocks_needed(len(ids) + max_tokens)
+        total = self.kv_manager.pool.num_blocks
+        if needed > total:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs {needed} KV blocks "
+                f"but the cache has {total}; lower max_tokens or shorten the prompt"
+            )
+        return text, ids, prior, max_tokens
+
+    @property
+    def is_sleeping(self) -> bool:
+        return getattr(self, "_sleeping", False)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (their KV is stale after a weight update)."""
+        self.kv_manager.reset_prefix_cache()
+
+    def update_weights(self, path: str | Path) -> None:
+        """Load new weights of the same architecture from a Hugging Face folder.
+
+        The config is compared first so that a wrong checkpoint fails with a clear
+        message before anything is loaded; tensor shapes are checked while loading,
+        and on any error the current weights stay in place. Running requests keep
+        going on the new weights (their earlier KV stays), as in partial rollouts.
+        """
+        new_cfg = ModelConfig.from_pretrained(Path(path).expanduser())
+        diffs = [
+            f"{name}: {getattr(self.model_config, name)!r} -> {getattr(new_cfg, name)!r}"
+            for name in self._ARCHITECTURE_FIELDS
+            if getattr(self.model_config, name) != getattr(new_cfg, name)
+        ]
+        if diffs:
+            raise InvalidRequestError(
+                f"cannot update weights from {new_cfg.path}: the model differs in " + "; ".join(diffs)
+            )
+        self.runner.load_weights_from(new_cfg)
+        if self.is_sleeping and self.device.type != "cpu":
+            self.runner.model.to("cpu")
+        self.model_config = new_cfg
+        self.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the KV cache and, on an accelerator, move the weights to host memory.
+
+        Refuses while requests are in flight (their KV would be lost): callers abort
+        them or let them finish first. The prefix cache is cleared with the KV.
+        """
+        if self.is_sleeping:
+            return
+        if self.has_unfinished_requests():
+            raise InvalidRequestError(
+                f"cannot sleep with {self.num_unfinished_requests} requests in flight; abort them "
+                "or wait for them to finish first"
+            )
+        self.reset_prefix_cache()
+        self.runner.free_kv_cache()
+        if self.device.type != "cpu":
+            self.runner.model.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        """Undo sleep(): weights back on the device, a fresh (empty) KV cache."""
+        if not self.is_sleeping:
+            return
+        if self.device.type != "cpu":
+            self.runner.model.to(self.device)
+        self.runner.restore_kv_cache()
+        self._sleeping = False

@@ -1,0 +1,150 @@
+"""Rollout mode: every sample exactly once, no preemption when divided, same greedy
+outputs whatever the policy, chunk size or instance count, Context Manager order."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine.core.context_manager import ContextManager
+from seer_engine.core.policies import make_rollout_policy
+from seer_engine.core.request import Group, RolloutSample
+from seer_engine.engine.config import EngineConfig
+from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.replay import TraceReplay
+from seer_engine.rollout.rollout import Rollout
+from seer_engine.sampling_params import SamplingParams
+
+
+def _groups(max_tokens: int = 40, temperature: float = 0.0) -> list[Group]:
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=11)
+    prompts = [list(range(10, 10 + n)) for n in (7, 23, 40)]
+    return [Group(f"g{i}", p, params, n=4) for i, p in enumerate(prompts)]
+
+
+def _run(model, policy: str, instances: int, chunk: int, kv_blocks: int = 64, **kw):
+    cfg = EngineConfig(model=str(model), num_kv_blocks=kv_blocks, max_num_seqs=8)
+    pool = EnginePool(cfg, instances)
+    true = {f"g{i}/{j}": 40 for i in range(3) for j in range(4)}
+    rollout = Rollout(pool, make_rollout_policy(policy, true_lengths=true), chunk_tokens=chunk)
+    return rollout, rollout.run(kw.get("groups") or _groups())
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    _, result = _run(model, "baseline", 1, 10_000, kv_blocks=256)
+    return {k: [s.output_token_ids for s in v] for k, v in result.samples.items()}
+
+
+@pytest.mark.parametrize(
+    "policy,instances,chunk",
+    [
+        ("baseline", 2, 10_000),
+        ("divided", 1, 8),
+        ("divided", 2, 16),
+        ("context", 2, 8),
+        ("context", 1, 10_000),
+        ("oracle", 2, 12),
+    ],
+)
+def test_every_sample_once_and_same_greedy_outputs(model, reference, policy, instances, chunk):
+    rollout, result = _run(model, policy, instances, chunk)
+    assert set(result.samples) == {"g0", "g1", "g2"}
+    for gid, samples in result.samples.items():
+        assert [s.sample_index for s in samples] == [0, 1, 2, 3]
+        assert all(s.finished and s.finish_reason == "length" for s in samples)
+        assert [s.output_token_ids for s in samples] == reference[gid]
+    # each response's last chunk ends exactly once
+    finished_keys = [k for k, _ in rollout.dispatch_log]
+    assert sorted(set(finished_keys)) == sorted(f"g{i}/{j}" for i in range(3) for j in range(4))
+    if policy != "baseline":
+        assert result.metrics.preemptions == 0
+        if chunk < 40:
+            assert max(s.chunks for v in result.samples.values() for s in v) > 1
+    for inst in rollout.pool:
+        kv = inst.engine.kv_manager
+        assert kv.num_free_blocks == kv.pool.num_blocks
+        assert inst.reserved_blocks == 0
+
+
+def test_baseline_preempts_where_divided_does_not(model):
+    _, base = _run(model, "baseline", 1, 10_000, kv_blocks=14)
+    _, divided = _run(model, "divided", 1, 8, kv_blocks=14)
+    assert base.metrics.preemptions > 0 and base.metrics.recomputed_tokens > 0
+    assert divided.metrics.preemptions == 0
+    outs = lambda r: {k: [s.output_token_ids for s in v] for k, v in r.samples.items()}
+    assert outs(base) == outs(divided)
+
+
+def test_sampled_outputs_do_not_depend_on_chunking(model):
+    groups = _groups(temperature=1.0)
+    _, whole = _run(model, "baseline", 1, 10_000, kv_blocks=256, groups=groups)
+    _, chunked = _run(model, "context", 2, 8, groups=_groups(temperature=1.0))
+    a = {k: [s.output_token_ids for s in v] for k, v in whole.samples.items()}
+    b = {k: [s.output_token_ids for s in v] for k, v in chunked.samples.items()}
+    assert a == b
+    assert len({tuple(x) for x in a["g0"]}) > 1, "samples of a group must differ"
+
+
+def _sample(group: Group, index: int, generated: int = 0, enqueued: float = 0.0) -> RolloutSample:
+    s = RolloutSample(group, index, seed=0, max_tokens=group.sampling_params.max_tokens)
+    s.output_token_ids = [1] * generated
+    s.enqueued_at = enqueued
+    return s
+
+
+def test_context_manager_order():
+    ctx = ContextManager(starvation_s=100.0)
+    params = SamplingParams(max_tokens=1000)
+    groups = [Group(f"g{i}", [1], params, n=3, order=i) for i in range(4)]
+    for g in groups:
+        ctx.register(g, 1000)
+    # g1 and g2 each have a finished response: 300 and 700 tokens.
+    for g, length in ((groups[1], 300), (groups[2], 700)):
+        done = _sample(g, 0, generated=length)
+        ctx.on_finished(done)
+    assert ctx.estimate("g1") == 300 and ctx.estimate("g2") == 700 and ctx.estimate("g0") == 1000
+    pending = [
+        _sample(groups[1], 1),
+        _sample(groups[2], 1),
+        _sample(groups[0], 1),
+        _sample(groups[3], 0, generated=50),  # probe with 50 generated
+        _sample(groups[0], 0, generated=10),  # probe with 10 generated
+        _sample(groups[2], 2, enqueued=-500.0),  # starving
+    ]
+    order = sorted(pending, key=lambda s: ctx.priority(s, now=0.0))
+    assert [s.key for s in order] == ["g2/2", "g0/0", "g3/0", "g0/1", "g2/1", "g1/1"]
+
+
+def test_policies_cannot_see_trace_lengths(model):
+    """Before any response finishes, the context policy's dispatch order is the same
+    for two traces with different lengths: only the replay holds them."""
+    logs = []
+    for lengths in ((5, 30, 12, 40), (40, 3, 33, 8)):
+        groups = _groups(max_tokens=48)
+        for g in groups:
+            g.sampling_params = g.sampling_params.clone(ignore_eos=False)
+        responses = {
+            f"g{g}/{j}": list(range(100, 100 + lengths[(g + j) % 4])) for g in range(3) for j in range(4)
+        }
+        cfg = EngineConfig(model=str(model), num_kv_blocks=24, max_num_seqs=8)
+        pool = EnginePool(cfg, 2, token_source=TraceReplay(responses, eos_token_id=0))
+        rollout = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8)
+        first_finish = []
+        rollout.on_sample_finished = lambda s, log=first_finish, r=rollout: log.append(len(r.dispatch_log))
+        result = rollout.run(groups)
+        for samples in result.samples.values():
+            for s in samples:
+                assert s.output_token_ids == responses[s.key] + [0], "replay emits the trace then EOS"
+                assert s.finish_reason == "stop"
+        logs.append(rollout.dispatch_log[: first_finish[0]])
+    n = min(len(logs[0]), len(logs[1]))
+    assert n >= 4 and logs[0][:n] == logs[1][:n]
+    policy = make_rollout_policy("context")
+    assert not any(isinstance(v, TraceReplay) for v in vars(policy).values())
+    with pytest.raises(ValueError, match="true lengths"):
+        make_rollout_policy("oracle")
