@@ -1,0 +1,135 @@
+"""``seer_engine bench rollout``: trace replay of every policy on the same groups.
+
+The model runs real forward passes; the tokens come from the trace (TraceReplay is
+their only holder). Every policy gets a fresh engine pool and the same groups in one
+invocation, so the figures compare side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from seer_engine.core.policies import ROLLOUT_POLICIES, make_rollout_policy
+from seer_engine.core.request import Group
+from seer_engine.engine.config import EngineConfig
+from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.replay import TraceReplay
+from seer_engine.rollout.report import format_table, write_report
+from seer_engine.rollout.rollout import Rollout
+from seer_engine.sampling_params import SamplingParams
+
+
+def add_cli(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    p = kinds.add_parser("rollout", help="trace-replay rollout benchmark of the scheduling policies")
+    p.add_argument("--trace", required=True, help="a traces .jsonl.gz file")
+    p.add_argument("--policy", default="baseline,divided,context,oracle")
+    p.add_argument("--instances", type=int, default=2)
+    p.add_argument("--groups", default="8", help="a count (8) or an index range (60:90) of trace groups")
+    p.add_argument("--samples", type=int, default=8, help="responses per group")
+    p.add_argument("--kv-blocks", type=int, default=256, help="KV blocks per instance")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--starvation-s", type=float, default=120.0)
+    p.add_argument("--model", default=None, help="default: a tiny random model with the trace tokenizer")
+    p.add_argument("--tokenizer", default=None, help="default: bpe32k-tokenizer.json beside the trace")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--report", default=None, help="write report.json and report.png here")
+    p.set_defaults(func=run_bench_rollout)
+
+
+def _trace_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from seer_engine.model_executor.tiny_model import make_tiny_model
+
+    tokenizer = args.tokenizer or str(Path(args.trace).parent / "bpe32k-tokenizer.json")
+    if not Path(tokenizer).is_file():
+        raise ValueError(f"tokenizer {tokenizer!r} not found; pass --tokenizer or --model")
+    out = Path(tempfile.mkdtemp(prefix="seer-bench-model-"))
+    return str(make_tiny_model(out, tokenizer=tokenizer, num_layers=args.layers, hidden_size=args.hidden))
+
+
+def run_bench_rollout(args: argparse.Namespace) -> int:
+    from seer_engine.rollout.workload import load_trace, select_groups
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in ROLLOUT_POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policy {unknown}; choose from {sorted(ROLLOUT_POLICIES)}")
+    if not Path(args.trace).is_file():
+        raise ValueError(f"trace file {args.trace!r} not found")
+    trace = select_groups(load_trace(args.trace), args.groups)
+    model = _trace_model(args)
+    cfg = EngineConfig(
+        model=model, num_kv_blocks=args.kv_blocks, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
+        max_model_len=max(len(g.prompt_token_ids) for g in trace) + args.max_tokens + 1,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    groups, responses = [], {}
+    for order, tg in enumerate(trace):
+        if len(tg.response_token_ids) < args.samples:
+            raise ValueError(f"trace group {tg.group_id} has only {len(tg.response_token_ids)} responses")
+        gid = f"t{tg.group_id}"
+        groups.append(Group(gid, list(tg.prompt_token_ids), params, args.samples, order=order))
+        for j, tokens in enumerate(tg.response_token_ids[: args.samples]):
+            responses[f"{gid}/{j}"] = list(tokens)
+    eos = None
+    true_lengths = {k: min(len(v) + 1, args.max_tokens) for k, v in responses.items()}
+    total = len(responses)
+    print(f"bench rollout: {len(groups)} groups x {args.samples} samples = {total} responses, "
+          f"{sum(true_lengths.values())} output tokens to replay, {args.instances} instances, "
+          f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}", flush=True)  # fmt: skip
+    results = {}
+    for name in policies:
+        pool = EnginePool(cfg, args.instances)
+        eos = eos if eos is not None else min(pool.first.eos_token_ids)
+        replay = TraceReplay(responses, eos)
+        for inst in pool:
+            inst.engine.token_source = replay
+        policy = make_rollout_policy(name, true_lengths=true_lengths, starvation_s=args.starvation_s)
+        progress = _Progress(name, total)
+        start = time.perf_counter()
+        fresh = [Group(g.group_id, g.prompt_token_ids, g.sampling_params, g.n, order=g.order) for g in groups]
+        results[name] = Rollout(pool, policy, args.chunk_tokens, on_sample_finished=progress).run(fresh)
+        print(f"[{name}] done in {time.perf_counter() - start:.1f}s wall", flush=True)
+    print(format_table(results))
+    if args.report:
+        meta = {
+            "command": "seer_engine " + " ".join(sys.argv[1:]),
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
+            "model": model, "groups": len(groups), "samples": args.samples, "instances": args.instances,
+            "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
+        }  # fmt: skip
+        path = write_report(Path(args.report), results, meta)
+        print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+class _Progress:
+    """A line every ~10% of finished responses, so long runs show they move."""
+
+    def __init__(self, name: str, total: int) -> None:
+        self.name, self.total, self.done = name, total, 0
+        self.every = max(1, total // 10)
+        self.start = time.perf_counter()
+
+    def __call__(self, sample) -> None:
+        self.done += 1
+        if self.done % self.every == 0 or self.done == self.total:
+            print(f"[{self.name}] {self.done}/{self.total} responses, "
+                  f"{time.perf_counter() - self.start:.1f}s wall", flush=True)  # fmt: skip
