@@ -88,7 +88,7 @@ class _TorchAttentionGroup:
     block_ids: torch.Tensor  # [B * num_blocks] block ids to gather
     num_blocks: int
     ctx_len: int
-    visible: torch.Tensor  # [B, 1, 1, Q, ctx_len] bool
+    visible: torch.Tensor  # [B, 1, Q, ctx_len] bool, True where a query may attend
 
 
 def _plan_torch_attention(meta: AttentionMetadata, block_size: int, device: torch.device):
@@ -112,6 +112,7 @@ def _plan_torch_attention(meta: AttentionMetadata, block_size: int, device: torc
         q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=device)[None, :]
         key = torch.arange(ctx_len, device=device)
         visible = (key[None, None, :] <= q_pos[:, :, None]) & (key[None, None, :] < seq_lens[:, None, None])
+        visible = visible[:, None]  # broadcast over heads
         plan.append(
             _TorchAttentionGroup(
                 rows=torch.tensor(rows, device=device),
@@ -120,27 +121,29 @@ def _plan_torch_attention(meta: AttentionMetadata, block_size: int, device: torc
                 block_ids=meta.block_tables[idx, :num_blocks].reshape(-1),
                 num_blocks=num_blocks,
                 ctx_len=ctx_len,
-                visible=visible[:, None, None],
+                visible=visible,
             )
         )
     return plan
 
 
 def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, g: _TorchAttentionGroup, scale: float):
-    """Masked attention for one group with plain matmuls (on CPU they beat the fused
-    SDPA kernel for short decode queries). Head h reads kv head h // (H / Hkv)."""
+    """Masked attention for one group; query head h reads kv head h // (H / Hkv)."""
     _, _, block_size, hkv, d = kv_cache.shape
     h = query.shape[1]
     # index_select is far cheaper than advanced indexing on a large cache tensor.
     k = kv_cache[0].index_select(0, g.block_ids).view(g.batch, -1, hkv, d)[:, : g.ctx_len]
     v = kv_cache[1].index_select(0, g.block_ids).view(g.batch, -1, hkv, d)[:, : g.ctx_len]
-    q = query.index_select(0, g.rows).view(g.batch, g.q_len, hkv, h // hkv, d)
-    if q.dtype != torch.float32:  # accumulate half-precision inputs in float32
-        q, k, v = q.float(), k.float(), v.float()
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", q, k) * scale
-    scores.masked_fill_(~g.visible, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(g.batch * g.q_len, h, d)
+    q = query.index_select(0, g.rows).view(g.batch, g.q_len, h, d)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=g.visible,
+        scale=scale,
+        enable_gqa=h != hkv,
+    )
+    return out.transpose(1, 2).reshape(g.batch * g.q_len, h, d)
 
 
 def torch_paged_attention(
