@@ -1,0 +1,540 @@
+// Group suffix tree: the draft source of Seer's adaptive grouped speculative decoding.
+//
+// One GroupSuffixTree holds several token sequences (a prompt and the responses of its
+// sibling requests).  It is a trie over token ids that contains every substring of
+// length <= max_depth of every sequence; each node stores how many times its string
+// occurs.  Appending one token to a sequence touches at most max_depth nodes (the
+// suffixes of that sequence that are still shorter than max_depth), so the tree grows
+// online while the siblings decode, with no rebuild.
+//
+// Drafting: match the longest suffix of a request's context that occurs somewhere
+// followed by at least one token, then walk down from that node, either along the
+// most frequent child (single path) or best-first by estimated path probability into
+// a token tree (multi-path).  The conditional probability of a child c of node v is
+// count(c) / child_total(v), where child_total(v) is the number of occurrences of v
+// that continue with some token; occurrences that end a sequence (for instance the
+// requesting sequence itself, whose end is the context being matched) carry no
+// information about the next token and do not dilute the estimate.
+//
+// Memory: nodes are 16-byte records in one vector; a node with a single child stores
+// it inline (the common case deep in the trie), only nodes with two or more children
+// own a sorted edge list.  Freed nodes and edge lists are recycled.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace seer {
+
+// (tokens, parents, path probabilities, match length)
+using Draft = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, int>;
+
+class GroupSuffixTree {
+ public:
+  explicit GroupSuffixTree(int max_depth) : max_depth_(max_depth) {
+    if (max_depth < 2 || max_depth > 4096) {
+      throw std::invalid_argument("max_depth must be in [2, 4096], got " +
+                                  std::to_string(max_depth));
+    }
+    nodes_.emplace_back();  // root: the empty string
+  }
+
+  int max_depth() const { return max_depth_; }
+
+  // Starts a new sequence; it is an error if the key is already present.
+  void add_sequence(int64_t key, const std::vector<int32_t>& tokens) {
+    if (seqs_.count(key)) throw py::key_error("sequence " + std::to_string(key) + " exists");
+    extend(key, tokens);
+  }
+
+  // Appends tokens to a sequence (creating it if needed): O(max_depth) per token.
+  void extend(int64_t key, const std::vector<int32_t>& tokens) {
+    for (int32_t t : tokens) {
+      if (t < 0) throw std::invalid_argument("token ids must be >= 0, got " + std::to_string(t));
+    }
+    Sequence& s = seqs_[key];
+    if (s.active.empty()) s.active.push_back(kRoot);
+    for (int32_t t : tokens) append_token(s, t);
+  }
+
+  // Removes a sequence and every occurrence it contributed; nodes left without
+  // occurrences are freed for reuse.  O(len * max_depth).
+  void remove_sequence(int64_t key) {
+    auto it = seqs_.find(key);
+    if (it == seqs_.end()) throw py::key_error("no sequence " + std::to_string(key));
+    const std::vector<int32_t>& toks = it->second.tokens;
+    const size_t n = toks.size();
+    std::vector<int32_t> dead;
+    for (size_t i = 0; i < n; ++i) {
+      int32_t node = kRoot;
+      nodes_[kRoot].count -= 1;
+      const size_t end = std::min(n, i + static_cast<size_t>(max_depth_));
+      for (size_t j = i; j < end; ++j) {
+        const int32_t parent = node;
+        node = find_child(parent, toks[j]);
+        nodes_[node].count -= 1;
+        nodes_[parent].child_total -= 1;
+        // Unlink now but keep walking through the node: its own edges stay intact
+        // until the walk is over (its descendants on this walk die with it).
+        if (nodes_[node].count == 0) {
+          unlink_child(parent, toks[j]);
+          dead.push_back(node);
+        }
+      }
+      for (int32_t d : dead) free_node(d);
+      dead.clear();
+    }
+    seqs_.erase(it);
+  }
+
+  bool has_sequence(int64_t key) const { return seqs_.count(key) != 0; }
+
+  int64_t sequence_length(int64_t key) const {
+    auto it = seqs_.find(key);
+    if (it == seqs_.end()) throw py::key_error("no sequence " + std::to_string(key));
+    return static_cast<int64_t>(it->second.tokens.size());
+  }
+
+  std::vector<int64_t> sequence_keys() const {
+    std::vector<int64_t> keys;
+    keys.reserve(seqs_.size());
+    for (const auto& kv : seqs_) keys.push_back(kv.first);
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+
+  // Occurrences of `path` (0 if absent or longer than max_depth); the empty path
+  // counts every token.
+  int64_t count(const std::vector<int32_t>& path) const {
+    const int32_t node = walk(path.data(), path.size());
+    return node < 0 ? 0 : nodes_[node].count;
+  }
+
+  int64_t num_nodes() const {
+    return static_cast<int64_t>(nodes_.size() - free_nodes_.size());
+  }
+  int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }
+  int64_t num_tokens() const { return nodes_[kRoot].count; }
+
+  // Bytes held by the tree's containers (capacity, not size), for memory accounting.
+  int64_t memory_bytes() const {
+    size_t bytes = sizeof(*this) + nodes_.capacity() * sizeof(Node) +
+                   free_nodes_.capacity() * sizeof(int32_t) +
+                   edge_lists_.capacity() * sizeof(std::vector<Edge>) +
+                   free_lists_.capacity() * sizeof(int32_t);
+    for (const auto& l : edge_lists_) bytes += l.capacity() * sizeof(Edge);
+    for (const auto& kv : seqs_) {
+      bytes += sizeof(kv) + kv.second.tokens.capacity() * sizeof(int32_t) +
+               kv.second.active.capacity() * sizeof(int32_t);
+    }
+    return static_cast<int64_t>(bytes);
+  }
+
+  // Every non-root node as (path, count), in depth-first order with children by
+  // token id.  Meant for tests and debugging only.
+  std::vector<std::pair<std::vector<int32_t>, int64_t>> dump() const {
+    std::vector<std::pair<std::vector<int32_t>, int64_t>> out;
+    std::vector<int32_t> path;
+    dump_rec(kRoot, path, out);
+    return out;
+  }
+
+  void clear() {
+    nodes_.assign(1, Node{});
+    free_nodes_.clear();
+    edge_lists_.clear();
+    free_lists_.clear();
+    seqs_.clear();
+  }
+
+  // Builds a draft continuing `context`.  See the class docstring for the semantics.
+  Draft speculate(const std::vector<int32_t>& context, int budget, bool multi_path,
+                  double min_prob, double max_spec_factor, int max_match_len) const {
+    const size_t n = context.size();
+    const int match_len = longest_match(match_cap(max_match_len, n), [&](int len) {
+      return walk(context.data() + n - len, static_cast<size_t>(len));
+    });
+    const int32_t start = walk(context.data() + n - match_len, static_cast<size_t>(match_len));
+    return draft(start, match_len, budget, multi_path, min_prob, max_spec_factor);
+  }
+
+  // Same result as speculate(<tokens of sequence `key`>, ...), without walking from
+  // the root: the sequence's own suffix nodes are already known.  The fast path for a
+  // request whose output is stored in the tree it drafts from.
+  Draft speculate_sequence(int64_t key, int budget, bool multi_path, double min_prob,
+                           double max_spec_factor, int max_match_len) const {
+    auto it = seqs_.find(key);
+    if (it == seqs_.end()) throw py::key_error("no sequence " + std::to_string(key));
+    const std::vector<int32_t>& active = it->second.active;
+    const int match_len = longest_match(match_cap(max_match_len, active.size() - 1),
+                                        [&](int len) { return active[len]; });
+    return draft(active[match_len], match_len, budget, multi_path, min_prob, max_spec_factor);
+  }
+
+ private:
+  static constexpr int32_t kRoot = 0;
+  static constexpr int32_t kNoChild = -1;  // Node::tok: leaf
+  static constexpr int32_t kMany = -2;     // Node::tok: `link` indexes edge_lists_
+
+  struct Node {
+    int32_t count = 0;        // occurrences of this node's string
+    int32_t child_total = 0;  // sum of the children's counts
+    int32_t tok = kNoChild;   // the only child's token, or kNoChild / kMany
+    int32_t link = -1;        // the only child's node id, or an edge_lists_ index
+  };
+  struct Edge {
+    int32_t tok;
+    int32_t node;
+  };
+  struct Sequence {
+    std::vector<int32_t> tokens;
+    // active[k] = node of the sequence's last k tokens, for k < max_depth: exactly
+    // the nodes that the next token extends.
+    std::vector<int32_t> active;
+  };
+
+  static bool edge_tok_less(const Edge& e, int32_t t) { return e.tok < t; }
+
+  int32_t find_child(int32_t v, int32_t t) const {
+    const Node& n = nodes_[v];
+    if (n.tok == kNoChild) return -1;
+    if (n.tok != kMany) return n.tok == t ? n.link : -1;
+    const std::vector<Edge>& l = edge_lists_[n.link];
+    auto it = std::lower_bound(l.begin(), l.end(), t, edge_tok_less);
+    return (it != l.end() && it->tok == t) ? it->node : -1;
+  }
+
+  int32_t walk(const int32_t* toks, size_t len) const {
+    if (len > static_cast<size_t>(max_depth_)) return -1;
+    int32_t v = kRoot;
+    for (size_t i = 0; i < len && v >= 0; ++i) v = find_child(v, toks[i]);
+    return v;
+  }
+
+  int32_t new_node() {
+    if (!free_nodes_.empty()) {
+      const int32_t id = free_nodes_.back();
+      free_nodes_.pop_back();
+      return id;
+    }
+    if (nodes_.size() >= static_cast<size_t>(INT32_MAX)) throw std::length_error("tree too large");
+    nodes_.emplace_back();
+    return static_cast<int32_t>(nodes_.size() - 1);
+  }
+
+  int32_t child_or_create(int32_t v, int32_t t) {
+    const int32_t found = find_child(v, t);
+    if (found >= 0) return found;
+    const int32_t c = new_node();  // may reallocate nodes_: index, never hold references
+    Node& n = nodes_[v];
+    if (n.tok == kNoChild) {
+      n.tok = t;
+      n.link = c;
+    } else if (n.tok != kMany) {
+      int32_t slot;
+      if (!free_lists_.empty()) {
+        slot = free_lists_.back();
+        free_lists_.pop_back();
+      } else {
+        slot = static_cast<int32_t>(edge_lists_.size());
+        edge_lists_.emplace_back();
+      }
+      std::vector<Edge>& l = edge_lists_[slot];
+      const Edge old{n.tok, n.link}, added{t, c};
+      if (old.tok < t) {
+        l = {old, added};
+      } else {
+        l = {added, old};
+      }
+      n.tok = kMany;
+      n.link = slot;
+    } else {
+      std::vector<Edge>& l = edge_lists_[n.link];
+      l.insert(std::lower_bound(l.begin(), l.end(), t, edge_tok_less), Edge{t, c});
+    }
+    return c;
+  }
+
+  void unlink_child(int32_t v, int32_t t) {
+    Node& n = nodes_[v];
+    if (n.tok != kMany) {
+      n.tok = kNoChild;
+      n.link = -1;
+      return;
+    }
+    std::vector<Edge>& l = edge_lists_[n.link];
+    l.erase(std::lower_bound(l.begin(), l.end(), t, edge_tok_less));
+    if (l.size() == 1) {  // back to the inline form
+      const Edge only = l[0];
+      std::vector<Edge>().swap(l);
+      free_lists_.push_back(n.link);
+      n.tok = only.tok;
+      n.link = only.node;
+    }
+  }
+
+  void free_node(int32_t v) {
+    Node& n = nodes_[v];
+    if (n.tok == kMany) {
+      std::vector<Edge>().swap(edge_lists_[n.link]);
+      free_lists_.push_back(n.link);
+    }
+    n = Node{};
+    free_nodes_.push_back(v);
+  }
+
+  void append_token(Sequence& s, int32_t t) {
+    // Every suffix shorter than max_depth gains the new token.  Going from the longest
+    // down lets active[k + 1] be overwritten once active[k + 1] itself was used.
+    const size_t m = s.active.size();
+    for (size_t k = m; k-- > 0;) {
+      const int32_t parent = s.active[k];
+      const int32_t c = child_or_create(parent, t);
+      nodes_[c].count += 1;
+      nodes_[parent].child_total += 1;
+      if (k + 1 < static_cast<size_t>(max_depth_)) {
+        if (k + 1 == m) {
+          s.active.push_back(c);
+        } else {
+          s.active[k + 1] = c;
+        }
+      }
+    }
+    nodes_[kRoot].count += 1;
+    s.tokens.push_back(t);
+  }
+
+  template <class F>
+  void for_each_child(int32_t v, F&& f) const {
+    const Node& n = nodes_[v];
+    if (n.tok == kNoChild) return;
+    if (n.tok != kMany) {
+      f(n.tok, n.link);
+      return;
+    }
+    for (const Edge& e : edge_lists_[n.link]) f(e.tok, e.node);
+  }
+
+  // The longest match allowed: -1 means max_depth / 2, which leaves at least half of
+  // the trie's depth for the draft; never max_depth (those nodes have no children).
+  int match_cap(int max_match_len, size_t available) const {
+    const int cap = max_match_len < 0 ? max_depth_ / 2 : max_match_len;
+    return static_cast<int>(std::min<size_t>(
+        {static_cast<size_t>(cap), static_cast<size_t>(max_depth_ - 1), available}));
+  }
+
+  // Longest len <= cap whose node (node_of(len): the context's last len tokens, or -1)
+  // exists and is followed by some token somewhere.  That property is monotone in len
+  // (if w.c occurs, so does suffix(w).c), so a binary search suffices.
+  template <class NodeOf>
+  int longest_match(int cap, NodeOf&& node_of) const {
+    auto ok = [&](int len) {
+      const int32_t v = node_of(len);
+      return v >= 0 && nodes_[v].child_total > 0;
+    };
+    if (!ok(0)) return 0;  // empty tree
+    int lo = 0, hi = cap;
+    while (lo < hi) {
+      const int mid = lo + (hi - lo + 1) / 2;
+      if (ok(mid)) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  }
+
+  Draft draft(int32_t start, int match_len, int budget, bool multi_path, double min_prob,
+              double max_spec_factor) const {
+    Draft out;
+    std::get<3>(out) = match_len;
+    if (match_len == 0) return out;
+    if (max_spec_factor > 0.0) {  // budget = min(budget, int(factor * match_len))
+      const double spec_cap = max_spec_factor * match_len;
+      if (spec_cap < budget) budget = static_cast<int>(spec_cap);
+    }
+    if (budget <= 0) return out;
+    if (multi_path) {
+      draft_tree(start, budget, min_prob, out);
+    } else {
+      draft_path(start, budget, min_prob, out);
+    }
+    return out;
+  }
+
+  // Children of v as (count, tok, node), most frequent first, ties by smaller token.
+  void sorted_children(int32_t v, std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
+    out.clear();
+    for_each_child(v, [&](int32_t t, int32_t c) { out.emplace_back(nodes_[c].count, t, c); });
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) > std::get<0>(b);
+      return std::get<1>(a) < std::get<1>(b);
+    });
+  }
+
+  void draft_path(int32_t v, int budget, double min_prob, Draft& out) const {
+    auto& toks = std::get<0>(out);
+    auto& parents = std::get<1>(out);
+    auto& probs = std::get<2>(out);
+    double p = 1.0;
+    while (static_cast<int>(toks.size()) < budget) {
+      int32_t best_tok = -1, best = -1, best_count = 0;
+      for_each_child(v, [&](int32_t t, int32_t c) {
+        // Children are visited by increasing token, so '>' keeps the smaller token on ties.
+        if (nodes_[c].count > best_count) {
+          best_count = nodes_[c].count;
+          best_tok = t;
+          best = c;
+        }
+      });
+      if (best < 0) break;
+      const double q = p * (static_cast<double>(best_count) / nodes_[v].child_total);
+      if (q < min_prob) break;
+      parents.push_back(static_cast<int32_t>(toks.size()) - 1);
+      toks.push_back(best_tok);
+      probs.push_back(q);
+      p = q;
+      v = best;
+    }
+  }
+
+  struct Cand {
+    double p;
+    int32_t depth;
+    int32_t node;
+    int32_t parent;  // index in the output, -1 under the matched node
+    int32_t tok;
+  };
+
+  // Best-first expansion.  Candidates are ranked by (path probability desc, depth asc,
+  // token path lexicographically asc); a child never ranks before its parent, so the
+  // output is exactly the `budget` best-ranked nodes with p >= min_prob, in rank order
+  // (hence parents before children).
+  void draft_tree(int32_t start, int budget, double min_prob, Draft& out) const {
+    auto& toks = std::get<0>(out);
+    auto& parents = std::get<1>(out);
+    auto& probs = std::get<2>(out);
+    // Lexicographic order of two same-depth token paths, each given as (parent output
+    // index, last token): climb until both hang off the same node, then compare there.
+    auto path_less = [&](int32_t pa, int32_t ta, int32_t pb, int32_t tb) {
+      while (pa != pb) {
+        ta = toks[pa];
+        tb = toks[pb];
+        pa = parents[pa];
+        pb = parents[pb];
+      }
+      return ta < tb;
+    };
+    auto ranks_after = [&](const Cand& a, const Cand& b) {  // heap order: true if a after b
+      if (a.p != b.p) return a.p < b.p;
+      if (a.depth != b.depth) return a.depth > b.depth;
+      return path_less(b.parent, b.tok, a.parent, a.tok);
+    };
+    std::priority_queue<Cand, std::vector<Cand>, decltype(ranks_after)> heap(ranks_after);
+    std::vector<std::tuple<int32_t, int32_t, int32_t>> kids;
+
+    auto push_children = [&](int32_t v, double p, int32_t depth, int32_t parent) {
+      sorted_children(v, kids);
+      // Only the best `remaining` siblings can ever be taken: each outranks the next.
+      const size_t remaining = static_cast<size_t>(budget) - toks.size();
+      const double total = nodes_[v].child_total;
+      for (size_t i = 0; i < kids.size() && i < remaining; ++i) {
+        const double q = p * (std::get<0>(kids[i]) / total);
+        if (q < min_prob) break;  // siblings come in decreasing probability
+        heap.push(Cand{q, depth + 1, std::get<2>(kids[i]), parent, std::get<1>(kids[i])});
+      }
+    };
+
+    push_children(start, 1.0, 0, -1);
+    while (!heap.empty() && static_cast<int>(toks.size()) < budget) {
+      const Cand c = heap.top();
+      heap.pop();
+      const int32_t idx = static_cast<int32_t>(toks.size());
+      toks.push_back(c.tok);
+      parents.push_back(c.parent);
+      probs.push_back(c.p);
+      push_children(c.node, c.p, c.depth, idx);
+    }
+  }
+
+  void dump_rec(int32_t v, std::vector<int32_t>& path,
+                std::vector<std::pair<std::vector<int32_t>, int64_t>>& out) const {
+    for_each_child(v, [&](int32_t t, int32_t c) {
+      path.push_back(t);
+      out.emplace_back(path, nodes_[c].count);
+      dump_rec(c, path, out);
+      path.pop_back();
+    });
+  }
+
+  int max_depth_;
+  std::vector<Node> nodes_;
+  std::vector<int32_t> free_nodes_;
+  std::vector<std::vector<Edge>> edge_lists_;
+  std::vector<int32_t> free_lists_;
+  std::unordered_map<int64_t, Sequence> seqs_;
+};
+
+}  // namespace seer
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "C++ core of seer_engine: the group suffix tree used as the draft source.";
+
+  py::class_<seer::GroupSuffixTree>(m, "GroupSuffixTree", R"doc(
+Bounded-depth suffix trie with occurrence counts over the token sequences of one group
+(a prompt and its sibling responses).  Not thread-safe.
+
+speculate(context, budget, multi_path, min_prob, max_spec_factor, max_match_len)
+  match_len: longest suffix of `context` (at most max_match_len tokens; -1 means
+  max_depth // 2, and never more than max_depth - 1) that occurs somewhere followed by
+  at least one token.  0 means no match and an empty draft.
+  budget: at most `budget` draft nodes; if max_spec_factor > 0, at most
+  int(max_spec_factor * match_len).
+  Conditional probability of child c of v: count(c) / sum of v's children counts; a
+  node's prob is the product along its path from the matched node; nodes need
+  prob >= min_prob.
+  Single path: follow the most frequent child (ties: smaller token).
+  Multi-path: the `budget` best nodes ranked by (prob desc, depth asc, token path asc).
+  Returns (tokens, parents, probs, match_len); parents[i] is the index of node i's
+  parent, -1 for children of the last context token; parents precede children.
+)doc")
+      .def(py::init<int>(), py::arg("max_depth") = 64)
+      .def_property_readonly("max_depth", &seer::GroupSuffixTree::max_depth)
+      .def("add_sequence", &seer::GroupSuffixTree::add_sequence, py::arg("key"),
+           py::arg("tokens"), "Start a new sequence (KeyError if the key exists).")
+      .def("extend", &seer::GroupSuffixTree::extend, py::arg("key"), py::arg("tokens"),
+           "Append tokens to a sequence, creating it if needed; O(max_depth) per token.")
+      .def("remove_sequence", &seer::GroupSuffixTree::remove_sequence, py::arg("key"),
+           "Remove a sequence's occurrences and free nodes left empty (KeyError if absent).")
+      .def("has_sequence", &seer::GroupSuffixTree::has_sequence, py::arg("key"))
+      .def("__contains__", &seer::GroupSuffixTree::has_sequence, py::arg("key"))
+      .def("sequence_length", &seer::GroupSuffixTree::sequence_length, py::arg("key"))
+      .def("sequence_keys", &seer::GroupSuffixTree::sequence_keys)
+      .def("count", &seer::GroupSuffixTree::count, py::arg("path"),
+           "Occurrences of a token path (0 if absent or longer than max_depth).")
+      .def("num_nodes", &seer::GroupSuffixTree::num_nodes, "Live nodes, root included.")
+      .def("num_sequences", &seer::GroupSuffixTree::num_sequences)
+      .def("num_tokens", &seer::GroupSuffixTree::num_tokens)
+      .def("memory_bytes", &seer::GroupSuffixTree::memory_bytes)
+      .def("dump", &seer::GroupSuffixTree::dump, "All (path, count) pairs; for tests.")
+      .def("clear", &seer::GroupSuffixTree::clear)
+      .def("speculate", &seer::GroupSuffixTree::speculate, py::arg("context"),
+           py::arg("budget"), py::arg("multi_path") = false, py::arg("min_prob") = 0.1,
+           py::arg("max_spec_factor") = 0.0, py::arg("max_match_len") = -1)
+      .def("speculate_sequence", &seer::GroupSuffixTree::speculate_sequence, py::arg("key"),
+           py::arg("budget"), py::arg("multi_path") = false, py::arg("min_prob") = 0.1,
+           py::arg("max_spec_factor") = 0.0, py::arg("max_match_len") = -1,
+           "speculate() with the stored sequence `key` as the context (KeyError if absent).");
+}

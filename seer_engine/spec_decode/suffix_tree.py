@@ -1,0 +1,164 @@
+"""Group suffix trees: the draft source of adaptive grouped speculative decoding.
+
+Seer keeps one suffix tree per group (a prompt and its G sibling responses), so a
+request can draft from what its siblings already generated.  The trees live in C++
+(``seer_engine._C.GroupSuffixTree``); this module maps group ids to trees and turns
+drafts into ``DraftTree`` records.
+
+The per-request baseline (SuffixDecoding-style, where a request drafts only from its
+own prompt and output) uses the same class: give every request its own tree id and
+append only that request's prompt and output to it, i.e. a "group" of one request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from seer_engine._C import GroupSuffixTree
+
+__all__ = ["PROMPT_KEY", "DraftTree", "GroupSuffixTree", "GroupSuffixTrees"]
+
+# Sequence key for a group's prompt; responses use their own (non-negative) keys.
+PROMPT_KEY = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft: node i is ``tokens[i]``, hanging off node ``parents[i]``.
+
+    ``parents[i] == -1`` means the node follows the last context token; parents always
+    come before children, so a single path has parents ``[-1, 0, 1, ...]``.
+    ``probs[i]`` is the estimated probability of the whole path to node i, and
+    ``match_len`` the number of context tokens the draft was conditioned on (0: none).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    match_len: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _as_list(tokens: Sequence[int]) -> Sequence[int]:
+    """Lists pass through; tensors and arrays become lists (one C-level conversion)."""
+    tolist = getattr(tokens, "tolist", None)
+    return tolist() if tolist is not None else tokens
+
+
+class GroupSuffixTrees:
+    """One ``GroupSuffixTree`` per group id, created on first append.
+
+    Drafting defaults (``min_prob``, ``max_spec_factor``, ``max_match_len``) are set
+    here and can be overridden per ``speculate`` call; see the C++ class docstring for
+    their exact meaning.  ``max_match_len=None`` caps matches at ``max_depth // 2``:
+    the trie is only ``max_depth`` deep, so a longer match would leave too little
+    depth for the draft.
+    """
+
+    def __init__(
+        self,
+        max_depth: int = 64,
+        min_prob: float = 0.1,
+        max_spec_factor: float = 0.0,
+        max_match_len: int | None = None,
+    ) -> None:
+        GroupSuffixTree(max_depth)  # validate max_depth now rather than on first append
+        self.max_depth = max_depth
+        self.min_prob = min_prob
+        self.max_spec_factor = max_spec_factor
+        self.max_match_len = max_match_len
+        self._trees: dict[Hashable, GroupSuffixTree] = {}
+
+    def append(self, group_id: Hashable, seq_key: int, tokens: Sequence[int]) -> None:
+        """Append tokens to one sequence of a group (prompt or a sibling's output)."""
+        tree = self._trees.get(group_id)
+        if tree is None:
+            tree = self._trees[group_id] = GroupSuffixTree(self.max_depth)
+        tree.extend(seq_key, _as_list(tokens))
+
+    def speculate(
+        self,
+        group_id: Hashable,
+        context_tail: Sequence[int],
+        budget: int,
+        multi_path: bool = False,
+        *,
+        min_prob: float | None = None,
+        max_spec_factor: float | None = None,
+        max_match_len: int | None = None,
+    ) -> DraftTree:
+        """Draft up to ``budget`` tokens continuing ``context_tail`` from the group's tree.
+
+        ``context_tail`` is the end of the request's prompt + output; only its last
+        ``max_match_len`` tokens are used.  An unknown group yields an empty draft.
+        """
+        tree = self._trees.get(group_id)
+        if tree is None:
+            return DraftTree()
+        opts = self._options(min_prob, max_spec_factor, max_match_len)
+        tail = _as_list(context_tail)
+        if len(tail) > opts[2]:
+            tail = tail[len(tail) - opts[2] :]
+        return DraftTree(*tree.speculate(tail, budget, multi_path, *opts))
+
+    def speculate_sequence(
+        self,
+        group_id: Hashable,
+        seq_key: int,
+        budget: int,
+        multi_path: bool = False,
+        *,
+        min_prob: float | None = None,
+        max_spec_factor: float | None = None,
+        max_match_len: int | None = None,
+    ) -> DraftTree:
+        """``speculate`` with the stored sequence ``seq_key`` as the context.
+
+        The fast path when the request's own output is in the tree (its suffix nodes
+        are already known, no walk from the root).  It sees only that sequence's
+        tokens, not the prompt before them, which only matters for the first few
+        output tokens.  Unknown groups or sequences yield an empty draft.
+        """
+        tree = self._trees.get(group_id)
+        if tree is None or seq_key not in tree:
+            return DraftTree()
+        opts = self._options(min_prob, max_spec_factor, max_match_len)
+        return DraftTree(*tree.speculate_sequence(seq_key, budget, multi_path, *opts))
+
+    def _options(
+        self, min_prob: float | None, max_spec_factor: float | None, max_match_len: int | None
+    ) -> tuple[float, float, int]:
+        """Per-call overrides over the defaults; a negative match cap means max_depth // 2."""
+        cap = self.max_match_len if max_match_len is None else max_match_len
+        if cap is None or cap < 0:
+            cap = self.max_depth // 2
+        return (
+            self.min_prob if min_prob is None else min_prob,
+            self.max_spec_factor if max_spec_factor is None else max_spec_factor,
+            cap,
+        )
+
+    def remove_sequence(self, group_id: Hashable, seq_key: int) -> None:
+        """Forget one sequence of a group (e.g. an aborted request's output)."""
+        self._trees[group_id].remove_sequence(seq_key)
+
+    def free(self, group_id: Hashable) -> None:
+        """Drop a group's tree and its memory; a no-op for unknown groups."""
+        self._trees.pop(group_id, None)
+
+    def tree(self, group_id: Hashable) -> GroupSuffixTree | None:
+        """The group's tree, for inspection (node counts, memory)."""
+        return self._trees.get(group_id)
+
+    def num_nodes(self) -> int:
+        """Live nodes over all groups."""
+        return sum(t.num_nodes() for t in self._trees.values())
+
+    def __contains__(self, group_id: Hashable) -> bool:
+        return group_id in self._trees
+
+    def __len__(self) -> int:
+        return len(self._trees)
