@@ -235,3 +235,35 @@ def test_streaming_reports_progress_every_step(llm):
     assert [o.finished for o in seen] == [False] * 5 + [True]
     assert seen[-1].outputs[1].finish_reason == "length" and seen[0].outputs[0].finish_reason is None
     assert seen[-1].outputs[0].text.startswith(seen[2].outputs[0].text)
+
+
+def test_truncation_samplers_collapse_to_greedy_at_their_limits(llm):
+    prompt = list(range(60, 80))
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    expected = greedy[0].outputs[0].token_ids
+    for kwargs in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, **kwargs)
+        out = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert out == expected, kwargs
+    wide = llm.generate([prompt], SamplingParams(temperature=1.5, seed=5, max_tokens=12, ignore_eos=True))
+    assert wide[0].outputs[0].token_ids != expected
+
+
+def test_top_k_keeps_samples_inside_the_top_k(llm):
+    import torch
+
+    from seer_engine.model_executor.sampler import Sampler, SamplingRow
+
+    logits = torch.randn(1, 50)
+    allowed = set(torch.topk(logits[0], 3).indices.tolist())
+    for seed in range(40):
+        row = SamplingRow(1.0, 3, 1.0, 0.0, seed, 7, [], None)
+        assert Sampler()(logits, [row]).token_ids[0] in allowed
+    nucleus = SamplingRow(1.0, -1, 0.5, 0.0, 0, 7, [], None)
+    probs = logits[0].softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = int((probs[order].cumsum(0) < 0.5).sum()) + 1
+    nucleus_set = set(order[:keep].tolist())
+    for seed in range(40):
+        nucleus.seed = seed
+        assert Sampler()(logits, [nucleus]).token_ids[0] in nucleus_set
