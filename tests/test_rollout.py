@@ -148,3 +148,32 @@ def test_policies_cannot_see_trace_lengths(model):
     assert not any(isinstance(v, TraceReplay) for v in vars(policy).values())
     with pytest.raises(ValueError, match="true lengths"):
         make_rollout_policy("oracle")
+
+
+def test_rollout_cli_writes_groups_in_input_order(model, tmp_path):
+    import json
+
+    from seer_engine.entrypoints.cli import main
+
+    src = tmp_path / "prompts.jsonl"
+    first = {"prompt": "Once upon a time", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    second = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "logprobs": 2}
+    src.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["rollout", "--model", str(model), "--input", str(src), "--output", str(out), "--n", "3"]
+    assert main(args + ["--rollout-mode", "--chunk-tokens", "4", "--instances", "2"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == ["Once upon a time", [5, 6, 7, 8]]
+    assert [len(x["outputs"]) for x in lines] == [3, 3]
+    assert all(len(o["token_ids"]) == 9 and o["finish_reason"] == "length" for o in lines[0]["outputs"])
+    assert len({tuple(o["token_ids"]) for o in lines[0]["outputs"]}) == 1, "greedy samples agree"
+    second = lines[1]["outputs"][0]
+    assert len(second["logprobs"]) == len(second["token_ids"]) and second["text"] is not None
+    assert main(args) == 0  # baseline (no rollout mode) gives the same greedy group
+    assert json.loads(out.read_text().splitlines()[0])["outputs"] == lines[0]["outputs"]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "temperature": -1}\n')
+    with pytest.raises(SystemExit) as err:
+        main(["rollout", "--model", str(model), "--input", str(bad), "--output", str(out)])
+    assert err.value.code == 2

@@ -50,7 +50,7 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run_bench_rollout)
 
 
-def _trace_model(args: argparse.Namespace) -> str:
+def _trace_model(args: argparse.Namespace, max_len: int) -> str:
     if args.model:
         return args.model
     from seer_engine.model_executor.tiny_model import make_tiny_model
@@ -59,7 +59,12 @@ def _trace_model(args: argparse.Namespace) -> str:
     if not Path(tokenizer).is_file():
         raise ValueError(f"tokenizer {tokenizer!r} not found; pass --tokenizer or --model")
     out = Path(tempfile.mkdtemp(prefix="seer-bench-model-"))
-    return str(make_tiny_model(out, tokenizer=tokenizer, num_layers=args.layers, hidden_size=args.hidden))
+    return str(
+        make_tiny_model(
+            out, tokenizer=tokenizer, num_layers=args.layers, hidden_size=args.hidden,
+            max_position_embeddings=max(4096, max_len),
+        )
+    )  # fmt: skip
 
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
@@ -72,11 +77,11 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     if not Path(args.trace).is_file():
         raise ValueError(f"trace file {args.trace!r} not found")
     trace = select_groups(load_trace(args.trace), args.groups)
-    model = _trace_model(args)
+    max_len = max(len(g.prompt_token_ids) for g in trace) + args.max_tokens + 1
+    model = _trace_model(args, max_len)
     cfg = EngineConfig(
         model=model, num_kv_blocks=args.kv_blocks, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
-        max_model_len=max(len(g.prompt_token_ids) for g in trace) + args.max_tokens + 1,
+        max_num_seqs=args.max_num_seqs, num_threads=args.num_threads, max_model_len=max_len,
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     groups, responses = [], {}
