@@ -177,3 +177,29 @@ def test_rollout_cli_writes_groups_in_input_order(model, tmp_path):
     with pytest.raises(SystemExit) as err:
         main(["rollout", "--model", str(model), "--input", str(bad), "--output", str(out)])
     assert err.value.code == 2
+
+
+def test_bench_rollout_report(tmp_path):
+    import json
+
+    from conftest import SHARED
+
+    from seer_engine.entrypoints.cli import main
+
+    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
+    if not trace.is_file():
+        pytest.skip(f"traces not found at {trace}")
+    args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
+            "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
+            "--report", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["policies"]) == {"baseline", "divided", "context", "oracle"}
+    for name, figures in report["policies"].items():
+        for key in ("throughput_tokens_per_s", "makespan_s", "tail_s", "preemptions", "recomputed_tokens",
+                    "steps", "idle_fraction", "accepted_tokens_per_step"):  # fmt: skip
+            assert key in figures, (name, key)
+        assert figures["output_tokens"] == report["policies"]["baseline"]["output_tokens"]
+        if name != "baseline":
+            assert figures["preemptions"] == 0
+    assert (tmp_path / "report.png").stat().st_size > 10_000
