@@ -19,10 +19,10 @@ $(BIN)/.installed: pyproject.toml setup.py
 
 setup: $(BIN)/.installed
 
-# Main job on the built-in tiny random-weight model.
+# Main job: the OpenAI-compatible server on the built-in tiny random-weight model
+# (http://127.0.0.1:8000/v1; Ctrl-C stops it).
 run: setup
-	$(BIN)/seer_engine generate --model tiny --n 2 --max-tokens 32 \
-		--prompt "The rollout phase of reinforcement learning" --prompt "Once upon a time"
+	$(BIN)/seer_engine serve --rollout-mode --model tiny --host 127.0.0.1 --port 8000
 
 lint: setup
 	$(BIN)/ruff check seer_engine tests benchmarks

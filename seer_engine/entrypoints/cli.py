@@ -89,7 +89,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     from seer_engine.engine.config import EngineConfig
+    from seer_engine.entrypoints.bench import add_cli as add_bench
+    from seer_engine.entrypoints.openai.api_server import add_cli as add_serve
+    from seer_engine.entrypoints.rollout_cli import add_cli as add_rollout
     from seer_engine.model_executor.tiny_model import add_cli as add_make_tiny_model
+    from seer_engine.rollout.workload import add_cli as add_trace_stats
 
     parser = argparse.ArgumentParser(
         prog="seer_engine", description="LLM inference engine for RL rollouts (Seer)."
@@ -104,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_make_tiny_model(sub)
+    add_serve(sub)
+    add_rollout(sub)
+    add_bench(sub)
+    add_trace_stats(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: completions, chat, Files and Batch APIs, RL trainer endpoints."""

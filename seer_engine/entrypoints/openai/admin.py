@@ -1,0 +1,120 @@
+"""Trainer-facing control of the engine (SGLang-style RL endpoints), health and metrics.
+
+An RL trainer drives the server between rollouts: pause or abort generation,
+load new weights from disk, release memory while it trains (sleep / wake_up),
+and read how the engine is doing from /metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from seer_engine.engine.async_engine import EngineClient, EngineDeadError, EngineStats
+from seer_engine.entrypoints.openai.errors import APIError, error_response
+from seer_engine.entrypoints.openai.protocol import (
+    ERROR_RESPONSES,
+    AbortRequest,
+    PauseRequest,
+    UpdateWeightsRequest,
+)
+
+# (name, type, help, value) for every exported figure
+_METRICS: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
+    ("num_requests_running", "gauge", "Samples running in the engine.", lambda s: s.num_requests_running),
+    ("num_requests_waiting", "gauge", "Samples waiting for admission.", lambda s: s.num_requests_waiting),
+    ("num_requests_held", "gauge", "Samples held while paused or asleep.", lambda s: s.num_requests_held),
+    ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).", lambda s: s.kv_cache_usage),
+    ("kv_cache_free_blocks", "gauge", "Free KV blocks.", lambda s: s.kv_cache_free_blocks),
+    ("kv_cache_total_blocks", "gauge", "KV blocks in the pool.", lambda s: s.kv_cache_total_blocks),
+    ("num_preemptions_total", "counter", "Preemptions since start.", lambda s: s.num_preemptions),
+    ("generation_tokens_total", "counter", "Generated tokens since start.", lambda s: s.generated_tokens),
+    ("engine_steps_total", "counter", "Engine steps since start.", lambda s: s.num_steps),
+    ("generation_tokens_per_second", "gauge", "Recent generation throughput.", lambda s: s.tokens_per_second),
+    (
+        "accepted_tokens_per_step",
+        "gauge",
+        "Tokens accepted per request per step (1 without speculation).",
+        lambda s: s.accepted_tokens_per_step,
+    ),
+    ("paused", "gauge", "1 while generation is paused.", lambda s: float(s.paused is not None)),
+    ("sleeping", "gauge", "1 while the engine sleeps.", lambda s: float(s.sleeping)),
+]
+
+
+def render_metrics(stats: EngineStats, model_name: str, prefix: str = "seer_engine") -> str:
+    """Prometheus text exposition format (version 0.0.4)."""
+    label = '{model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+    lines = []
+    for name, kind, help_text, value in _METRICS:
+        full = f"{prefix}_{name}"
+        lines += [
+            f"# HELP {full} {help_text}",
+            f"# TYPE {full} {kind}",
+            f"{full}{label} {float(value(stats))}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], list[str]]) -> APIRouter:
+    router = APIRouter(tags=["rl"], responses=ERROR_RESPONSES)
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            engine.check_health()
+        except EngineDeadError as e:
+            return error_response(503, str(e), code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        text = render_metrics(await engine.stats(), engine.model_name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsRequest) -> dict:
+        await engine.update_weights_from_disk(req.model_path, req.weight_version)
+        return {"success": True, "message": "weights updated", "weight_version": engine.weight_version}
+
+    @router.get("/get_weight_version")
+    async def get_weight_version() -> dict:
+        return {"weight_version": engine.weight_version}
+
+    @router.post("/pause_generation")
+    async def pause_generation(req: PauseRequest | None = None) -> dict:
+        mode = (req or PauseRequest()).mode
+        await engine.pause(mode)
+        return {"success": True, "mode": mode}
+
+    @router.post("/resume_generation")
+    async def resume_generation() -> dict:
+        await engine.resume()
+        return {"success": True}
+
+    @router.post("/abort_requests")
+    async def abort_requests(req: AbortRequest) -> dict:
+        if req.all == (req.request_ids is not None):
+            raise APIError(400, "give either request_ids or all: true", param="request_ids")
+        ids = None if req.all else expand_ids(req.request_ids or [])
+        count = await engine.abort(ids)
+        return {"success": True, "num_aborted": count}
+
+    @router.post("/sleep")
+    async def sleep() -> dict:
+        await engine.sleep()
+        return {"success": True}
+
+    @router.post("/wake_up")
+    async def wake_up() -> dict:
+        await engine.wake_up()
+        return {"success": True}
+
+    @router.post("/flush_cache")
+    async def flush_cache() -> dict:
+        await engine.flush_cache()
+        return {"success": True}
+
+    return router

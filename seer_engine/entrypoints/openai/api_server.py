@@ -1,0 +1,267 @@
+"""``seer_engine serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+This module wires the pieces: it picks the backend (``build_engine_client``, the one
+place where that choice is made), builds the app (routes, error handlers, guards)
+and runs uvicorn. The routes themselves live in serving_*.py, files.py, batch.py
+and admin.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from seer_engine.engine.async_engine import AsyncEngine, EngineClient
+from seer_engine.engine.config import EngineConfig
+from seer_engine.entrypoints.openai.admin import admin_router
+from seer_engine.entrypoints.openai.batch import BatchManager, BatchStore, batches_router
+from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers
+from seer_engine.entrypoints.openai.files import FileStore, files_router
+from seer_engine.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from seer_engine.entrypoints.openai.serving_base import RequestRegistry
+from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
+from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+logger = logging.getLogger("seer_engine.serve")
+
+DEFAULT_DATA_DIR = Path("~/.cache/seer_engine/server")
+DEFAULT_MAX_BODY_BYTES = 200 * 1024 * 1024  # the OpenAI limit for a batch input file
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerSettings:
+    """Server-level options (everything that is not an engine flag)."""
+
+    served_model_names: list[str]
+    data_dir: Path = DEFAULT_DATA_DIR
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    rollout_mode: bool = False
+    instances: int = 1
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+def build_engine_client(config: EngineConfig, settings: ServerSettings) -> EngineClient:
+    """The one place where the backend is chosen.
+
+    Today: one engine instance on a background thread. ``--rollout-mode`` and
+    ``--instances`` are recorded; the rollout backend (Seer scheduling over a pool
+    of instances) plugs in here behind the same ``EngineClient`` interface.
+    """
+    if settings.rollout_mode or settings.instances != 1:
+        logger.warning(
+            "--rollout-mode/--instances (%s, %d) recorded: rollout scheduling arrives with the rollout "
+            "backend; serving with one engine instance for now",
+            settings.rollout_mode,
+            settings.instances,
+        )
+    engine = AsyncEngine.from_config(config, model_name=settings.served_model_names[0])
+    return engine.start()
+
+
+# ---------------------------------------------------------------------------------- app
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` but cancel it when the client goes away (its requests are aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection", code="client_closed")
+    return task.result()
+
+
+def parse_body(model: type[M], body: dict, request_id: str) -> M:
+    """A batch line's body as a request model (stream off, the line's request id)."""
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise APIError(422, f"{where}: {first.get('msg', 'invalid')}", param=where) from None
+    if req.stream:
+        raise APIError(400, "stream is not supported in a batch", param="stream")
+    return req.model_copy(update={"request_id": request_id})
+
+
+def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    registry = RequestRegistry()
+    completions = OpenAIServingCompletion(engine, settings.served_model_names, registry)
+    chat = OpenAIServingChat(engine, settings.served_model_names, registry)
+    data_dir = settings.data_dir.expanduser()
+    files = FileStore(data_dir / "files")
+
+    async def completion_line(body: dict, request_id: str) -> dict:
+        return await completions.create(parse_body(CompletionRequest, body, request_id))  # type: ignore[return-value]
+
+    async def chat_line(body: dict, request_id: str) -> dict:
+        return await chat.create(parse_body(ChatCompletionRequest, body, request_id))  # type: ignore[return-value]
+
+    batches = BatchManager(
+        BatchStore(data_dir / "batches"),
+        files,
+        {"/v1/completions": completion_line, "/v1/chat/completions": chat_line},
+        settings.served_model_names[0],
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        batches.start()
+        yield
+        await batches.stop()
+
+    app = FastAPI(title="seer_engine", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+
+    async def respond(request: Request, work: Awaitable[dict | AsyncIterator[str]]):
+        result = await until_disconnect(request, work)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.get("/v1/models", tags=["openai"], responses=ERROR_RESPONSES)
+    async def list_models() -> dict:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "seer_engine",
+                "root": name,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in settings.served_model_names
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES)
+    async def create_completion(req: CompletionRequest, request: Request):
+        return await respond(request, completions.create(req))
+
+    @app.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES)
+    async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+        return await respond(request, chat.create(req))
+
+    app.include_router(files_router(files))
+    app.include_router(batches_router(batches))
+    app.include_router(admin_router(engine, registry.expand))
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)  # outermost: before reading bodies
+    return app
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``serve`` (server flags plus every engine flag) on the CLI."""
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible server with the Batch API and RL trainer endpoints",
+        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/files, "
+        "/v1/batches, and trainer endpoints (/update_weights_from_disk, /pause_generation, ...).",
+    )
+    EngineConfig.add_cli_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at start)")
+    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health)")
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients use (default: --model)"
+    )
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where files and batches are kept")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--rollout-mode", action="store_true", help="Seer rollout scheduling (recorded for now)")
+    p.add_argument("--instances", type=int, default=1, help="engine instances in rollout mode")
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=30,
+        help="seconds an idle HTTP connection stays open; longer than clients' own idle expiry "
+        "(httpx: 5 s) so that the client, not the server, closes idle connections",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_server)
+    return p
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    if args.instances < 1:
+        raise ValueError(f"--instances must be positive, got {args.instances}")
+    config = EngineConfig.from_cli_args(args)
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [args.model],
+        data_dir=args.data_dir,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        rollout_mode=args.rollout_mode,
+        instances=args.instances,
+    )
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))  # before loading the model: a busy port fails fast
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    engine = build_engine_client(config, settings)
+    try:
+        app = create_app(engine, settings)
+        host, port = sock.getsockname()[:2]
+        # Always shown (tests and scripts read the address from it, e.g. with --port 0).
+        print(
+            f"seer_engine serve: serving {settings.served_model_names[0]} on http://{host}:{port}",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level=args.log_level,
+                access_log=False,
+                timeout_keep_alive=args.timeout_keep_alive,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,386 @@
+"""The OpenAI Batch API: a JSONL file of requests in, output and error files out.
+
+A batch goes validating -> in_progress -> finalizing -> completed (or failed when
+its file is malformed; cancelling -> cancelled when cancelled). All its lines are
+submitted to the engine together, so a batch runs as one rollout: the scheduler
+sees every request (and every group) at once.
+
+Batch objects are saved under the data folder at every status change (and at most
+once a second while lines finish), so a restart loses nothing accepted. A batch
+that was validating, in progress or finalizing when the server stopped is run
+again from its first line on the next start (lines that had finished are computed
+again; seeded requests give the same results). One that was cancelling is marked
+cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Query
+
+from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
+from seer_engine.entrypoints.openai.files import FileStore, atomic_write, page
+from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, BatchCreateRequest
+
+logger = logging.getLogger(__name__)
+
+# endpoint -> handler(body, request_id) returning the response body (raises APIError)
+LineHandler = Callable[[dict, str], Awaitable[dict]]
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+PERSIST_INTERVAL_S = 1.0
+_CANCELLED = {"code": "batch_cancelled", "message": "the batch was cancelled before this request finished"}
+
+
+class BatchLineError(Exception):
+    def __init__(self, line: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.record = {"code": code, "message": message, "param": param, "line": line}
+
+
+def parse_lines(content: bytes, endpoint: str) -> list[dict]:
+    """The request lines of an input file, or every structural problem in it."""
+    errors: list[dict] = []
+    lines: list[dict] = []
+    seen: set[str] = set()
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BatchLineError(0, "invalid_file", "the input file is not UTF-8 text") from None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError as e:
+            errors.append({"code": "invalid_json_line", "message": f"not valid JSON: {e}", "line": number})
+            continue
+        problem = _line_problem(line, endpoint, seen)
+        if problem:
+            errors.append({"code": problem[0], "message": problem[1], "line": number})
+            continue
+        seen.add(line["custom_id"])
+        lines.append(line)
+    if errors:
+        raise BatchValidationError(errors)
+    if not lines:
+        raise BatchLineError(0, "empty_file", "the input file has no requests")
+    return lines
+
+
+def _line_problem(line: Any, endpoint: str, seen: set[str]) -> tuple[str, str] | None:
+    if not isinstance(line, dict):
+        return "invalid_request", "each line must be a JSON object"
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return "missing_custom_id", "custom_id must be a non-empty string"
+    if custom_id in seen:
+        return "duplicate_custom_id", f"custom_id {custom_id!r} appears more than once"
+    if line.get("method", "POST") != "POST":
+        return "invalid_method", f"method must be POST, got {line.get('method')!r}"
+    if line.get("url") != endpoint:
+        return "mismatched_url", f"url must be the batch's endpoint {endpoint!r}, got {line.get('url')!r}"
+    if not isinstance(line.get("body"), dict):
+        return "invalid_body", "body must be a JSON object"
+    return None
+
+
+class BatchValidationError(Exception):
+    def __init__(self, errors: list[dict]) -> None:
+        super().__init__(f"{len(errors)} invalid lines")
+        self.records = [{**e, "param": None} for e in errors]
+
+
+class BatchStore:
+    """Batch objects, one JSON file each."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, batch: dict) -> None:
+        atomic_write(self.root / f"{batch['id']}.json", json.dumps(batch).encode())
+
+    def load_all(self) -> dict[str, dict]:
+        out = {}
+        for path in self.root.glob("batch_*.json"):
+            try:
+                batch = json.loads(path.read_text())
+                out[batch["id"]] = batch
+            except (OSError, ValueError, KeyError) as e:
+                logger.warning("skipping unreadable batch record %s: %s", path, e)
+        return out
+
+
+class BatchManager:
+    """Creates, runs, cancels and lists batches; one asyncio task per running batch."""
+
+    def __init__(
+        self, store: BatchStore, files: FileStore, handlers: dict[str, LineHandler], model: str
+    ) -> None:
+        self.store = store
+        self.files = files
+        self.handlers = handlers
+        self.model = model
+        self._batches = store.load_all()
+        self._runs: dict[str, asyncio.Task] = {}
+        self._lines: dict[str, list[asyncio.Task]] = {}
+        self._saved_at: dict[str, float] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Resume what a previous server left unfinished (see the module docstring)."""
+        for batch in self._batches.values():
+            if batch["status"] == "cancelling":
+                self._set(batch, "cancelled", cancelled_at=int(time.time()))
+            elif batch["status"] not in TERMINAL:
+                logger.info("resuming batch %s (was %s)", batch["id"], batch["status"])
+                batch["request_counts"] = {"total": 0, "completed": 0, "failed": 0}
+                self._set(batch, "validating")
+                self._launch(batch)
+
+    async def stop(self) -> None:
+        """Stop running batches without changing their status: the next start resumes them."""
+        runs = list(self._runs.values())
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+
+    # -- API -----------------------------------------------------------------------------------
+
+    def create(self, req: BatchCreateRequest) -> dict:
+        if req.endpoint not in self.handlers:
+            raise APIError(
+                400,
+                f"endpoint must be one of {sorted(self.handlers)}, got {req.endpoint!r}",
+                param="endpoint",
+            )
+        window = COMPLETION_WINDOWS.get(req.completion_window)
+        if window is None:
+            raise APIError(
+                400,
+                f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {req.completion_window!r}",
+                param="completion_window",
+            )
+        meta = self.files.get(req.input_file_id)
+        if meta["purpose"] != "batch":
+            message = f"file {req.input_file_id!r} was not uploaded with purpose 'batch'"
+            raise APIError(400, message, param="input_file_id")
+        now = int(time.time())
+        batch = {
+            "id": f"batch_{uuid.uuid4().hex}",
+            "object": "batch",
+            "endpoint": req.endpoint,
+            "model": self.model,
+            "errors": None,
+            "input_file_id": req.input_file_id,
+            "completion_window": req.completion_window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + window,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "usage": None,
+            "metadata": req.metadata,
+        }
+        self._batches[batch["id"]] = batch
+        self.store.save(batch)
+        self._launch(batch)
+        return batch
+
+    def get(self, batch_id: str) -> dict:
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id", code="batch_not_found")
+        return batch
+
+    def list(self, after: str | None, limit: int) -> dict:
+        items = sorted(self._batches.values(), key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        return page(items, after, limit)
+
+    def cancel(self, batch_id: str) -> dict:
+        batch = self.get(batch_id)
+        if batch["status"] in ("cancelling", "cancelled"):
+            return batch
+        if batch["status"] in TERMINAL:
+            raise APIError(
+                409, f"cannot cancel a batch that is {batch['status']}", code="batch_not_cancellable"
+            )
+        self._set(batch, "cancelling", cancelling_at=int(time.time()))
+        for task in self._lines.get(batch_id, []):
+            task.cancel()  # closing a request's stream aborts it in the engine
+        return batch
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _launch(self, batch: dict) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._runs[batch["id"]] = task
+        task.add_done_callback(lambda _: self._runs.pop(batch["id"], None))
+
+    def _set(self, batch: dict, status: str, **fields: Any) -> None:
+        batch["status"] = status
+        batch.update(fields)
+        self.store.save(batch)
+        self._saved_at[batch["id"]] = time.monotonic()
+
+    async def _run(self, batch: dict) -> None:
+        try:
+            await self._execute(batch)
+        except asyncio.CancelledError:
+            raise  # server shutdown: the status stays, the next start resumes
+        except Exception as e:  # noqa: BLE001 - a batch must end in a status, never vanish
+            logger.exception("batch %s failed", batch["id"])
+            record = {"code": "internal_error", "message": str(e), "param": None, "line": None}
+            self._set(batch, "failed", failed_at=int(time.time()), errors=_errors([record]))
+        finally:
+            self._lines.pop(batch["id"], None)
+
+    async def _execute(self, batch: dict) -> None:
+        try:
+            content = await asyncio.to_thread(self.files.read, batch["input_file_id"])
+            lines = parse_lines(content, batch["endpoint"])
+        except (APIError, BatchLineError, BatchValidationError) as e:
+            if isinstance(e, BatchValidationError):
+                records = e.records
+            elif isinstance(e, BatchLineError):
+                records = [e.record]
+            else:
+                records = [
+                    {
+                        "code": "invalid_input_file",
+                        "message": e.message,
+                        "param": "input_file_id",
+                        "line": None,
+                    }
+                ]
+            self._set(batch, "failed", failed_at=int(time.time()), errors=_errors(records))
+            return
+        if batch["status"] == "cancelling":
+            self._set(batch, "cancelled", cancelled_at=int(time.time()))
+            return
+        batch["request_counts"] = {"total": len(lines), "completed": 0, "failed": 0}
+        self._set(batch, "in_progress", in_progress_at=int(time.time()))
+        handler = self.handlers[batch["endpoint"]]
+        tasks = [asyncio.create_task(self._run_line(batch, handler, i, line)) for i, line in enumerate(lines)]
+        self._lines[batch["id"]] = tasks
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            raise
+        cancelled = batch["status"] == "cancelling"
+        if not cancelled:
+            self._set(batch, "finalizing", finalizing_at=int(time.time()))
+        outputs, errors = [], []
+        in_tokens = out_tokens = 0
+        for line, result in zip(lines, results):
+            if isinstance(result, BaseException):
+                errors.append(_record(line["custom_id"], None, None, _CANCELLED))
+                continue
+            record, ok, usage = result
+            (outputs if ok else errors).append(record)
+            in_tokens += usage.get("prompt_tokens", 0)
+            out_tokens += usage.get("completion_tokens", 0)
+        fields: dict[str, Any] = {"usage": _usage(in_tokens, out_tokens)}
+        if outputs:
+            fields["output_file_id"] = (await self._write(batch, outputs, "output"))["id"]
+        if errors:
+            fields["error_file_id"] = (await self._write(batch, errors, "error"))["id"]
+        if cancelled:
+            self._set(batch, "cancelled", cancelled_at=int(time.time()), **fields)
+        else:
+            self._set(batch, "completed", completed_at=int(time.time()), **fields)
+
+    async def _run_line(
+        self, batch: dict, handler: LineHandler, index: int, line: dict
+    ) -> tuple[dict, bool, dict]:
+        request_id = line["body"].get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            request_id = f"{batch['id']}-{index}"
+        try:
+            body = await handler(line["body"], request_id)
+            status, ok, usage = 200, True, body.get("usage") or {}
+        except Exception as e:  # noqa: BLE001 - one line's failure is that line's error record
+            err = as_api_error(e)
+            body = error_body(err.status, err.message, err.param, err.code)
+            status, ok, usage = err.status, False, {}
+        record = _record(line["custom_id"], status, request_id, None, body)
+        counts = batch["request_counts"]
+        counts["completed" if ok else "failed"] += 1
+        if time.monotonic() - self._saved_at.get(batch["id"], 0.0) > PERSIST_INTERVAL_S:
+            self.store.save(batch)
+            self._saved_at[batch["id"]] = time.monotonic()
+        return record, ok, usage
+
+    async def _write(self, batch: dict, records: list[dict], kind: str) -> dict:
+        content = "".join(json.dumps(r) + "\n" for r in records).encode()
+        return await self.files.create(content, f"{batch['id']}_{kind}.jsonl", "batch_output")
+
+
+def _record(
+    custom_id: str, status: int | None, request_id: str | None, error: dict | None, body: dict | None = None
+) -> dict:
+    """One line of an output or error file."""
+    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": response,
+        "error": error,
+    }
+
+
+def _errors(records: list[dict]) -> dict:
+    return {"object": "list", "data": records}
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def batches_router(manager: BatchManager) -> APIRouter:
+    router = APIRouter(tags=["batches"], responses=ERROR_RESPONSES)
+
+    @router.post("/v1/batches")
+    async def create_batch(req: BatchCreateRequest) -> dict:
+        return manager.create(req)
+
+    @router.get("/v1/batches")
+    async def list_batches(after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
+        return manager.list(after, limit)
+
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str) -> dict:
+        return manager.get(batch_id)
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> dict:
+        return manager.cancel(batch_id)
+
+    return router

@@ -1,0 +1,108 @@
+"""Every failure becomes an OpenAI error object with a fitting status code.
+
+Bad input is always a 4xx: malformed JSON 400, a body of the wrong shape 422, a
+refused value 400, unknown ids 404, state conflicts 409. Only a bug is a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from seer_engine.engine.async_engine import EngineBusyError, EngineDeadError
+from seer_engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error to return as-is to the client."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Map engine-side exceptions to client errors (used by batches as well as routes)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineBusyError):
+        return APIError(409, str(exc), code="engine_busy")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, ValueError):  # ModelLoadError and other refusals of a value
+        return APIError(400, str(exc))
+    logger.error("internal error", exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return 400, "the request body is not valid JSON", None
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+    return 422, "; ".join(parts) or "invalid request body", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    async def on_engine_error(_: Request, exc: Exception) -> JSONResponse:
+        err = as_api_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        status, message, param = _validation_message(exc)
+        return error_response(status, message, param)
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(exc.status_code, message)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(InvalidRequestError, on_engine_error)
+    app.add_exception_handler(EngineBusyError, on_engine_error)
+    app.add_exception_handler(EngineDeadError, on_engine_error)
+    app.add_exception_handler(ValueError, on_engine_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)

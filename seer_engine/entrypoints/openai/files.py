@@ -1,0 +1,181 @@
+"""The OpenAI Files API, backed by a folder: uploads (batch inputs) and batch results.
+
+Each file is ``<id>.data`` (the bytes) plus ``<id>.json`` (the file object), both
+written to a temporary name and renamed into place, metadata last: a file either
+exists whole after a crash or restart, or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Literal
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi.responses import FileResponse
+
+from seer_engine.entrypoints.openai.errors import APIError
+from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_PURPOSES = ("batch",)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temporary sibling and rename, so readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class FileStore:
+    """Files on disk with their OpenAI file objects kept in memory for listing."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, dict] = {}
+        for meta_path in root.glob("file-*.json"):
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError) as e:
+                logger.warning("skipping unreadable file record %s: %s", meta_path, e)
+                continue
+            if self.data_path(meta["id"]).is_file():
+                self._files[meta["id"]] = meta
+
+    def data_path(self, file_id: str) -> Path:
+        return self.root / f"{file_id}.data"
+
+    def _save(self, file_id: str, copy_in, filename: str, purpose: str) -> dict:
+        """Write the bytes with ``copy_in(fileobj)``, then the file object."""
+        data = self.data_path(file_id)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{file_id}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                copy_in(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, data)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        meta = {
+            "id": file_id,
+            "object": "file",
+            "bytes": data.stat().st_size,
+            "created_at": int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "expires_at": None,
+            "status_details": None,
+        }
+        atomic_write(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        self._files[file_id] = meta
+        return meta
+
+    async def upload(self, source: IO[bytes], filename: str, purpose: str) -> dict:
+        if purpose not in UPLOAD_PURPOSES:
+            raise APIError(
+                400, f"purpose must be one of {list(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose"
+            )
+        file_id = f"file-{uuid.uuid4().hex}"
+        return await asyncio.to_thread(
+            self._save, file_id, lambda f: shutil.copyfileobj(source, f, 1 << 20), filename, purpose
+        )
+
+    async def create(self, content: bytes, filename: str, purpose: str) -> dict:
+        file_id = f"file-{uuid.uuid4().hex}"
+        return await asyncio.to_thread(self._save, file_id, lambda f: f.write(content), filename, purpose)
+
+    def get(self, file_id: str) -> dict:
+        meta = self._files.get(file_id)
+        if meta is None:
+            raise APIError(404, f"no file with id {file_id!r}", param="file_id", code="file_not_found")
+        return meta
+
+    def read(self, file_id: str) -> bytes:
+        self.get(file_id)
+        return self.data_path(file_id).read_bytes()
+
+    def list(self, purpose: str | None, after: str | None, limit: int, order: str) -> dict:
+        items = sorted(
+            self._files.values(), key=lambda m: (m["created_at"], m["id"]), reverse=order == "desc"
+        )
+        if purpose is not None:
+            items = [m for m in items if m["purpose"] == purpose]
+        return page(items, after, limit)
+
+    def delete(self, file_id: str) -> dict:
+        self.get(file_id)
+        del self._files[file_id]
+        (self.root / f"{file_id}.json").unlink(missing_ok=True)
+        self.data_path(file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+def page(items: list[dict], after: str | None, limit: int) -> dict:
+    """One page of an OpenAI cursor list (``after`` = the last id of the previous page)."""
+    if after is not None:
+        ids = [m["id"] for m in items]
+        if after not in ids:
+            raise APIError(400, f"unknown cursor {after!r}", param="after")
+        items = items[ids.index(after) + 1 :]
+    data = items[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(items) > limit,
+    }
+
+
+def files_router(store: FileStore) -> APIRouter:
+    router = APIRouter(tags=["files"], responses=ERROR_RESPONSES)
+
+    @router.post("/v1/files")
+    async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)) -> dict:  # noqa: B008
+        return await store.upload(file.file, file.filename or "upload.jsonl", purpose)
+
+    @router.get("/v1/files")
+    async def list_files(
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = Query(10000, ge=1, le=10000),
+        order: Literal["asc", "desc"] = "desc",
+    ) -> dict:
+        return store.list(purpose, after, limit, order)
+
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str) -> dict:
+        return store.get(file_id)
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> FileResponse:
+        meta = store.get(file_id)
+        return FileResponse(
+            store.data_path(file_id), media_type="application/jsonl", filename=meta["filename"]
+        )
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> dict:
+        return store.delete(file_id)
+
+    return router

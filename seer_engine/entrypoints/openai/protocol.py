@@ -1,0 +1,132 @@
+"""Request bodies of the server, as pydantic models (they also make the OpenAPI schema).
+
+Models are strict (no "1" -> 1, no true -> 1): a wrong type is an error, not a guess.
+Values (n >= 1, temperature >= 0, ...) are checked by ``SamplingParams`` so that the
+engine and the server refuse the same things with the same messages. Unknown fields
+are ignored, as OpenAI clients send fields this server does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object; every 4xx/5xx body of this server has this shape."""
+
+    error: ErrorInfo
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 503)
+}
+
+
+# ----------------------------------------------------------------------- generation
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Sampling fields shared by completions and chat (vLLM names for the extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions for RL rollouts and debugging.
+    return_token_ids: bool = False
+    request_id: str | None = Field(
+        default=None, description="Engine request id (for /abort_requests); one is made when absent."
+    )
+    group_id: str | None = Field(default=None, description="Group of related samples (a GRPO group).")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+
+# --------------------------------------------------------------------------- batches
+
+
+class BatchCreateRequest(_Strict):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+# ------------------------------------------------------------------------ RL control
+
+
+class UpdateWeightsRequest(_Strict):
+    model_path: str
+    weight_version: str | None = None
+
+
+class PauseRequest(_Strict):
+    mode: Literal["abort", "wait", "keep"] = "abort"
+
+
+class AbortRequest(_Strict):
+    request_ids: list[str] | None = None
+    all: bool = False

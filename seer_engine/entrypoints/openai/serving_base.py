@@ -1,0 +1,268 @@
+"""What completions and chat share: model names, sampling params, request ids, logprobs.
+
+The serving classes turn a parsed request into engine requests and engine outputs
+into OpenAI response objects. They know nothing about HTTP, so the Batch API runs
+its lines through the very same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from seer_engine.engine.async_engine import EngineClient
+from seer_engine.entrypoints.openai.errors import APIError
+from seer_engine.entrypoints.openai.protocol import _SamplingFields
+from seer_engine.outputs import RequestOutput, SampleLogprobs
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+MAX_N = 128  # samples per prompt, as in the OpenAI API
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def finite(x: float) -> float:
+    """JSON has no infinities: a -inf logprob (a masked token) is reported as -9999."""
+    return x if math.isfinite(x) else -9999.0
+
+
+class RequestRegistry:
+    """User-visible request id -> engine request ids, for /abort_requests.
+
+    A completion with several prompts runs as several engine requests
+    (``<id>-0``, ``<id>-1``, ...); aborting ``<id>`` must reach all of them.
+    """
+
+    def __init__(self) -> None:
+        self._active: dict[str, list[str]] = {}
+
+    def add(self, user_id: str, engine_ids: list[str]) -> None:
+        if len(engine_ids) > 1 or engine_ids != [user_id]:
+            self._active[user_id] = engine_ids
+
+    def remove(self, user_id: str) -> None:
+        self._active.pop(user_id, None)
+
+    def expand(self, ids: Sequence[str]) -> list[str]:
+        out: list[str] = []
+        for rid in ids:
+            out.extend(self._active.get(rid, [rid]))
+        return out
+
+
+class ServingBase:
+    """Model-name checks, sampling parameters and request submission."""
+
+    def __init__(self, engine: EngineClient, served_names: Sequence[str], registry: RequestRegistry) -> None:
+        self.engine = engine
+        self.served_names = list(served_names)
+        self.registry = registry
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_names:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.served_names}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @staticmethod
+    def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build and validate engine sampling parameters; unsupported options are refused."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(req, name)
+            if value not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (must be 0)", param=name)
+        if req.n > MAX_N:
+            raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        fields: dict = {
+            "n": req.n,
+            "max_tokens": max_tokens,
+            "min_tokens": req.min_tokens,
+            "seed": req.seed,
+            "stop": req.stop or [],
+            "stop_token_ids": req.stop_token_ids or [],
+            "ignore_eos": req.ignore_eos,
+            "logprobs": logprobs,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            value = getattr(req, name)
+            if value is not None:
+                fields[name] = value
+        try:
+            return SamplingParams(**fields)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+    async def submit(
+        self,
+        request_id: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        stream: bool,
+        group_id: str | None,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Submit one engine request per prompt, all at once; on a refusal, abort the
+        ones accepted and raise the first refusal."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        several = len(prompts) > 1 and group_id is not None
+        groups = [f"{group_id}-{i}" if several else group_id for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(
+                self.engine.generate(rid, prompt, params, stream=stream, group_id=groups[i])
+                for i, (rid, prompt) in enumerate(zip(ids, prompts))
+            ),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            accepted = [rid for rid, r in zip(ids, results) if not isinstance(r, BaseException)]
+            if accepted:
+                await self.engine.abort(accepted)
+            raise errors[0]
+        self.registry.add(request_id, ids)
+        return list(results)
+
+
+async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in outputs:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+def top_entries(step: dict, chosen: int, top_n: int) -> list[tuple[int, float, str]]:
+    """(token id, logprob, text) of the top-N by rank, best first."""
+    ranked = sorted(step.items(), key=lambda kv: kv[1].rank)
+    return [(tid, lp.logprob, lp.decoded_token or "") for tid, lp in ranked if lp.rank <= top_n]
+
+
+def completion_logprobs(
+    token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int, text_offset: int
+) -> dict:
+    """OpenAI completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for tid, step in zip(token_ids, logprobs):
+        chosen = step[tid]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(finite(chosen.logprob))
+        top = {t: finite(lp) for _, lp, t in top_entries(step, tid, top_n)}
+        top.setdefault(text, finite(chosen.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int) -> list[dict]:
+    """OpenAI chat format: one entry per token with its top alternatives."""
+    content = []
+    for tid, step in zip(token_ids, logprobs):
+        chosen = step[tid]
+        text = chosen.decoded_token or ""
+        content.append(
+            {
+                "token": text,
+                "logprob": finite(chosen.logprob),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8"))}
+                    for _, lp, t in top_entries(step, tid, top_n)
+                ],
+            }
+        )
+    return content
+
+
+class TextDeltas:
+    """Turns the growing text of one sample into safe-to-send deltas.
+
+    Text is held back while it ends in an incomplete UTF-8 character (decoded as
+    U+FFFD) or could still be cut by a stop string, so that no sent text is ever
+    taken back.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.sent = 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def delta(self, text: str, finished: bool) -> str:
+        if finished:
+            end = len(text)
+        else:
+            end = len(text) - self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        out = text[self.sent : end]
+        self.sent = end
+        return out
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def merge_outputs(
+    streams: Sequence[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come: (prompt index, output).
+
+    Closing the merged iterator cancels the readers, which aborts the requests.
+    """
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def read(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in it:
+                q.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            q.put_nowait((i, e))
+        q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(read(i, it)) for i, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

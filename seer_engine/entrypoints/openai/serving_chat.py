@@ -1,0 +1,156 @@
+"""/v1/chat/completions: messages through the tokenizer's chat template -> chat completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
+from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from seer_engine.entrypoints.openai.serving_base import (
+    ServingBase,
+    TextDeltas,
+    chat_logprobs,
+    final_output,
+    random_id,
+    stop_strings,
+    usage,
+)
+from seer_engine.outputs import CompletionOutput
+
+
+def _content_text(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400, f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}"
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+class OpenAIServingChat(ServingBase):
+    def render_prompt(self, req: ChatCompletionRequest) -> str:
+        """The conversation as one prompt string, through the model's chat template."""
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        messages = [{"role": m.role, "content": _content_text(m, i)} for i, m in enumerate(req.messages)]
+        try:
+            return self.engine.detokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault or the model's
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+    async def create(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        prompt = self.render_prompt(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, logprobs)
+        request_id = req.request_id or random_id("chatcmpl-")
+        (stream,) = await self.submit(request_id, [prompt], params, req.stream, req.group_id)
+        if req.stream:
+            return self._stream(req, request_id, stream)
+        try:
+            out = await final_output(stream)
+        finally:
+            self.registry.remove(request_id)
+        choices = [self._choice(req, out.prompt_token_ids, s) for s in out.outputs]
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), sum(len(s.token_ids) for s in out.outputs)),
+            "system_fingerprint": None,
+        }
+
+    def _choice(self, req: ChatCompletionRequest, prompt_ids: list[int], sample: CompletionOutput) -> dict:
+        choice = {
+            "index": sample.index,
+            "message": {"role": "assistant", "content": sample.text},
+            "logprobs": self._logprobs(req, sample.token_ids, sample),
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = sample.token_ids
+        return choice
+
+    @staticmethod
+    def _logprobs(
+        req: ChatCompletionRequest, token_ids: list[int], sample: CompletionOutput, start: int = 0
+    ) -> dict | None:
+        if not req.logprobs or sample.logprobs is None:
+            return None
+        return {"content": chat_logprobs(token_ids, sample.logprobs[start:], req.top_logprobs or 0)}
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, stream) -> AsyncIterator[str]:
+        created = int(time.time())
+        deltas: dict[int, TextDeltas] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        prompt_tokens = 0
+
+        def chunk(choices: list[dict], usage_obj: dict | None = None) -> str:
+            body = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage_obj,
+            }
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            async for out in stream:
+                prompt_tokens = len(out.prompt_token_ids)
+                choices = []
+                for sample in out.outputs:
+                    i = sample.index
+                    if i in done:
+                        continue
+                    first = i not in deltas
+                    if first:
+                        deltas[i] = TextDeltas(stop_strings(req.stop))
+                        sent_tokens[i] = 0
+                    text = deltas[i].delta(sample.text, sample.finished)
+                    new_ids = sample.token_ids[sent_tokens[i] :]
+                    if not (text or new_ids or sample.finished or first):
+                        continue
+                    delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+                    choice: dict = {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": self._logprobs(req, new_ids, sample, sent_tokens[i]),
+                        "finish_reason": sample.finish_reason,
+                        "stop_reason": sample.stop_reason,
+                    }
+                    if req.return_token_ids:
+                        if first:
+                            choice["prompt_token_ids"] = out.prompt_token_ids
+                        choice["token_ids"] = new_ids
+                    sent_tokens[i] = len(sample.token_ids)
+                    if sample.finished:
+                        done.add(i)
+                    choices.append(choice)
+                if choices:
+                    yield chunk(choices)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk([], usage(prompt_tokens, sum(sent_tokens.values())))
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            err = as_api_error(e)
+            yield f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+        finally:
+            self.registry.remove(request_id)
+        yield "data: [DONE]\n\n"

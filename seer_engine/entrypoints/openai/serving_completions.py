@@ -1,0 +1,184 @@
+"""/v1/completions: prompts (text or token ids, one or many) -> OpenAI text completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
+from seer_engine.entrypoints.openai.protocol import CompletionRequest
+from seer_engine.entrypoints.openai.serving_base import (
+    ServingBase,
+    TextDeltas,
+    completion_logprobs,
+    final_output,
+    merge_outputs,
+    random_id,
+    stop_strings,
+    usage,
+)
+from seer_engine.outputs import CompletionOutput, RequestOutput
+
+
+def normalize_prompts(prompt: str | list) -> list[str | list[int]]:
+    """The four OpenAI prompt shapes as a list of single prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class OpenAIServingCompletion(ServingBase):
+    async def create(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        """A response dict, or SSE lines when ``req.stream``. Refusals raise before any output."""
+        self.check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+        prompts = normalize_prompts(req.prompt)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        request_id = req.request_id or random_id("cmpl-")
+        streams = await self.submit(request_id, prompts, params, req.stream, req.group_id)
+        if req.stream:
+            return self._stream(req, request_id, prompts, streams)
+        try:
+            outputs = [await final_output(s) for s in streams]
+        finally:
+            self.registry.remove(request_id)
+        return self._response(req, request_id, prompts, outputs)
+
+    # -- whole responses -----------------------------------------------------------------
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.engine.detokenizer.decode(prompt)
+
+    def _response(
+        self, req: CompletionRequest, request_id: str, prompts: list, outputs: list[RequestOutput]
+    ) -> dict:
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        for p, (prompt, out) in enumerate(zip(prompts, outputs)):
+            prompt_tokens += len(out.prompt_token_ids)
+            prefix = self._prompt_text(prompt) if req.echo else ""
+            for sample in out.outputs:
+                completion_tokens += len(sample.token_ids)
+                choice = {
+                    "index": p * req.n + sample.index,
+                    "text": prefix + sample.text,
+                    "logprobs": self._logprobs(req, out, sample),
+                    "finish_reason": sample.finish_reason,
+                    "stop_reason": sample.stop_reason,
+                }
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
+                    choice["token_ids"] = sample.token_ids
+                choices.append(choice)
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
+            "system_fingerprint": None,
+        }
+
+    def _logprobs(self, req: CompletionRequest, out: RequestOutput, sample: CompletionOutput) -> dict | None:
+        if req.logprobs is None or sample.logprobs is None:
+            return None
+        if not req.echo:
+            return completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, 0)
+        # Echoed prompt tokens come first; the engine computes no prompt logprobs (null).
+        detok = self.engine.detokenizer
+        pieces = [detok.piece(t) for t in out.prompt_token_ids]
+        offsets, pos = [], 0
+        for piece in pieces:
+            offsets.append(pos)
+            pos += len(piece)
+        gen = completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, pos)
+        return {
+            "tokens": pieces + gen["tokens"],
+            "token_logprobs": [None] * len(pieces) + gen["token_logprobs"],
+            "top_logprobs": [None] * len(pieces) + gen["top_logprobs"],
+            "text_offset": offsets + gen["text_offset"],
+        }
+
+    # -- streaming ---------------------------------------------------------------------------
+
+    async def _stream(
+        self, req: CompletionRequest, request_id: str, prompts: list, streams: list
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = req.n
+        deltas = {}
+        sent_tokens: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        done: set[int] = set()
+        prompt_tokens: dict[int, int] = {}
+
+        def chunk(choices: list[dict], usage_obj: dict | None = None) -> str:
+            body = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage_obj,
+            }
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            async for p, out in merge_outputs(streams):
+                prompt_tokens[p] = len(out.prompt_token_ids)
+                choices = []
+                for sample in out.outputs:
+                    index = p * n + sample.index
+                    if index in done:
+                        continue
+                    first = index not in deltas
+                    if first:
+                        deltas[index] = TextDeltas(stop_strings(req.stop))
+                        sent_tokens[index] = 0
+                        offsets[index] = 0
+                    text = deltas[index].delta(sample.text, sample.finished)
+                    if first and req.echo:
+                        text = self._prompt_text(prompts[p]) + text
+                    new_ids = sample.token_ids[sent_tokens[index] :]
+                    if not (text or new_ids or sample.finished or first):
+                        continue
+                    choice: dict = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": sample.finish_reason,
+                        "stop_reason": sample.stop_reason,
+                    }
+                    if req.logprobs is not None and sample.logprobs is not None:
+                        lp = completion_logprobs(
+                            new_ids, sample.logprobs[sent_tokens[index] :], req.logprobs, offsets[index]
+                        )
+                        offsets[index] += sum(len(t) for t in lp["tokens"])
+                        choice["logprobs"] = lp
+                    if req.return_token_ids:
+                        if first:
+                            choice["prompt_token_ids"] = out.prompt_token_ids
+                        choice["token_ids"] = new_ids
+                    sent_tokens[index] = len(sample.token_ids)
+                    if sample.finished:
+                        done.add(index)
+                    choices.append(choice)
+                if choices:
+                    yield chunk(choices)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk([], usage(sum(prompt_tokens.values()), sum(sent_tokens.values())))
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            err = as_api_error(e)
+            yield f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+        finally:
+            self.registry.remove(request_id)
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible endpoints, through the official ``openai`` client on a real server."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+pytest_plugins = ["server_harness"]
+
+
+def test_models(client, model):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model]
+
+
+def test_completion_n8_logprobs(client, model):
+    resp = client.completions.create(
+        model=model,
+        prompt="The rollout phase",
+        n=8,
+        max_tokens=12,
+        logprobs=3,
+        seed=7,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert len(resp.choices) == 8
+    assert sorted(c.index for c in resp.choices) == list(range(8))
+    assert resp.usage.completion_tokens == 8 * 12
+    assert len({tuple(c.token_ids) for c in resp.choices}) > 1  # samples differ
+    for c in resp.choices:
+        lp = c.logprobs
+        assert c.finish_reason == "length" and len(c.token_ids) == 12
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(3 <= len(top) <= 4 for top in lp.top_logprobs)  # top-3 (+ the sampled token)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert "".join(lp.tokens) == c.text
+
+
+def test_completion_token_prompts_echo_and_seed(client, model):
+    kwargs = dict(model=model, prompt=[[1, 2, 3], [4, 5, 6, 7]], n=2, max_tokens=6, seed=3)
+    resp = client.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    assert len(resp.choices) == 4
+    assert [c.prompt_token_ids for c in resp.choices] == [[1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert resp.usage.prompt_tokens == 7
+    again = client.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in resp.choices]  # seeded
+    echo = client.completions.create(model=model, prompt="Hello there", max_tokens=3, echo=True)
+    assert echo.choices[0].text.startswith("Hello there")
+
+
+def test_completion_streaming_matches_non_streaming(client, model):
+    kwargs = dict(model=model, prompt="Once upon a time", n=2, max_tokens=20, seed=11, logprobs=1)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    texts, finish, tokens = {0: "", 1: ""}, {}, {0: [], 1: []}
+    stream = client.completions.create(
+        **kwargs,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            tokens[c.index] += c.token_ids
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in full.choices}
+    assert finish == {0: "length", 1: "length"}
+    assert all(len(t) == 20 for t in tokens.values())
+    assert usage is not None and usage.completion_tokens == 40
+
+
+def test_stop_string_is_never_streamed_past(client, model):
+    base = dict(model=model, prompt="A story:", max_tokens=24, temperature=0.0)
+    text = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[8:11]
+    assert len(stop) == 3, text
+    want = text[: text.find(stop)]
+    resp = client.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == want and resp.choices[0].finish_reason == "stop"
+    stream = client.completions.create(**base, stop=[stop], stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.text for chunk in stream for c in chunk.choices) == want
+
+
+def test_chat(client, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    kwargs = dict(model=model, messages=messages, max_tokens=10, seed=5, logprobs=True, top_logprobs=2)
+    resp = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    content = choice.logprobs.content
+    assert len(content) == 10 and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == choice.message.content
+    assert resp.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_content_parts_and_n(client, model):
+    resp = client.chat.completions.create(
+        model=model,
+        n=3,
+        max_tokens=4,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+        extra_body={"return_token_ids": True},
+    )
+    assert len(resp.choices) == 3
+    assert resp.choices[0].prompt_token_ids == resp.choices[2].prompt_token_ids
+
+
+# ----------------------------------------------------------------------- bad input
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 1000}, 400, "n"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x " * 600}, 400, "max_model_len"),
+    ({"prompt": [1, 2, 100000]}, 400, "vocabulary"),
+    ({"prompt": [[1, 2], [-3]]}, 400, "vocabulary"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": "x", "stop_token_ids": [99999]}, 400, "vocabulary"),
+    ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
+    ({"prompt": "x", "n": "two"}, 422, "n"),
+    ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
+    ({"prompt": 12}, 422, "prompt"),
+    ({"prompt": [1.5, 2]}, 422, "prompt"),
+    ({"max_tokens": 3}, 422, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, 422, "stream"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), BAD_COMPLETIONS)
+def test_bad_completion_requests(http, model, body, status, needle):
+    resp = http.post("/v1/completions", json={"model": model, **body} if "model" not in body else body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert needle in error["message"] or needle == error["param"], error
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"messages": []}, 400),
+        ({"messages": [{"role": "user"}], "top_logprobs": 2}, 400),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+        ({"messages": [{"content": "hi"}]}, 422),
+        ({"messages": "hi"}, 422),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400),
+    ],
+)
+def test_bad_chat_requests(http, body, status):
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == status, resp.text
+    assert "message" in resp.json()["error"]
+
+
+def test_malformed_json_and_routes(http):
+    for raw in [b"{", b"not json", b'{"prompt": "x",}', b"\xff\xfe"]:
+        resp = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"] == "the request body is not valid JSON"
+    resp = http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert resp.status_code == 422
+    assert http.get("/v1/nothing-here").status_code == 404
+    assert http.get("/v1/nothing-here").json()["error"]["type"] == "not_found_error"
+    assert http.delete("/v1/completions").status_code == 405
+
+
+def test_openai_client_errors(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", top_p=2.0)
+    assert "top_p" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+def test_api_key_and_body_limit(server, http, model):
+    with server.http(api_key=None) as anon:
+        assert anon.get("/health").status_code == 200  # open for probes
+        for path in ("/v1/models", "/metrics", "/get_weight_version"):
+            resp = anon.get(path)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    with server.http(api_key="wrong") as bad:
+        assert bad.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+    big = json.dumps({"model": model, "prompt": "x" * 1_100_000})
+    resp = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: caught while reading
+        for _ in range(12):
+            yield b" " * 100_000
+
+    resp = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert resp.status_code == 413
+
+
+def test_still_serving_after_bad_input(client, model):
+    resp = client.completions.create(model=model, prompt="still here", max_tokens=4)
+    assert resp.choices[0].finish_reason in ("length", "stop")

@@ -1,0 +1,127 @@
+"""AsyncEngine in-process: failures reach every waiting caller, and nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from seer_engine.engine.async_engine import AsyncEngine, EngineClient, EngineDeadError
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+
+
+def _start(model, **overrides) -> AsyncEngine:
+    config = EngineConfig(model=str(model), num_kv_blocks=16, max_model_len=320, num_threads=1, **overrides)
+    return AsyncEngine.from_config(config, model_name="m").start(timeout=60)
+
+
+def test_protocol_and_basic_generation(tiny_model):
+    engine = _start(tiny_model())
+    try:
+        assert isinstance(engine, EngineClient)
+        assert engine.max_model_len == 320 and engine.vocab_size > 0 and engine.model_name == "m"
+
+        async def run():
+            stream = await engine.generate("a", [1, 2, 3], SamplingParams(max_tokens=5, n=2), stream=True)
+            outs = [o async for o in stream]
+            assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+            assert [len(s.token_ids) for s in outs[-1].outputs] == [5, 5]
+            with pytest.raises(InvalidRequestError, match="KV blocks"):
+                await engine.generate("b", [1], SamplingParams(max_tokens=300, ignore_eos=True))
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                first = await engine.generate("dup", [1], LONG)
+                await engine.generate("dup", [1], LONG)
+            await first.aclose()  # closing the stream aborts the request
+            stats = await engine.stats()
+            assert stats.num_requests_running + stats.num_requests_waiting == 0
+
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_engine_failure_reaches_waiting_callers(tiny_model, monkeypatch):
+    engine = _start(tiny_model())
+    calls = {"n": 0}
+    real_step = LLMEngine.step
+
+    def failing_step(self):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("device lost")
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", failing_step)
+
+    async def run():
+        streams = [await engine.generate(f"r{i}", [1, 2, 3], LONG) for i in range(3)]
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="device lost"):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        with pytest.raises(EngineDeadError):
+            await engine.generate("late", [1], LONG)
+        with pytest.raises(EngineDeadError):
+            await engine.pause("keep")
+        assert (await engine.stats()).kv_cache_total_blocks == 16  # last snapshot still readable
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    engine.shutdown()
+
+
+def test_shutdown_releases_waiters(tiny_model):
+    engine = _start(tiny_model())
+
+    async def run():
+        await engine.pause("keep")
+        stream = await engine.generate("held", [1, 2], LONG)
+        waiter = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await waiter
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_start_reports_a_bad_model(tmp_path):
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tmp_path)))
+    with pytest.raises(ValueError, match="config.json"):
+        engine.start(timeout=60)
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+
+
+def test_engine_primitives_sleep_and_weights(tiny_model):
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model()), num_kv_blocks=16, max_model_len=128, num_threads=1)
+    )
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(rid: str) -> list[int]:
+        engine.add_request(rid, [5, 6, 7], greedy)
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        return outs[0].outputs[0].token_ids
+
+    before = run("a")
+    engine.add_request("busy", [1, 2], greedy)
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        engine.sleep()
+    engine.abort_request("busy")
+    engine.sleep()
+    assert engine.is_sleeping and engine.runner.kv_caches == []
+    engine.wake_up()
+    assert run("b") == before  # fresh KV cache, same weights
+    with pytest.raises(InvalidRequestError, match="num_layers"):
+        engine.update_weights(tiny_model(num_layers=1))
+    engine.update_weights(tiny_model(seed=1))
+    assert run("c") != before
+    engine.update_weights(tiny_model())
+    assert run("d") == before

@@ -1,0 +1,223 @@
+"""The Files and Batch APIs through the ``openai`` client, including a server restart."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+pytest_plugins = ["server_harness"]
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _completion_line(custom_id: str, model: str, **body) -> dict:
+    body = {"model": model, "prompt": f"Question {custom_id}:", "max_tokens": 6, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def _upload(client, lines: list[dict]) -> str:
+    return client.files.create(file=("input.jsonl", _jsonl(lines)), purpose="batch").id
+
+
+def _wait(server, client, batch_id: str, statuses=TERMINAL, timeout: float = 30.0):
+    return server.wait_until(
+        lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b,
+        timeout=timeout,
+        interval=0.05,
+        what=f"batch {batch_id} to reach {statuses}",
+    )
+
+
+def _records(client, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    text = client.files.content(file_id).text
+    return {r["custom_id"]: r for r in map(json.loads, text.splitlines())}
+
+
+def test_batch_round_trip(server, client, model):
+    lines = [_completion_line(f"req-{i}", model, n=1 + i % 3, seed=i) for i in range(6)]
+    lines.append(_completion_line("bad-n", model, n=0))
+    lines.append(_completion_line("bad-model", "other-model"))
+    lines.append(
+        {
+            "custom_id": "tokens-0",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": [1, 2, 3], "max_tokens": 3, "return_token_ids": True},
+        }
+    )
+    batch = client.batches.create(
+        input_file_id=_upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+    )
+    assert batch.status == "validating" and batch.object == "batch"
+    batch = _wait(server, client, batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 9
+    assert batch.request_counts.completed == 7 and batch.request_counts.failed == 2
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    assert batch.usage.output_tokens == sum(6 * (1 + i % 3) for i in range(6)) + 3
+    outputs, errors = _records(client, batch.output_file_id), _records(client, batch.error_file_id)
+    assert set(outputs) == {f"req-{i}" for i in range(6)} | {"tokens-0"}
+    for i in range(6):
+        record = outputs[f"req-{i}"]
+        assert record["response"]["status_code"] == 200 and record["error"] is None
+        assert len(record["response"]["body"]["choices"]) == 1 + i % 3
+    assert outputs["tokens-0"]["response"]["body"]["choices"][0]["prompt_token_ids"] == [1, 2, 3]
+    assert errors["bad-n"]["response"]["status_code"] == 400
+    assert "n must be" in errors["bad-n"]["response"]["body"]["error"]["message"]
+    assert errors["bad-model"]["response"]["status_code"] == 404
+    # Seeded lines give what the online endpoint gives.
+    online = client.completions.create(model=model, prompt="Question req-4:", max_tokens=6, n=2, seed=4)
+    assert [c["text"] for c in outputs["req-4"]["response"]["body"]["choices"]] == [
+        c.text for c in online.choices
+    ]
+    assert batch.id in [b.id for b in client.batches.list()]
+
+
+def test_chat_batch(server, client, model):
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 4},
+        }
+        for i in range(3)
+    ]
+    batch = client.batches.create(
+        input_file_id=_upload(client, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = _wait(server, client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    outputs = _records(client, batch.output_file_id)
+    assert outputs["c1"]["response"]["body"]["object"] == "chat.completion"
+
+
+def test_broken_batch_files_fail_with_line_errors(server, client, model):
+    good = _completion_line("ok", model)
+    content = b"\n".join(
+        [
+            json.dumps(good).encode(),
+            b"{not json",
+            json.dumps({**good, "custom_id": ""}).encode(),
+            json.dumps(good).encode(),  # duplicate custom_id
+            json.dumps({**good, "custom_id": "u", "url": "/v1/embeddings"}).encode(),
+            json.dumps({**good, "custom_id": "b", "body": "text"}).encode(),
+        ]
+    )
+    file_id = client.files.create(file=("broken.jsonl", content), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    batch = _wait(server, client, batch.id)
+    assert batch.status == "failed" and batch.failed_at
+    codes = {(e.line, e.code) for e in batch.errors.data}
+    assert codes == {
+        (2, "invalid_json_line"),
+        (3, "missing_custom_id"),
+        (4, "duplicate_custom_id"),
+        (5, "mismatched_url"),
+        (6, "invalid_body"),
+    }
+    empty = client.files.create(file=("empty.jsonl", b"\n"), purpose="batch").id
+    batch = client.batches.create(input_file_id=empty, endpoint="/v1/completions", completion_window="24h")
+    assert _wait(server, client, batch.id).errors.data[0].code == "empty_file"
+
+
+def test_batch_create_errors(client, http):
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id="file-missing", endpoint="/v1/completions", completion_window="24h"
+        )
+    file_id = _upload(client, [{"custom_id": "x"}])
+    for body, status in [
+        ({"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400),
+        ({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "1h"}, 400),
+        ({"input_file_id": 5, "endpoint": "/v1/completions"}, 422),
+        ({"endpoint": "/v1/completions"}, 422),
+    ]:
+        resp = http.post("/v1/batches", json=body)
+        assert resp.status_code == status and "message" in resp.json()["error"], resp.text
+    assert http.get("/v1/batches/batch_missing").status_code == 404
+    assert http.post("/v1/batches/batch_missing/cancel").status_code == 404
+    assert http.get("/v1/batches", params={"limit": 0}).status_code == 422
+
+
+def test_files_api(client, http):
+    uploaded = client.files.create(file=("notes.jsonl", b'{"a": 1}\n'), purpose="batch")
+    assert uploaded.bytes == 9 and uploaded.filename == "notes.jsonl" and uploaded.purpose == "batch"
+    assert client.files.retrieve(uploaded.id).id == uploaded.id
+    assert client.files.content(uploaded.id).content == b'{"a": 1}\n'
+    assert uploaded.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+    assert http.get(f"/v1/files/{uploaded.id}/content").status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert http.post("/v1/files", data={"purpose": "batch"}).status_code == 422  # no file part
+    assert http.post("/v1/files", json={"purpose": "batch"}).status_code == 422
+
+
+def test_cancel_batch(server, client, http, model):
+    assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+    try:
+        lines = [_completion_line(f"k{i}", model, max_tokens=50) for i in range(4)]
+        batch = client.batches.create(
+            input_file_id=_upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+        )
+        _wait(server, client, batch.id, statuses=("in_progress",))
+        cancelled = client.batches.cancel(batch.id)
+        assert cancelled.status in ("cancelling", "cancelled")
+        batch = _wait(server, client, batch.id)
+    finally:
+        http.post("/resume_generation")
+    assert batch.status == "cancelled" and batch.cancelled_at and batch.output_file_id is None
+    errors = _records(client, batch.error_file_id)
+    assert set(errors) == {f"k{i}" for i in range(4)}
+    assert all(r["error"]["code"] == "batch_cancelled" for r in errors.values())
+    assert http.post(f"/v1/batches/{batch.id}/cancel").json()["status"] == "cancelled"  # idempotent
+    server.wait_until(lambda: server.metrics()["num_requests_held"] == 0, what="held requests to go")
+    completed = client.batches.create(
+        input_file_id=_upload(client, [_completion_line("one", model)]),
+        endpoint="/v1/completions",
+        completion_window="24h",
+    )
+    assert _wait(server, client, completed.id).status == "completed"
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(completed.id)
+
+
+def test_restart_keeps_files_and_batches_and_resumes(server, client, http, model):
+    lines = [_completion_line(f"r{i}", model, seed=i) for i in range(3)]
+    finished = _wait(
+        server,
+        client,
+        client.batches.create(
+            input_file_id=_upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+        ).id,
+    )
+    assert finished.status == "completed"
+    before = client.files.content(finished.output_file_id).text
+    # A batch accepted but not finished when the server stops is run again after the restart.
+    assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+    pending = client.batches.create(
+        input_file_id=_upload(client, [_completion_line("p0", model), _completion_line("p1", model)]),
+        endpoint="/v1/completions",
+        completion_window="24h",
+    )
+    _wait(server, client, pending.id, statuses=("in_progress",))
+    server.restart()
+    with server.openai() as fresh:
+        again = fresh.batches.retrieve(finished.id)
+        assert again.status == "completed" and again.output_file_id == finished.output_file_id
+        assert fresh.files.content(finished.output_file_id).text == before
+        assert finished.input_file_id in [f.id for f in fresh.files.list()]
+        resumed = _wait(server, fresh, pending.id)
+        assert resumed.status == "completed" and resumed.request_counts.completed == 2
+        assert set(_records(fresh, resumed.output_file_id)) == {"p0", "p1"}

@@ -1,0 +1,204 @@
+"""The RL trainer endpoints: abort, pause modes, weight updates, sleep / wake-up, metrics."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest_plugins = ["server_harness"]
+
+LONG = 400  # tokens: seconds of work on the tiny model, always cut short by the tests
+
+
+@pytest.fixture(autouse=True)
+def _running_afterwards(http):
+    """A failed test must not leave the shared server paused or asleep."""
+    yield
+    http.post("/resume_generation")
+    http.post("/wake_up")
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(4) as ex:
+        yield ex
+
+
+def _long_completion(client, model, request_id=None, max_tokens=LONG):
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    if request_id:
+        extra["request_id"] = request_id
+    return client.completions.create(model=model, prompt="Tell me", max_tokens=max_tokens, extra_body=extra)
+
+
+def _wait_running(server, what="a running request"):
+    server.wait_until(
+        lambda: server.metrics()["num_requests_running"] >= 1 and server.metrics()["generation_tokens_total"],
+        what=what,
+    )
+
+
+def test_abort_by_id_returns_partial_tokens(server, client, http, model, pool):
+    before = server.metrics()["generation_tokens_total"]
+    fut = pool.submit(_long_completion, client, model, "rl-abort-1")
+    server.wait_until(lambda: server.metrics()["generation_tokens_total"] > before + 5, what="progress")
+    resp = http.post("/abort_requests", json={"request_ids": ["rl-abort-1"]})
+    assert resp.status_code == 200 and resp.json()["num_aborted"] == 1
+    choice = fut.result(timeout=30).choices[0]
+    assert choice.finish_reason == "abort"
+    assert 0 < len(choice.token_ids) < LONG
+    assert http.post("/abort_requests", json={}).status_code == 400  # neither ids nor all
+
+
+def test_abort_all_streaming(server, client, http, model):
+    stream = client.completions.create(
+        model=model,
+        prompt="Go",
+        n=2,
+        max_tokens=LONG,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    tokens, finish, aborted = {0: 0, 1: 0}, {}, False
+    for chunk in stream:
+        for c in chunk.choices:
+            tokens[c.index] += len(c.token_ids)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        if sum(tokens.values()) >= 6 and not aborted:
+            aborted = True
+            assert http.post("/abort_requests", json={"all": True}).json()["num_aborted"] == 1
+    assert finish == {0: "abort", 1: "abort"}
+    assert all(0 < n < LONG for n in tokens.values())
+
+
+def test_pause_abort_holds_new_requests_until_resume(server, client, http, model, pool):
+    fut = pool.submit(_long_completion, client, model)
+    _wait_running(server)
+    assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    choice = fut.result(timeout=30).choices[0]
+    assert choice.finish_reason == "abort" and 0 < len(choice.token_ids) < LONG
+    held = pool.submit(_long_completion, client, model, None, 5)
+    server.wait_until(lambda: server.metrics()["num_requests_held"] == 1, what="a held request")
+    assert not held.done()
+    assert http.post("/resume_generation").status_code == 200
+    assert held.result(timeout=30).choices[0].finish_reason == "length"
+
+
+def test_pause_keep_freezes_and_continues(server, client, http, model):
+    stream = client.completions.create(
+        model=model,
+        prompt="Keep",
+        max_tokens=60,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    tokens, finish, paused = [], None, False
+    for chunk in stream:
+        tokens += chunk.choices[0].token_ids
+        finish = chunk.choices[0].finish_reason or finish
+        if len(tokens) >= 5 and not paused:
+            paused = True
+            assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+            frozen = server.metrics()
+            assert frozen["num_requests_running"] == 1 and frozen["paused"] == 1
+            time.sleep(0.2)
+            assert server.metrics()["generation_tokens_total"] == frozen["generation_tokens_total"]
+            assert http.post("/resume_generation").status_code == 200
+    assert finish == "length" and len(tokens) == 60  # nothing lost, nothing recomputed
+
+
+def test_pause_wait_lets_requests_finish(server, client, http, model):
+    stream = client.completions.create(
+        model=model,
+        prompt="Wait",
+        max_tokens=120,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    chunks = iter(stream)
+    tokens = list(next(chunks).choices[0].token_ids)  # running now
+    assert http.post("/pause_generation", json={"mode": "wait"}).status_code == 200
+    assert server.metrics()["num_requests_running"] == 0  # returned once in-flight work finished
+    last = None
+    for chunk in chunks:
+        tokens += chunk.choices[0].token_ids
+        last = chunk.choices[0].finish_reason or last
+    assert last == "length" and len(tokens) == 120
+    assert http.post("/resume_generation").status_code == 200
+    assert http.post("/pause_generation", json={"mode": "later"}).status_code == 422
+
+
+def test_update_weights_changes_outputs_and_version(server, server_models, client, http, model):
+    greedy = dict(
+        model=model, prompt="Weights", max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    before = client.completions.create(**greedy).choices[0].text
+    version = http.get("/get_weight_version").json()["weight_version"]
+    resp = http.post(
+        "/update_weights_from_disk", json={"model_path": str(server_models[1]), "weight_version": "v2"}
+    )
+    assert resp.status_code == 200 and resp.json()["weight_version"] == "v2"
+    assert http.get("/get_weight_version").json()["weight_version"] == "v2"
+    assert client.completions.create(**greedy).choices[0].text != before
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(server_models[0])})
+    assert resp.status_code == 200 and resp.json()["weight_version"] not in (version, "v2")
+    assert client.completions.create(**greedy).choices[0].text == before
+
+
+def test_update_weights_refuses_wrong_checkpoints(server, tiny_model, client, http, model):
+    version = http.get("/get_weight_version").json()["weight_version"]
+    resp = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent/model"})
+    assert resp.status_code == 400 and "not a directory" in resp.json()["error"]["message"]
+    other = tiny_model("qwen3", hidden_size=32, num_layers=1)
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(other)})
+    assert resp.status_code == 400 and "hidden_size" in resp.json()["error"]["message"]
+    assert http.get("/get_weight_version").json()["weight_version"] == version
+    assert http.post("/update_weights_from_disk", json={"path": "x"}).status_code == 422
+    assert client.completions.create(model=model, prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_sleep_and_wake_up(server, client, http, model, pool):
+    fut = pool.submit(_long_completion, client, model, "rl-sleep-1")
+    _wait_running(server)
+    resp = http.post("/sleep")
+    assert resp.status_code == 409 and "in flight" in resp.json()["error"]["message"]
+    http.post("/abort_requests", json={"request_ids": ["rl-sleep-1"]})
+    assert fut.result(timeout=30).choices[0].finish_reason == "abort"
+    assert http.post("/sleep").status_code == 200
+    assert server.metrics()["sleeping"] == 1
+    held = pool.submit(_long_completion, client, model, None, 4)  # waits for the wake-up
+    server.wait_until(lambda: server.metrics()["num_requests_held"] == 1, what="a held request")
+    assert http.post("/wake_up").status_code == 200
+    assert held.result(timeout=30).choices[0].finish_reason == "length"
+    assert client.completions.create(model=model, prompt="awake", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_client_disconnect_aborts(server, http, model):
+    body = {"model": model, "prompt": "bye", "max_tokens": LONG, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break  # leave after the first chunk
+    server.wait_until(lambda: server.metrics()["num_requests_running"] == 0, what="the abort")
+
+
+def test_metrics_and_flush_cache(server, http):
+    assert http.post("/flush_cache").status_code == 200
+    m = server.wait_until(
+        lambda: (m := server.metrics())["num_requests_running"] == 0 and m, what="an idle engine"
+    )
+    for name in (
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "generation_tokens_per_second",
+        "accepted_tokens_per_step",
+    ):
+        assert name in m
+    assert m["accepted_tokens_per_step"] == 1.0
+    assert m["kv_cache_free_blocks"] == m["kv_cache_total_blocks"] and m["kv_cache_usage_perc"] == 0.0
+    assert m["generation_tokens_total"] > 0
+    assert http.get("/health").json() == {"status": "ok"}
