@@ -4,9 +4,10 @@ Divided policies keep every response in the buffer between chunks: a dispatch as
 for at most ``chunk_tokens`` more tokens and reserves KV for the whole chunk on the
 chosen instance, so the engines never preempt. A response whose next chunk runs on
 the instance of its previous chunk finds its KV in that instance's prefix cache;
-moving to another instance recomputes it (counted as migration) until a KV pool
-connector exists. The baseline pins whole groups to instances at the start and lets
-each engine preempt by recompute when KV runs out.
+moving to another instance goes through the KV connector; without a pool
+(``RecomputeConnector``) it recomputes, counted as migrated tokens. The baseline
+pins whole groups to instances at the start and lets each engine preempt by
+recompute when KV runs out.
 
 Instances step one at a time, the one with the earliest clock first, so events are
 handled in time order and the clocks give the makespan of instances running side by
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from seer_engine.core.policies import RolloutPolicy
 from seer_engine.core.request import Group, RolloutSample
+from seer_engine.kv_connector.base import KVConnector, RecomputeConnector
 from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.engine_pool import EngineInstance, EnginePool
 from seer_engine.sampling_params import SamplingParams
@@ -75,6 +77,7 @@ class Rollout:
         policy: RolloutPolicy,
         chunk_tokens: int = 8192,
         on_sample_finished: Callable[[RolloutSample], None] | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -82,6 +85,7 @@ class Rollout:
         self.policy = policy
         self.chunk_tokens = chunk_tokens
         self.on_sample_finished = on_sample_finished
+        self.kv_connector = kv_connector or RecomputeConnector()
         self.buffer: list[RolloutSample] = []
         self.migrations = 0
         self.migrated_tokens = 0
@@ -177,10 +181,12 @@ class Rollout:
     def _submit(self, inst: EngineInstance, sample: RolloutSample, limit: int, reserve: bool) -> None:
         if not inst.has_work:
             inst.clock = max(inst.clock, sample.enqueued_at)  # an idle instance waits for work
-        if sample.instance is not None and sample.instance != inst.index:
-            self.migrations += 1
-            self.migrated_tokens += sample.num_generated
         g = sample.group
+        if sample.instance is not None and sample.instance != inst.index:
+            context = g.prompt_token_ids + sample.output_token_ids
+            loaded = self.kv_connector.load(sample.key, inst.engine, context).tokens
+            self.migrations += 1
+            self.migrated_tokens += max(0, sample.num_generated - max(0, loaded - len(g.prompt_token_ids)))
         remaining_min = max(0, (g.sampling_params.min_tokens or 0) - sample.num_generated)
         params = g.sampling_params.clone(
             n=1, seed=sample.seed, max_tokens=limit, min_tokens=min(remaining_min, limit)
@@ -216,8 +222,12 @@ class Rollout:
         )
         if chunk_end:
             sample.enqueued_at = now
+            self.kv_connector.save(
+                sample.key, engine, sample.group.prompt_token_ids + sample.output_token_ids
+            )
             self.buffer.append(sample)
             return 0
+        self.kv_connector.free(sample.key)
         sample.finish_reason = result.finish_reason
         sample.stop_reason = result.stop_reason
         sample.finished_at = now
