@@ -8,6 +8,7 @@ its lines through the very same code.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -220,6 +221,14 @@ class TextDeltas:
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def sse_event(request_id: str, obj: str, created: int, model: str, choices: list[dict],
+              usage_obj: dict | None = None) -> str:
+    """One server-sent event of a streamed completion or chat completion."""
+    body = {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": choices, "usage": usage_obj}  # fmt: skip
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -14,6 +14,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     chat_logprobs,
     final_output,
     random_id,
+    sse_event,
     stop_strings,
     usage,
 )
@@ -102,15 +103,8 @@ class OpenAIServingChat(ServingBase):
         prompt_tokens = 0
 
         def chunk(choices: list[dict], usage_obj: dict | None = None) -> str:
-            body = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage_obj,
-            }
-            return f"data: {json.dumps(body)}\n\n"
+            obj = "chat.completion.chunk"
+            return sse_event(request_id, obj, created, self.model_name, choices, usage_obj)
 
         try:
             async for out in stream:

@@ -15,6 +15,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     final_output,
     merge_outputs,
     random_id,
+    sse_event,
     stop_strings,
     usage,
 )
@@ -122,15 +123,7 @@ class OpenAIServingCompletion(ServingBase):
         prompt_tokens: dict[int, int] = {}
 
         def chunk(choices: list[dict], usage_obj: dict | None = None) -> str:
-            body = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage_obj,
-            }
-            return f"data: {json.dumps(body)}\n\n"
+            return sse_event(request_id, "text_completion", created, self.model_name, choices, usage_obj)
 
         try:
             async for p, out in merge_outputs(streams):
