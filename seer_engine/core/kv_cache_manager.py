@@ -152,9 +152,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup once, when its request is admitted (not at every retry)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
 
     def prefix_pending(self, request: Request, num_hit_blocks: int) -> bool:
         """Is the next block of this prompt being computed by another request right now?

@@ -154,6 +154,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit

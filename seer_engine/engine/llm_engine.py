@@ -112,6 +112,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         # Trace replay swaps sampled tokens for recorded ones; None in normal serving.
         self.token_source: TokenSource | None = None
+        self._sleeping = False  # KV cache freed (and weights off the accelerator)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, _Parent] = {}
 
@@ -214,7 +215,7 @@ class LLMEngine:
         children: list[str] = []
         for rid in ids:
             parent = self._parents.get(rid)
-            children.extend(c.request_id for c in parent.children) if parent else children.append(rid)
+            children.extend([c.request_id for c in parent.children] if parent else [rid])
         done = self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
         return self._collect_outputs(done)
 
@@ -368,7 +369,7 @@ class LLMEngine:
 
     @property
     def is_sleeping(self) -> bool:
-        return getattr(self, "_sleeping", False)
+        return self._sleeping
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (their KV is stale after a weight update)."""

@@ -84,6 +84,7 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
+        samplers: list[Request] = []  # requests whose chunk reaches their last token
         for chunk in batch:
             req, blocks = chunk.request, chunk.block_ids
             start = req.num_computed_tokens
@@ -95,6 +96,7 @@ class ModelRunner:
             seq_lens.append(end)
             if end == req.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
+                samplers.append(req)
         width = max(-(-n // bs) for n in seq_lens)
         tables = [c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in batch]
         dev = self.device
@@ -110,19 +112,14 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, logits_rows
+        return ids, pos, meta, logits_rows, samplers
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledChunk]) -> StepResult:
         if not batch:
             return StepResult({}, {})
-        ids, pos, meta, logits_rows = self._prepare(batch)
+        ids, pos, meta, logits_rows, samplers = self._prepare(batch)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        samplers = [
-            c.request
-            for c in batch
-            if c.request.num_computed_tokens + c.num_new_tokens == c.request.num_tokens
-        ]
         if not samplers:
             return StepResult({}, {})
         logits = self.model.logits(hidden[torch.tensor(logits_rows, device=self.device)])
