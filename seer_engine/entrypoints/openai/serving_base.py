@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from seer_engine.engine.async_engine import EngineClient
-from seer_engine.entrypoints.openai.errors import APIError
+from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
 from seer_engine.entrypoints.openai.protocol import _SamplingFields
 from seer_engine.outputs import RequestOutput, SampleLogprobs
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
@@ -229,6 +229,12 @@ def sse_event(request_id: str, obj: str, created: int, model: str, choices: list
     body = {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": choices, "usage": usage_obj}  # fmt: skip
     return f"data: {json.dumps(body)}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """An error raised mid-stream: the status line is already sent, so report it in-band."""
+    err = as_api_error(exc)
+    return f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
-from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
+from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from seer_engine.entrypoints.openai.serving_base import (
     ServingBase,
@@ -14,6 +13,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     chat_logprobs,
     final_output,
     random_id,
+    sse_error,
     sse_event,
     stop_strings,
     usage,
@@ -143,8 +143,7 @@ class OpenAIServingChat(ServingBase):
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], usage(prompt_tokens, sum(sent_tokens.values())))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
-            err = as_api_error(e)
-            yield f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+            yield sse_error(e)
         finally:
             self.registry.remove(request_id)
         yield "data: [DONE]\n\n"

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
-from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
+from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import CompletionRequest
 from seer_engine.entrypoints.openai.serving_base import (
     ServingBase,
@@ -15,6 +14,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     final_output,
     merge_outputs,
     random_id,
+    sse_error,
     sse_event,
     stop_strings,
     usage,
@@ -170,8 +170,7 @@ class OpenAIServingCompletion(ServingBase):
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], usage(sum(prompt_tokens.values()), sum(sent_tokens.values())))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
-            err = as_api_error(e)
-            yield f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+            yield sse_error(e)
         finally:
             self.registry.remove(request_id)
         yield "data: [DONE]\n\n"
