@@ -173,10 +173,11 @@ def test_rollout_cli_writes_groups_in_input_order(model, tmp_path):
     assert json.loads(out.read_text().splitlines()[0])["outputs"] == lines[0]["outputs"]
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "x", "temperature": -1}\n')
-    with pytest.raises(SystemExit) as err:
-        main(["rollout", "--model", str(model), "--input", str(bad), "--output", str(out)])
-    assert err.value.code == 2
+    for line in ('{"prompt": "x", "temperature": -1}', '{"prompt": "x", "n": 0}', "not json"):
+        bad.write_text(line + "\n")
+        with pytest.raises(SystemExit) as err:
+            main(["rollout", "--model", str(model), "--input", str(bad), "--output", str(out)])
+        assert err.value.code == 2
 
 
 def test_bench_rollout_report(tmp_path):

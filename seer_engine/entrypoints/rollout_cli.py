@@ -64,7 +64,10 @@ def read_groups(path: Path, n: int, defaults: dict, encode) -> list[Group]:
                 text, ids = encode(item["prompt"])
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"{path}:{lineno}: {e}") from e
-            groups.append(Group(f"g{len(groups)}", ids, params, item.get("n", n), prompt=text))
+            samples = item.get("n", n)
+            if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+                raise InvalidRequestError(f"{path}:{lineno}: n must be an integer >= 1, got {samples!r}")
+            groups.append(Group(f"g{len(groups)}", ids, params, samples, prompt=text))
     if not groups:
         raise InvalidRequestError(f"{path} holds no prompts")
     return groups
