@@ -79,6 +79,7 @@ class ServerProcess:
     # -- clients and helpers -----------------------------------------------------------
 
     model = MODEL_NAME
+    mode = "plain"  # or "rollout" (see SERVER_MODES)
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {name: value} (the seer_engine_ prefix and labels dropped)."""
@@ -124,9 +125,18 @@ def server_models(tiny_model) -> tuple[Path, Path]:
     return tiny_model("qwen3"), tiny_model("qwen3", seed=1)
 
 
-@pytest.fixture(scope="session")
-def server(server_models, tmp_path_factory) -> ServerProcess:
-    root = tmp_path_factory.mktemp("server")
+# Every server test runs against both backends: one plain engine, and rollout mode
+# (two instances behind the Request Buffer, context-aware order, 16-token chunks so
+# that responses cross chunk boundaries and instances).
+SERVER_MODES = {
+    "plain": [],
+    "rollout": ["--rollout-mode", "--instances", "2", "--chunk-tokens", "16"],
+}
+
+
+@pytest.fixture(scope="session", params=list(SERVER_MODES))
+def server(request, server_models, tmp_path_factory) -> ServerProcess:
+    root = tmp_path_factory.mktemp(f"server-{request.param}")
     args = [
         "--model", str(server_models[0]),
         "--served-model-name", MODEL_NAME,
@@ -138,8 +148,10 @@ def server(server_models, tmp_path_factory) -> ServerProcess:
         "--num-threads", "1",
         "--max-body-bytes", "1000000",
         "--log-level", "warning",
+        *SERVER_MODES[request.param],
     ]  # fmt: skip
     proc = ServerProcess(args, root / "server.log").start()
+    proc.mode = request.param
     yield proc
     proc.stop()
 

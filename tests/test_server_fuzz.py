@@ -2,7 +2,8 @@
 
 Schemathesis generates requests that fit the schema and requests that break it
 (wrong types, missing fields, odd strings) for every operation, on a server of its
-own with a tiny context (so any generated request is cheap) and a tight body limit.
+own in rollout mode (the main job: two instances behind the Request Buffer) with a
+tiny context (so any generated request is cheap) and a tight body limit.
 /pause_generation and /sleep are left out: after them the server holds new
 requests until /resume_generation or /wake_up, which is by design, not a fault.
 """
@@ -37,6 +38,7 @@ def fuzz_server(server_models, tmp_path_factory):
         "--num-threads", "1",
         "--max-body-bytes", "65536",
         "--log-level", "warning",
+        "--rollout-mode", "--instances", "2", "--chunk-tokens", "8",  # the main job's backend
     ]  # fmt: skip
     proc = ServerProcess(args, root / "server.log").start()
     yield proc

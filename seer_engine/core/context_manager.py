@@ -31,6 +31,14 @@ class ContextManager:
     def register(self, group: Group, max_tokens: int) -> None:
         self._groups[group.group_id] = _GroupState(max_tokens)
 
+    def raise_budget(self, group_id: str, max_tokens: int) -> None:
+        """A response with a larger budget joined the group (online serving)."""
+        state = self._groups[group_id]
+        state.max_tokens = max(state.max_tokens, max_tokens)
+
+    def forget(self, group_id: str) -> None:
+        self._groups.pop(group_id, None)
+
     def on_finished(self, sample: RolloutSample) -> None:
         self._groups[sample.group.group_id].finished_lengths.append(sample.num_generated)
 

@@ -108,7 +108,7 @@ class Group:
     order: int = 0  # submission order within the rollout
 
 
-@dataclass
+@dataclass(eq=False)
 class RolloutSample:
     """One response of a group as the Request Buffer tracks it across chunks.
 
@@ -117,17 +117,26 @@ class RolloutSample:
     """
 
     group: Group
-    sample_index: int
+    sample_index: int  # unique within the group; index 0 is the group's probe
     seed: int
     max_tokens: int  # the original budget of the whole response
+    params: SamplingParams | None = None  # this response's own; None: the group's
+    stream: bool = False  # report progress every step, not only at chunk ends
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    text: str = ""  # decoded output so far, stop strings trimmed (as of the last chunk end)
+    logprobs: list = field(default_factory=list)  # of finished chunks
+    chunk_logprobs: list = field(default_factory=list)  # of the running chunk (streaming progress)
+    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     instance: int | None = None  # engine instance holding its KV (prefix cache) after a chunk
     enqueued_at: float = 0.0  # when it last entered the Request Buffer
     finished_at: float | None = None
     chunks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params is None:
+            self.params = self.group.sampling_params
 
     @property
     def key(self) -> str:

@@ -6,8 +6,9 @@ event loop hand requests and control commands over through a thread-safe queue a
 get results back on their loop (``call_soon_threadsafe``). The thread blocks on the
 queue when there is nothing to step, so an idle server costs nothing.
 
-``EngineClient`` is the interface the server codes against; the rollout-mode
-backend (several instances behind one scheduler) implements the same protocol.
+``EngineClient`` is the interface the server codes against. The thread drives a
+``StepEngine``: one ``LLMEngine``, or in rollout mode a ``RolloutEngine`` (several
+instances behind the Request Buffer), so both modes share this one code path.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
-from seer_engine.engine.llm_engine import LLMEngine, resolve_model_path
+from seer_engine.engine.llm_engine import EngineSnapshot, LLMEngine, resolve_model_path
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from seer_engine.rollout.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +128,49 @@ class EngineClient(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+class StepEngine(Protocol):
+    """What ``AsyncEngine`` drives on its thread: an ``LLMEngine``, or a
+    ``RolloutEngine`` (an engine pool behind the Request Buffer)."""
+
+    max_model_len: int
+    vocab_size: int
+    detokenizer: Detokenizer
+
+    def validate_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        group_id: str | None = None,
+        stream: bool = False,
+    ) -> Any: ...
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    @property
+    def num_unfinished_requests(self) -> int: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def update_weights(self, path: str) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def snapshot(self) -> EngineSnapshot: ...
 
 
 # ------------------------------------------------------------------------- plumbing
@@ -273,7 +320,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine_factory: Callable[[], LLMEngine],
+        engine_factory: Callable[[], StepEngine],
         model_name: str,
         tokenizer_path: str | None = None,
         weight_version: str = "default",
@@ -290,7 +337,7 @@ class AsyncEngine:
         self._stats = EngineStats(weight_version=weight_version)
         self._thread = threading.Thread(target=self._run, name="seer-engine", daemon=True)
         # Engine-thread state: touched only by the engine thread.
-        self._engine: LLMEngine | None = None
+        self._engine: StepEngine | None = None
         self._sinks: dict[str, _Sink] = {}
         self._held: list[_Add] = []
         self._paused: str | None = None
@@ -301,9 +348,19 @@ class AsyncEngine:
         self._client_detokenizer: Detokenizer | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model_name: str | None = None) -> AsyncEngine:
+    def from_config(
+        cls, config: EngineConfig, model_name: str | None = None, rollout: RolloutConfig | None = None
+    ) -> AsyncEngine:
+        """One plain engine, or (``rollout`` that needs a pool) the rollout backend:
+        an engine pool behind the Request Buffer, driven through the same surface."""
         path = str(config.tokenizer or resolve_model_path(config.model))
-        return cls(lambda: LLMEngine(config), model_name or config.model, tokenizer_path=path)
+        if rollout is not None and rollout.needs_pool:
+            from seer_engine.rollout.rollout_engine import RolloutEngine
+
+            factory: Callable[[], StepEngine] = lambda: RolloutEngine(config, rollout)  # noqa: E731
+        else:
+            factory = lambda: LLMEngine(config)  # noqa: E731
+        return cls(factory, model_name or config.model, tokenizer_path=path)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -624,21 +681,20 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         engine = self._engine
-        sched = engine.scheduler
-        kv = engine.kv_manager.stats()
-        generated = sched.stats.generated_tokens
-        self._rate.record(generated)
+        snap = engine.snapshot()
+        self._rate.record(snap.generated_tokens)
+        total = snap.kv_total_blocks
         self._stats = EngineStats(
-            num_requests_running=sched.num_running,
-            num_requests_waiting=sched.num_waiting,
+            num_requests_running=snap.running,
+            num_requests_waiting=snap.waiting,
             num_requests_held=sum(c.params.n for c in self._held),
-            kv_cache_usage=kv.usage,
-            kv_cache_free_blocks=kv.num_free_blocks,
-            kv_cache_total_blocks=kv.num_blocks,
-            num_preemptions=sched.stats.preemptions,
-            generated_tokens=generated,
-            num_steps=sched.stats.steps,
-            accepted_tokens_per_step=1.0,
+            kv_cache_usage=snap.kv_used_blocks / total if total else 0.0,
+            kv_cache_free_blocks=total - snap.kv_used_blocks,
+            kv_cache_total_blocks=total,
+            num_preemptions=snap.preemptions,
+            generated_tokens=snap.generated_tokens,
+            num_steps=snap.steps,
+            accepted_tokens_per_step=snap.generated_tokens / snap.sampled_rows if snap.sampled_rows else 1.0,
             paused=self._paused,
             sleeping=engine.is_sleeping,
             weight_version=self._weight_version,

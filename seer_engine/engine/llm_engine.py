@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -55,6 +55,28 @@ class TokenSource(Protocol):
     runs for real; only the token that is appended changes."""
 
     def next_token(self, request: Request, sampled: int) -> int: ...
+
+
+def child_seed(base_seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``base_seed``."""
+    return (base_seed + index * 0x9E3779B97F4A7C15) & _SEED_MASK
+
+
+@dataclass
+class EngineSnapshot:
+    """Counters of one engine (or the sum over a rollout pool's instances)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    preemptions: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    sampled_rows: int = 0  # request-steps that emitted tokens; < generated_tokens with drafts
+
+    def __add__(self, other: EngineSnapshot) -> EngineSnapshot:
+        return EngineSnapshot(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass
@@ -185,7 +207,7 @@ class LLMEngine:
         """
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, ids, prior, max_tokens = self._check_request(prompt, params, prior_output_token_ids)
+        text, ids, prior, max_tokens = self.check_request(prompt, params, prior_output_token_ids)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         parent = _Parent(request_id, text, ids, params, stream=stream)
         for i in range(params.n):
@@ -194,7 +216,7 @@ class LLMEngine:
                 prompt_token_ids=ids,
                 sampling_params=params,
                 max_tokens=max_tokens,
-                seed=(base_seed + i * 0x9E3779B97F4A7C15) & _SEED_MASK,
+                seed=child_seed(base_seed, i),
                 eos_token_ids=self.eos_token_ids,
                 prompt=text,
                 priority=priority,
@@ -333,12 +355,16 @@ class LLMEngine:
         It also refuses a request that could never fit the KV cache (prompt plus
         max_tokens over all blocks), which would otherwise preempt itself forever.
         """
-        return self._check_request(prompt, params)[1]
+        return self.check_request(prompt, params)[1]
 
-    def _check_request(
+    def check_request(
         self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
     ) -> tuple[str | None, list[int], list[int], int]:
-        """Every check a new request passes: (prompt text, prompt ids, prior output, max_tokens)."""
+        """Every check a new request passes: (prompt text, prompt ids, prior output, max_tokens).
+
+        Public so that a backend over several engines (rollout mode) checks requests
+        exactly as one engine does.
+        """
         params.validate()
         text, ids = self.encode_prompt(prompt)
         prior = list(prior_output_token_ids)
@@ -366,6 +392,21 @@ class LLMEngine:
                 f"but the cache has {total}; lower max_tokens or shorten the prompt"
             )
         return text, ids, prior, max_tokens
+
+    def snapshot(self) -> EngineSnapshot:
+        """Load and counters for /metrics (requests counted per sample)."""
+        sched = self.scheduler
+        kv = self.kv_manager.stats()
+        return EngineSnapshot(
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            kv_used_blocks=kv.num_blocks - kv.num_free_blocks,
+            kv_total_blocks=kv.num_blocks,
+            preemptions=sched.stats.preemptions,
+            generated_tokens=sched.stats.generated_tokens,
+            steps=sched.stats.steps,
+            sampled_rows=sched.stats.sampled_rows,
+        )
 
     @property
     def is_sleeping(self) -> bool:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from seer_engine.core.policies import make_rollout_policy
 from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
+from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
@@ -34,10 +35,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--n", type=int, default=16, help="responses per prompt (group size)")
-    p.add_argument("--rollout-mode", action="store_true", help="divided rollout + context-aware order")
-    p.add_argument("--policy", default=None, help="override: baseline | divided | context")
-    p.add_argument("--instances", type=int, default=1)
-    p.add_argument("--chunk-tokens", type=int, default=8192)
+    RolloutConfig.add_cli_args(p)
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens for lines without one")
     p.add_argument("--temperature", type=float, default=1.0, help="default temperature")
     p.set_defaults(func=run_rollout)
@@ -77,18 +75,19 @@ def run_rollout(args: argparse.Namespace) -> int:
     path = Path(args.input)
     if not path.is_file():
         raise ValueError(f"input file {str(path)!r} not found")
-    pool = EnginePool(EngineConfig.from_cli_args(args), args.instances)
+    rollout_config = RolloutConfig.from_cli_args(args)
+    pool = EnginePool(EngineConfig.from_cli_args(args), rollout_config.instances)
     engine = pool.first
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     groups = read_groups(path, args.n, defaults, engine.encode_prompt)
-    name = args.policy or ("context" if args.rollout_mode else "baseline")
+    name = rollout_config.policy
     total = sum(g.n for g in groups)
     with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
+        policy = make_rollout_policy(name, starvation_s=rollout_config.starvation_s)
         rollout = Rollout(
-            pool, make_rollout_policy(name), args.chunk_tokens, on_sample_finished=lambda s: bar.update()
+            pool, policy, rollout_config.chunk_tokens, on_sample_finished=lambda s: bar.update()
         )
         result = rollout.run(groups)
-    detok = engine.detokenizer
     with open(args.output, "w") as out:
         for g in groups:
             samples = result.samples[g.group_id]
@@ -98,7 +97,7 @@ def run_rollout(args: argparse.Namespace) -> int:
                 "outputs": [
                     {
                         "token_ids": s.output_token_ids,
-                        "text": detok.decode(s.output_token_ids),
+                        "text": s.text,
                         "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in s.logprobs]
                         or None,
                         "finish_reason": s.finish_reason,

@@ -31,14 +31,16 @@ _SEED_MASK = (1 << 63) - 1
 
 
 def sample_seed(group: Group, index: int) -> int:
-    """Per-response seed: the same whatever policy, chunking or instance runs it."""
+    """Per-response seed of an offline rollout: the same whatever policy, chunking or
+    instance runs it."""
     base = group.sampling_params.seed if group.sampling_params.seed is not None else group.order
     return (base * 1_000_003 + index * 0x9E3779B97F4A7C15) & _SEED_MASK
 
 
-def chunk_request_id(sample: RolloutSample) -> str:
-    """Engine request ids of rollout chunks: ``<group>/<sample>#<chunk>``."""
-    return f"{sample.key}#{sample.chunks}"
+def chunk_request_id(sample: RolloutSample, running: bool = False) -> str:
+    """Engine request ids of rollout chunks: ``<group>/<sample>#<chunk>`` (the next
+    chunk, or the one running now)."""
+    return f"{sample.key}#{sample.chunks - 1 if running else sample.chunks}"
 
 
 def sample_key_of(request_id: str) -> str:
@@ -71,6 +73,13 @@ class RolloutResult:
 
 
 class Rollout:
+    """The Request Buffer over an engine pool, driven one step at a time.
+
+    ``add_samples`` may be called at any time (a server adds requests while the
+    rollout runs; a request that shares its prompt with a live group joins it);
+    ``run`` is the offline form: add every group, step until all are done.
+    """
+
     def __init__(
         self,
         pool: EnginePool,
@@ -87,54 +96,118 @@ class Rollout:
         self.on_sample_finished = on_sample_finished
         self.kv_connector = kv_connector or RecomputeConnector()
         self.buffer: list[RolloutSample] = []
+        self.now = 0.0  # the time of the latest event (the clock of the last instance stepped)
         self.migrations = 0
         self.migrated_tokens = 0
         self.dispatch_log: list[tuple[str, int]] = []  # (sample key, instance) in dispatch order
-        self._by_key: dict[str, RolloutSample] = {}
+        self._live: dict[str, RolloutSample] = {}  # key -> unfinished sample
+        self._live_per_group: dict[str, int] = {}
+        self._finished_groups: list[str] = []  # groups whose last live response finished
 
-    # -- the loop ------------------------------------------------------------------
+    # -- the offline loop ------------------------------------------------------------
 
     def run(self, groups: Sequence[Group]) -> RolloutResult:
-        samples = self._make_samples(groups)
-        if self.policy.pin_groups_up_front:
-            for gi, group in enumerate(groups):
-                inst = self.pool.instances[gi % len(self.pool)]
-                for sample in samples[group.group_id]:
-                    self._submit(inst, sample, sample.max_tokens, reserve=False)
-        else:
-            self.buffer = [s for g in groups for s in samples[g.group_id]]
-        remaining = sum(len(v) for v in samples.values())
-        now = 0.0
-        while remaining:
-            self._dispatch(now)
-            busy = [inst for inst in self.pool if inst.has_work]
-            if not busy:
-                raise RuntimeError(
-                    f"{len(self.buffer)} responses cannot be dispatched: a chunk needs more KV "
-                    "blocks than an instance has (raise the KV budget or lower chunk_tokens)"
-                )
-            inst = min(busy, key=lambda i: i.clock)
-            outputs = inst.step()
-            now = inst.clock
-            for out in outputs:
-                remaining -= self._on_chunk_done(inst, out, now)
-        return RolloutResult(list(groups), samples, self._metrics(samples), [i.timeline for i in self.pool])
-
-    def _make_samples(self, groups: Sequence[Group]) -> dict[str, list[RolloutSample]]:
-        engine = self.pool.first
-        samples: dict[str, list[RolloutSample]] = {}
         for order, group in enumerate(groups):
             group.order = order
-            room = engine.max_model_len - len(group.prompt_token_ids)
-            limit = group.sampling_params.max_tokens
-            max_tokens = room if limit is None else min(limit, room)
-            self.policy.context.register(group, max_tokens)
-            samples[group.group_id] = [
-                RolloutSample(group, i, sample_seed(group, i), max_tokens) for i in range(group.n)
-            ]
-            for s in samples[group.group_id]:
-                self._by_key[s.key] = s
-        return samples
+        samples = {g.group_id: self.new_samples(g) for g in groups}
+        for group in groups:
+            self.add_samples(samples[group.group_id])
+        while self.has_work:
+            self.step()
+        return RolloutResult(list(groups), samples, self._metrics(samples), [i.timeline for i in self.pool])
+
+    def new_samples(self, group: Group) -> list[RolloutSample]:
+        """The group's n responses with per-response seeds (independent of policy and chunking)."""
+        max_tokens = self.resolve_max_tokens(group.prompt_token_ids, group.sampling_params)
+        return [RolloutSample(group, i, sample_seed(group, i), max_tokens) for i in range(group.n)]
+
+    def resolve_max_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        room = self.pool.first.max_model_len - len(prompt_token_ids)
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    # -- the online interface -----------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.buffer) or any(inst.has_work for inst in self.pool)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def add_samples(self, samples: Sequence[RolloutSample]) -> None:
+        """Admit responses: into the buffer (divided policies) or straight onto the
+        group's instance (baseline). Their group is registered on first sight."""
+        for sample in samples:
+            if sample.key in self._live:
+                raise ValueError(f"response {sample.key} is already in the rollout")
+            gid = sample.group.group_id
+            if gid not in self._live_per_group:
+                self.policy.context.register(sample.group, sample.max_tokens)
+            else:
+                self.policy.context.raise_budget(gid, sample.max_tokens)
+            self._live_per_group[gid] = self._live_per_group.get(gid, 0) + 1
+            self._live[sample.key] = sample
+            sample.enqueued_at = self.now
+            if self.policy.pin_groups_up_front:
+                inst = self.pool.instances[sample.group.order % len(self.pool)]
+                self._submit(inst, sample, sample.max_tokens, reserve=False)
+            else:
+                self.buffer.append(sample)
+
+    def step(self) -> list[RolloutSample]:
+        """Dispatch what fits, then step the instance with the earliest clock.
+
+        Returns the responses that finished in this step, and those that made
+        progress when they asked for a stream.
+        """
+        self._dispatch(self.now)
+        busy = [inst for inst in self.pool if inst.has_work]
+        if not busy:
+            if not self.buffer:
+                return []
+            raise RuntimeError(
+                f"{len(self.buffer)} responses cannot be dispatched: a chunk needs more KV "
+                "blocks than an instance has (raise the KV budget or lower chunk_tokens)"
+            )
+        inst = min(busy, key=lambda i: i.clock)
+        outputs = inst.step()
+        self.now = inst.clock
+        updated = []
+        for out in outputs:
+            sample = self._live[sample_key_of(out.request_id)]
+            if out.finished:
+                self._on_chunk_done(inst, out)
+            else:  # streaming progress within a chunk
+                result = out.outputs[0]
+                sample.output_token_ids = list(result.token_ids)
+                sample.text = result.text
+                sample.chunk_logprobs = result.logprobs or []
+            if sample.finished or sample.stream:
+                updated.append(sample)
+        return updated
+
+    def abort(self, keys: Sequence[str]) -> list[RolloutSample]:
+        """Stop responses where they are (buffered or mid-chunk); unknown keys are ignored.
+
+        Aborted responses keep the tokens they generated, with finish_reason "abort".
+        """
+        aborted = []
+        buffered = {s.key for s in self.buffer}
+        for key in keys:
+            sample = self._live.get(key)
+            if sample is None:
+                continue
+            if key in buffered:
+                self.buffer = [s for s in self.buffer if s.key != key]
+            else:
+                inst = self.pool.instances[sample.instance]
+                rid = chunk_request_id(sample, running=True)
+                for out in inst.engine.abort_request([rid]):
+                    self._take_chunk(inst, out)
+            self._finish(sample, "abort", None, record=False)
+            aborted.append(sample)
+        return aborted
 
     # -- Request Buffer --------------------------------------------------------------
 
@@ -187,8 +260,8 @@ class Rollout:
             loaded = self.kv_connector.load(sample.key, inst.engine, context).tokens
             self.migrations += 1
             self.migrated_tokens += max(0, sample.num_generated - max(0, loaded - len(g.prompt_token_ids)))
-        remaining_min = max(0, (g.sampling_params.min_tokens or 0) - sample.num_generated)
-        params = g.sampling_params.clone(
+        remaining_min = max(0, (sample.params.min_tokens or 0) - sample.num_generated)
+        params = sample.params.clone(
             n=1, seed=sample.seed, max_tokens=limit, min_tokens=min(remaining_min, limit)
         )
         rid = chunk_request_id(sample)
@@ -197,22 +270,33 @@ class Rollout:
             g.prompt_token_ids,
             params,
             group_id=g.group_id,
+            stream=sample.stream,
             prior_output_token_ids=sample.output_token_ids,
         )
         blocks = self._blocks_for(inst, sample) if reserve else 0
         inst.in_flight[rid] = blocks
         inst.reserved_blocks += blocks
+        sample.instance = inst.index
         sample.chunks += 1
         self.dispatch_log.append((sample.key, inst.index))
 
-    def _on_chunk_done(self, inst: EngineInstance, out: RequestOutput, now: float) -> int:
-        """Take a finished chunk back; returns 1 when the whole response is done."""
+    def _take_chunk(self, inst: EngineInstance, out: RequestOutput) -> RolloutSample:
+        """Record a chunk's final output on its sample and release its reservation."""
         inst.reserved_blocks -= inst.in_flight.pop(out.request_id)
-        sample = self._by_key[sample_key_of(out.request_id)]
+        sample = self._live[sample_key_of(out.request_id)]
         result = out.outputs[0]
         sample.output_token_ids = list(result.token_ids)
+        sample.text = result.text
         sample.logprobs.extend(result.logprobs or [])
+        sample.chunk_logprobs = []
+        sample.cumulative_logprob += result.cumulative_logprob or 0.0
         sample.instance = inst.index
+        return sample
+
+    def _on_chunk_done(self, inst: EngineInstance, out: RequestOutput) -> None:
+        """A chunk ended: the response goes back to the buffer or is finished."""
+        sample = self._take_chunk(inst, out)
+        result = out.outputs[0]
         engine = inst.engine
         at_context_limit = len(sample.group.prompt_token_ids) + sample.num_generated >= engine.max_model_len
         chunk_end = (
@@ -221,20 +305,43 @@ class Rollout:
             and not at_context_limit
         )
         if chunk_end:
-            sample.enqueued_at = now
+            sample.enqueued_at = self.now
             self.kv_connector.save(
                 sample.key, engine, sample.group.prompt_token_ids + sample.output_token_ids
             )
             self.buffer.append(sample)
-            return 0
+            return
+        self._finish(sample, result.finish_reason, result.stop_reason, record=True)
+
+    def _finish(self, sample: RolloutSample, reason: str | None, stop_reason, record: bool) -> None:
+        """``record``: the length is real (not cut by an abort), so the Context Manager learns it."""
         self.kv_connector.free(sample.key)
-        sample.finish_reason = result.finish_reason
-        sample.stop_reason = result.stop_reason
-        sample.finished_at = now
-        self.policy.context.on_finished(sample)
+        sample.finish_reason = reason
+        sample.stop_reason = stop_reason
+        sample.finished_at = self.now
+        del self._live[sample.key]
+        gid = sample.group.group_id
+        if record:
+            self.policy.context.on_finished(sample)
+        self._live_per_group[gid] -= 1
+        if self._live_per_group[gid] == 0:
+            self._finished_groups.append(gid)
         if self.on_sample_finished is not None:
             self.on_sample_finished(sample)
-        return 1
+
+    def is_group_live(self, group_id: str) -> bool:
+        return self._live_per_group.get(group_id, 0) > 0
+
+    def forget_finished_groups(self) -> list[str]:
+        """Drop what the Context Manager knows of groups with no live response, and
+        return their ids (a long-running server calls this; an offline rollout does
+        not need to)."""
+        done = [gid for gid in self._finished_groups if self._live_per_group.get(gid) == 0]
+        self._finished_groups.clear()
+        for gid in done:
+            del self._live_per_group[gid]
+            self.policy.context.forget(gid)
+        return done
 
     # -- report ----------------------------------------------------------------------
 

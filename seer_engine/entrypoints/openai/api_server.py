@@ -15,7 +15,7 @@ import logging
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatComplet
 from seer_engine.entrypoints.openai.serving_base import RequestRegistry
 from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from seer_engine.rollout.config import RolloutConfig
 
 logger = logging.getLogger("seer_engine.serve")
 
@@ -52,28 +53,19 @@ class ServerSettings:
     data_dir: Path = DEFAULT_DATA_DIR
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    rollout_mode: bool = False
-    instances: int = 1
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 # ----------------------------------------------------------------------------- backend
 
 
 def build_engine_client(config: EngineConfig, settings: ServerSettings) -> EngineClient:
-    """The one place where the backend is chosen.
-
-    Today: one engine instance on a background thread. ``--rollout-mode`` and
-    ``--instances`` are recorded; the rollout backend (Seer scheduling over a pool
-    of instances) plugs in here behind the same ``EngineClient`` interface.
-    """
-    if settings.rollout_mode or settings.instances != 1:
-        logger.warning(
-            "--rollout-mode/--instances (%s, %d) recorded: rollout scheduling arrives with the rollout "
-            "backend; serving with one engine instance for now",
-            settings.rollout_mode,
-            settings.instances,
-        )
-    engine = AsyncEngine.from_config(config, model_name=settings.served_model_names[0])
+    """The one place where the backend is chosen: one engine on a background thread,
+    or in rollout mode (or with several instances) the rollout backend: an engine
+    pool behind the Request Buffer with a rollout policy, driven the same way."""
+    engine = AsyncEngine.from_config(
+        config, model_name=settings.served_model_names[0], rollout=settings.rollout
+    )
     return engine.start()
 
 
@@ -200,8 +192,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where files and batches are kept")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--rollout-mode", action="store_true", help="Seer rollout scheduling (recorded for now)")
-    p.add_argument("--instances", type=int, default=1, help="engine instances in rollout mode")
+    RolloutConfig.add_cli_args(p)
     p.add_argument(
         "--timeout-keep-alive",
         type=int,
@@ -224,16 +215,13 @@ def run_server(args: argparse.Namespace) -> int:
     )
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
-    if args.instances < 1:
-        raise ValueError(f"--instances must be positive, got {args.instances}")
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
         data_dir=args.data_dir,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
-        rollout_mode=args.rollout_mode,
-        instances=args.instances,
+        rollout=RolloutConfig.from_cli_args(args),
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -247,8 +235,14 @@ def run_server(args: argparse.Namespace) -> int:
         app = create_app(engine, settings)
         host, port = sock.getsockname()[:2]
         # Always shown (tests and scripts read the address from it, e.g. with --port 0).
+        r = settings.rollout
+        mode = (
+            f"rollout mode: {r.policy} policy, {r.instances} instance(s), {r.chunk_tokens}-token chunks"
+            if r.needs_pool
+            else "one engine"
+        )
         print(
-            f"seer_engine serve: serving {settings.served_model_names[0]} on http://{host}:{port}",
+            f"seer_engine serve: serving {settings.served_model_names[0]} on http://{host}:{port} ({mode})",
             file=sys.stderr,
             flush=True,
         )

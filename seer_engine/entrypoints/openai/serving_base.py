@@ -223,8 +223,9 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def sse_event(request_id: str, obj: str, created: int, model: str, choices: list[dict],
-              usage_obj: dict | None = None) -> str:
+def sse_event(
+    request_id: str, obj: str, created: int, model: str, choices: list[dict], usage_obj: dict | None = None
+) -> str:
     """One server-sent event of a streamed completion or chat completion."""
     body = {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": choices, "usage": usage_obj}  # fmt: skip

@@ -1,0 +1,145 @@
+"""The rollout-mode backend the server drives: user requests become responses in the
+Request Buffer, requests sharing a prompt form one group, outputs equal the plain
+engine's, aborts keep partial tokens and leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.outputs import RequestOutput
+from seer_engine.rollout.config import RolloutConfig
+from seer_engine.rollout.rollout_engine import RolloutEngine
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3")
+
+
+def _config(model, **kw) -> EngineConfig:
+    return EngineConfig(model=str(model), **{"num_kv_blocks": 64, "max_num_seqs": 8, **kw})
+
+
+def _rollout_engine(model, instances: int = 2, chunk: int = 8, **kw) -> RolloutEngine:
+    rollout = RolloutConfig(rollout_mode=True, instances=instances, chunk_tokens=chunk)
+    return RolloutEngine(_config(model, **kw), rollout)
+
+
+def _drain(engine) -> dict[str, RequestOutput]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _assert_idle(engine: RolloutEngine) -> None:
+    assert not engine.rollout.buffer and engine.rollout.num_live == 0
+    for inst in engine.pool:
+        kv = inst.engine.kv_manager
+        assert kv.num_free_blocks == kv.pool.num_blocks and inst.reserved_blocks == 0 and not inst.in_flight
+
+
+def test_requests_sharing_a_prompt_form_one_group(model):
+    engine = _rollout_engine(model)
+    p = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=1)
+    singles = [engine.add_request(f"a{i}", [5, 6, 7, 8], p) for i in range(4)]
+    pair = engine.add_request("b", [9, 9, 9], p.clone(n=2))
+    named = [engine.add_request(rid, [1, 2], p, group_id="mine") for rid in ("c", "d")]
+    first_group = singles[0][0].group
+    assert all(s[0].group is first_group for s in singles) and first_group.n == 4
+    assert [s[0].sample_index for s in singles] == [0, 1, 2, 3]  # a0 is the group's probe
+    assert pair[0].group is not first_group and [s.sample_index for s in pair] == [0, 1]
+    assert named[0][0].group is named[1][0].group
+    with pytest.raises(InvalidRequestError, match="different prompt"):
+        engine.add_request("e", [3], p, group_id="mine")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("b", [3], p)
+
+    done = _drain(engine)
+    assert sorted(done) == ["a0", "a1", "a2", "a3", "b", "c", "d"]
+    assert all(len(c.token_ids) == 20 for out in done.values() for c in out.outputs)
+    assert engine.rollout.policy.context._groups == {}, "finished groups are forgotten"
+    again = engine.add_request("a-next", [5, 6, 7, 8], p)  # next iteration: a fresh group
+    assert again[0].group is not first_group and again[0].sample_index == 0
+    _drain(engine)
+    _assert_idle(engine)
+
+
+def test_same_outputs_as_the_plain_engine(model):
+    """Chunking across two instances changes nothing: tokens, text (stop strings
+    trimmed), finish reasons, logprobs."""
+    requests = [
+        ("greedy", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)),
+        ("seeded", [11, 12], SamplingParams(temperature=1.0, max_tokens=25, seed=3, n=3, logprobs=2)),
+        ("text", "Once upon a time", SamplingParams(temperature=0.8, max_tokens=21, seed=9, min_tokens=10)),
+    ]
+    plain = LLMEngine(_config(model))
+    rollout = _rollout_engine(model, chunk=6)
+    for engine in (plain, rollout):
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+    want, got = _drain(plain), _drain(rollout)
+    for rid, _, _ in requests:
+        for a, b in zip(want[rid].outputs, got[rid].outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason, a.index) == (
+                b.token_ids,
+                b.text,
+                b.finish_reason,
+                b.index,
+            )
+            if a.logprobs is not None:
+                assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]
+                assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
+    assert len(rollout.rollout.dispatch_log) > sum(p.n for _, _, p in requests), "responses ran in chunks"
+    _assert_idle(rollout)
+
+
+def test_context_policy_runs_one_probe_per_group_first(model):
+    engine = _rollout_engine(model, instances=1, chunk=4, max_num_seqs=2)
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    for g in range(3):
+        engine.add_request(f"g{g}", [20 + g] * (3 + g), p.clone(n=4))
+    _drain(engine)
+    log = [key for key, _ in engine.rollout.dispatch_log]
+    first = log[:3]
+    assert all(key.endswith("/0") for key in first) and len({k.split("/")[0] for k in first}) == 3
+    _assert_idle(engine)
+
+
+def test_abort_keeps_partial_tokens_and_frees_everything(model):
+    engine = _rollout_engine(model, chunk=8)
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True, n=3))
+    engine.add_request("y", [8, 9], SamplingParams(max_tokens=5, ignore_eos=True))
+    done = {}
+    while max(len(s.output_token_ids) for s in engine._requests["x"].samples) <= 12:
+        done.update((o.request_id, o) for o in engine.step())  # past the first chunk boundary
+    (out,) = engine.abort_request(["x", "unknown"])
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    assert any(len(c.token_ids) > 8 for c in out.outputs) and all(len(c.token_ids) < 60 for c in out.outputs)
+    done.update(_drain(engine))
+    assert done["y"].outputs[0].finish_reason == "length" and len(done["y"].outputs[0].token_ids) == 5
+    _assert_idle(engine)
+
+
+def test_sleep_refuses_in_flight_requests_and_config_errors(model):
+    engine = _rollout_engine(model)
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        engine.sleep()
+    _drain(engine)
+    engine.sleep()
+    assert engine.is_sleeping and all(i.engine.is_sleeping for i in engine.pool)
+    engine.wake_up()
+    assert engine.snapshot().kv_total_blocks == 128
+    for bad, needle in (
+        (dict(instances=0), "--instances"),
+        (dict(chunk_tokens=0), "--chunk-tokens"),
+        (dict(policy="oracle"), "unknown rollout policy"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            RolloutConfig(**bad)
