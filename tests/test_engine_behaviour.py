@@ -225,14 +225,21 @@ def test_bad_model_folders_are_named(tmp_path, model_path):
 
 def test_streaming_reports_progress_every_step(llm):
     engine = llm.engine
-    engine.add_request("s", list(range(10, 30)), SamplingParams(n=2, max_tokens=6, temperature=0,
-                                                                ignore_eos=True), stream=True)
-    seen = []
+    engine.reset_prefix_cache()  # sample 1 then waits one step for sample 0's prompt block
+    engine.add_request(
+        "s",
+        list(range(10, 30)),
+        SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True),
+        stream=True,
+    )
+    seen, steps = [], 0
     while engine.has_unfinished_requests():
         seen.extend(engine.step())
+        steps += 1
     lengths = [len(o.outputs[0].token_ids) for o in seen]
-    assert lengths == sorted(lengths) and lengths[-1] == 6 and len(seen) == 6
-    assert [o.finished for o in seen] == [False] * 5 + [True]
+    assert lengths == sorted(lengths) and lengths[-1] == 6 and len(seen) == steps == 7
+    assert [len(o.outputs[1].token_ids) for o in seen] == [0, 1, 2, 3, 4, 5, 6]
+    assert [o.finished for o in seen] == [False] * 6 + [True]
     assert seen[-1].outputs[1].finish_reason == "length" and seen[0].outputs[0].finish_reason is None
     assert seen[-1].outputs[0].text.startswith(seen[2].outputs[0].text)
 

@@ -7,6 +7,7 @@ triton, so checking for CUDA first is safe. Shapes are tiny: the interpreter exe
 every program in Python.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -25,6 +26,7 @@ import pytest  # noqa: E402
 from seer_engine.kernels import paged_attention as pa  # noqa: E402
 from seer_engine.model_executor.attention import (  # noqa: E402
     AttentionMetadata,
+    _plan_torch_attention,
     get_attention_backend,
     torch_paged_attention,
     torch_store_kv,
@@ -198,6 +200,150 @@ def test_empty_batch() -> None:
     assert torch.equal(kv_cache, before)
 
 
+# Draft trees: each request's parent list (None: no tree, plain causal) -> tree_mask.
+
+
+def random_parents(num_nodes: int, gen: torch.Generator) -> list[int]:
+    """A random draft tree, parents before children: node 0 is the root (the request's
+    first new token), node j's parent is one of nodes 0 .. j-1."""
+    return [-1] + [int(torch.randint(0, j, (), generator=gen)) for j in range(1, num_nodes)]
+
+
+def tree_mask_for(trees: list[list[int] | None], query_lens: list[int]) -> torch.Tensor:
+    """The metadata encoding: per new token, bit j set for each ancestor j and itself;
+    -1 for requests without a tree."""
+    words = []
+    for parents, q_len in zip(trees, query_lens):
+        if parents is None:
+            words += [-1] * q_len
+            continue
+        assert len(parents) == q_len
+        for node in range(q_len):
+            word = 0
+            while node >= 0:
+                word |= 1 << node
+                node = parents[node]
+            words.append(word - (1 << 64) if word >= 1 << 63 else word)  # as a signed int64
+    return torch.tensor(words, dtype=torch.int64, device=DEVICE)
+
+
+def dense_tree_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    trees: list[list[int] | None],
+    scale: float,
+) -> torch.Tensor:
+    """Plain dense reference in fp32: gather each request's context from the cache, let
+    each new token see the cached context, its ancestors in the tree and itself (all
+    earlier new tokens without a tree), then softmax over that explicit mask."""
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        num_cached = seq_len - q_len
+        pos = torch.arange(seq_len, device=kv_cache.device)
+        slots = meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        flat = kv_cache.flatten(1, 2).float()  # [2, num_slots, num_kv_heads, head_dim]
+        k = flat[0, slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = flat[1, slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        parents = trees[i] if trees[i] is not None else list(range(-1, q_len - 1))
+        mask = torch.zeros(q_len, seq_len, dtype=torch.bool, device=kv_cache.device)
+        mask[:, :num_cached] = True
+        for node in range(q_len):
+            seen = node
+            while seen >= 0:
+                mask[node, num_cached + seen] = True
+                seen = parents[seen]
+        q = query[start : start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        start += q_len
+    return out
+
+
+def with_trees(meta: AttentionMetadata, tree_mask: torch.Tensor | None) -> AttentionMetadata:
+    """The same batch with another tree_mask, and a fresh plan cache (plans depend on it)."""
+    return dataclasses.replace(meta, tree_mask=tree_mask, plan_cache={})
+
+
+# (cached tokens, new tokens, tree nodes or 0): prefill chunks without a tree (one longer
+# than 64, one of the same q_len as two trees), decode rows, and draft trees of 2 to 64
+# nodes, over empty, short and block-crossing contexts.
+TREE_BATCH = [(13, 7, 0), (20, 1, 0), (5, 9, 9), (0, 64, 64), (30, 2, 2), (0, 70, 0), (17, 9, 9)]
+TREE_BATCH += [(36, 1, 0), (3, 9, 0), (41, 23, 23), (2, 64, 64)]
+
+
+def make_tree_batch(
+    num_heads: int, num_kv_heads: int, block_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[list[int] | None]]:
+    gen = torch.Generator().manual_seed(seed + 1)
+    reqs = [(cached, new) for cached, new, _ in TREE_BATCH]
+    query, _, _, kv_cache, meta = make_batch(reqs, num_heads, num_kv_heads, 32, block_size, dtype, seed)
+    trees = [random_parents(nodes, gen) if nodes else None for _, _, nodes in TREE_BATCH]
+    return query, kv_cache, with_trees(meta, tree_mask_for(trees, meta.query_lens_cpu)), trees
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size,dtype,tiles",
+    [
+        (4, 2, 16, torch.float32, {}),
+        (8, 1, 12, torch.float32, dict(block_q=2, tile_n=16)),
+        (4, 4, 8, torch.float32, dict(block_q=16, tile_n=32)),
+        (4, 2, 16, torch.bfloat16, {}),
+    ],
+    ids=["gqa2-bs16", "gqa8-bs12-small-tiles", "mha-bs8", "bf16"],
+)
+def test_tree_attention_matches_dense_reference(
+    num_heads: int, num_kv_heads: int, block_size: int, dtype: torch.dtype, tiles: dict
+) -> None:
+    """Both backends against the dense reference on a batch mixing prefill chunks, decode
+    rows and random draft trees (tiles that split a tree across programs included)."""
+    query, kv_cache, meta, trees = make_tree_batch(num_heads, num_kv_heads, block_size, dtype, seed=7)
+    expected = dense_tree_attention(query, kv_cache, meta, trees, SCALE)
+    torch.testing.assert_close(torch_paged_attention(query, kv_cache, meta, SCALE), expected, **TOL[dtype])
+    actual = pa.triton_paged_attention(query, kv_cache, meta, SCALE, **tiles)
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+def test_chain_tree_is_causal() -> None:
+    """A tree whose parents form one chain is plain causal attention: same output as
+    tree_mask=None from both backends."""
+    query, kv_cache, meta, _ = make_tree_batch(4, 2, 16, torch.float32, seed=3)
+    chains = [list(range(-1, new - 1)) if nodes else None for _, new, nodes in TREE_BATCH]
+    chained = with_trees(meta, tree_mask_for(chains, meta.query_lens_cpu))
+    plain = with_trees(meta, None)
+    assert torch.equal(
+        torch_paged_attention(query, kv_cache, chained, SCALE),
+        torch_paged_attention(query, kv_cache, plain, SCALE),
+    )
+    torch.testing.assert_close(
+        pa.triton_paged_attention(query, kv_cache, chained, SCALE),
+        pa.triton_paged_attention(query, kv_cache, plain, SCALE),
+        **TOL[torch.float32],
+    )
+
+
+def test_torch_plan_groups_short_rows() -> None:
+    """Requests with the same q_len <= 64 share one padded group (cheap verification
+    steps); longer chunks attend alone."""
+    _, _, meta, _ = make_tree_batch(2, 1, 16, torch.float32, seed=0)
+    plan = _plan_torch_attention(meta, 16, torch.device(DEVICE))
+    assert sorted((g.q_len, g.batch) for g in plan) == [
+        (1, 2),
+        (2, 1),
+        (7, 1),
+        (9, 3),
+        (23, 1),
+        (64, 2),
+        (70, 1),
+    ]
+    rows = torch.cat([g.rows for g in plan]).sort().values
+    assert torch.equal(rows.cpu(), torch.arange(meta.slot_mapping.shape[0]))
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import triton
@@ -208,16 +354,18 @@ _COMPILE_SCRIPT = textwrap.dedent(
     target = GPUTarget("cuda", 90, 32)
     ints = lambda *names: {n: "i32" for n in names}
     strides = ints("stride_ckv", "stride_cblk", "stride_coff", "stride_chead")
-    for dt, head_dim, group, block_q, tile_n in [("bf16", 128, 4, 16, 64), ("fp32", 80, 1, 1, 16)]:
+    configs = [("bf16", 128, 4, 16, 64, False), ("bf16", 128, 4, 16, 64, True), ("fp32", 80, 1, 1, 16, False)]
+    for dt, head_dim, group, block_q, tile_n, has_tree in configs:
         sig = {"out_ptr": "*" + dt, "q_ptr": "*" + dt, "cache_ptr": "*" + dt,
                "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-               "query_start_loc_ptr": "*i32", "scale_log2e": "fp32", "num_reqs": "i32",
+               "query_start_loc_ptr": "*i32", "tree_mask_ptr": "*i64",
+               "scale_log2e": "fp32", "num_reqs": "i32",
                **ints("stride_qt", "stride_qh", "stride_ot", "stride_oh"), **strides,
                "stride_bt": "i32"}
         consts = dict(QUERIES_PER_KV=group, GROUP_PAD=group, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=16,
                       BLOCK_Q=block_q, BLOCK_M=max(16, block_q * group), TILE_N=tile_n,
-                      UPCAST=False)
+                      UPCAST=False, HAS_TREE=has_tree)
         triton.compile(ASTSource(pa._paged_attention_kernel, sig, consts), target=target)
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16",
            "slot_mapping_ptr": "*i64",

@@ -217,6 +217,21 @@ class KVCacheManager:
                 del self.pending[hashes[i]]
         self.num_hashed[rid] = max(done, min(len(hashes), len(blocks)))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the tail blocks beyond ``num_tokens`` slots (rejected draft nodes).
+
+        Those blocks were allocated this step for the draft and hold no registered
+        prefix, so they go straight back to the free list.
+        """
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = max(self.blocks_needed(num_tokens), self.num_hashed.get(request.request_id, 0))
+        if keep < len(blocks):
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.release(reversed(extra))
+
     def free(self, request: Request) -> None:
         """Return a request's blocks, tail first so that prompt blocks stay cached longest."""
         rid = request.request_id

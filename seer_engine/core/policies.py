@@ -69,6 +69,7 @@ class RolloutPolicy:
     name = "abstract"
     chunked = True  # divided rollout: at most chunk_tokens per dispatch
     pin_groups_up_front = False  # veRL-style: every group sent to one instance at the start
+    speculative: dict | None = None  # the speculative decoding the engines need (a --speculative-config)
 
     def __init__(self, context: ContextManager | None = None) -> None:
         self.context = context or ContextManager()
@@ -101,6 +102,14 @@ class ContextAwarePolicy(RolloutPolicy):
         return self.context.priority(sample, now)
 
 
+class SeerPolicy(ContextAwarePolicy):
+    """Seer: divided rollout + context-aware order + adaptive grouped speculative decoding
+    (one suffix tree per group, shared by every instance)."""
+
+    name = "seer"
+    speculative = {"method": "group_suffix"}
+
+
 class OraclePolicy(RolloutPolicy):
     """Longest-first with the true lengths (benchmarks only: they must be handed in)."""
 
@@ -115,7 +124,7 @@ class OraclePolicy(RolloutPolicy):
 
 
 ROLLOUT_POLICIES: dict[str, type[RolloutPolicy]] = {
-    p.name: p for p in (BaselinePolicy, DividedPolicy, ContextAwarePolicy, OraclePolicy)
+    p.name: p for p in (BaselinePolicy, DividedPolicy, ContextAwarePolicy, SeerPolicy, OraclePolicy)
 }
 
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.spec_decode.draft import DraftTree
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +56,9 @@ class Request:
     priority: int = 0  # smaller runs first under the priority policy
     group_id: str | None = None
     sample_index: int = 0
+    # The response this request generates (a rollout chunk continues one): drafters key
+    # their per-response state by it. Defaults to request_id.
+    sequence_id: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 
@@ -68,12 +72,17 @@ class Request:
     stop_reason: int | str | None = None
     # Chained hashes of this request's full blocks, extended lazily by the KV manager.
     block_hashes: list[int] = field(default_factory=list)
+    # Draft to verify in the next step (speculative decoding); the scheduler may shorten
+    # or drop it and clears it once the step is done.
+    draft: DraftTree | None = None
 
     def __post_init__(self) -> None:
         # Output tokens may arrive with the request: a rollout chunk resuming a sample.
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
         if self.sampling_params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.sequence_id is None:
+            self.sequence_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,6 +103,19 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens after the first ``num_output_tokens`` (a stop string ended
+        the output inside a step that emitted several tokens), with their logprobs."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+        if self.logprobs:
+            for entry in self.logprobs[len(self.logprobs) - drop :]:
+                self.cumulative_logprob -= next(iter(entry.values()))[0]
+            del self.logprobs[len(self.logprobs) - drop :]
 
 
 @dataclass

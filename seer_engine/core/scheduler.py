@@ -1,9 +1,10 @@
 """Continuous batching with one rule: computed tokens chase the target.
 
 Each step grants every running request ``num_tokens - num_computed_tokens`` new
-tokens (a decode step is 1, a prefill chunk is up to the budget), then admits waiting
-requests in policy order while the token budget, ``max_num_seqs`` and free KV blocks
-allow. When blocks run out, the policy's victim is preempted and recomputed later.
+tokens (a decode step is 1, a prefill chunk is up to the budget), plus the nodes of
+its draft when it speculates, then admits waiting requests in policy order while the
+token budget, ``max_num_seqs`` and free KV blocks allow. When blocks run out, the
+policy's victim is preempted and recomputed later.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class SchedulerStats:
     recomputed_tokens: int = 0  # tokens computed again because preemption dropped their KV
     scheduled_tokens: int = 0
     generated_tokens: int = 0
-    sampled_rows: int = 0  # request-steps that emitted tokens (> tokens once drafts are accepted)
+    sampled_rows: int = 0  # request-steps that emitted tokens (< tokens once drafts are accepted)
+    draft_tokens_scheduled: int = 0  # draft nodes verified
+    draft_tokens_accepted: int = 0
 
 
 class Scheduler:
@@ -104,6 +107,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.draft = None
         self.kv.free(request)
         self._lost_tokens[request.request_id] = request.num_computed_tokens
         request.num_computed_tokens = 0
@@ -123,13 +127,17 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
-                scheduled = {id(r) for r, _ in out.scheduled}
-                victim = self.policy.select_victim([r for r in self.running if id(r) not in scheduled])
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
+            num_draft = self._fit_draft(request, num_new, budget)
+            if num_draft:
+                num_new += num_draft
+            else:
+                while not self.kv.allocate_slots(request, num_new):
+                    scheduled = {id(r) for r, _ in out.scheduled}
+                    victim = self.policy.select_victim([r for r in self.running if id(r) not in scheduled])
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        break
             if request.status is RequestStatus.RUNNING:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
@@ -138,6 +146,24 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_batched_tokens
         return out
+
+    def _fit_draft(self, request: Request, num_new: int, budget: int) -> int:
+        """Make room for the request's draft on top of its decode token; returns how
+        many draft nodes fit (the draft is shortened to them, or dropped).
+
+        Drafts ride only on a decode row, only in the token budget that is left and
+        only in free KV blocks: speculation never preempts anyone.
+        """
+        draft = request.draft
+        if not draft:
+            return 0
+        room = min(len(draft), budget - num_new) if num_new == 1 else 0
+        if room > 0 and self.kv.allocate_slots(request, num_new + room):
+            request.draft = draft.truncated(room)
+            self.stats.draft_tokens_scheduled += room
+            return room
+        request.draft = None
+        return 0
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         self.waiting.sort(key=self.policy.sort_key)
@@ -170,26 +196,42 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if id(r) not in ids]
         return budget
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that stop.
+    def update_from_output(self, out: SchedulerOutput, emitted: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, append emitted tokens, finish requests that stop.
 
-        ``sampled`` holds a token for each request whose chunk reached its last token.
-        Returns the requests that got a new token (finished ones included).
+        ``emitted`` holds, for each request whose chunk reached its last token, the
+        tokens it emits: one, or with a draft the accepted nodes' tokens and the bonus
+        token. They are appended one by one and a stop condition drops the rest, as if
+        they had been decoded one per step. The KV of the accepted nodes is in place
+        (the runner moved it), so they count as computed; the slots of rejected nodes
+        are given back. Returns the requests that got tokens (finished ones included).
         """
         updated = []
         for request, num_new in out.scheduled:
-            request.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
+            draft, request.draft = request.draft, None
+            tokens = emitted.get(request.request_id)
+            if not tokens:  # a prefill chunk that has not reached the end of the prompt
+                request.num_computed_tokens += num_new
+                self.kv.cache_computed_blocks(request)
                 continue
-            request.append_output_token(token)
-            self.stats.generated_tokens += 1
+            num_draft = len(draft) if draft else 0
+            status = None
+            for token in tokens:
+                request.append_output_token(token)
+                self.stats.generated_tokens += 1
+                status = check_stop(request, token, self.config.max_model_len)
+                if status is not None:
+                    break
             self.stats.sampled_rows += 1
+            self.stats.draft_tokens_accepted += len(tokens) - 1
+            computed = request.num_computed_tokens + num_new - num_draft + len(tokens) - 1
+            request.num_computed_tokens = min(computed, request.num_tokens - 1)
+            self.kv.cache_computed_blocks(request)
             updated.append(request)
-            status = check_stop(request, token, self.config.max_model_len)
             if status is not None:
                 self._finish(request, status)
+            elif num_draft:
+                self.kv.trim(request, request.num_tokens)
         return updated
 
 

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from seer_engine.spec_decode.config import SpeculativeConfig
+
 
 @dataclass
 class EngineConfig:
@@ -26,6 +28,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this instance
+    # JSON, e.g. '{"method": "group_suffix", "num_speculative_tokens": 16}'; parsed in
+    # __post_init__ into a SpeculativeConfig (None: no speculative decoding).
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -39,6 +44,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

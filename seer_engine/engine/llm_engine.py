@@ -26,6 +26,11 @@ from seer_engine.model_executor.model_runner import (
 from seer_engine.model_executor.weight_loader import safetensors_files
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+from seer_engine.spec_decode.budget import AdaptiveBudget, StepCostModel, make_budget
+from seer_engine.spec_decode.config import SpeculativeConfig
+from seer_engine.spec_decode.draft import Acceptance, accept
+from seer_engine.spec_decode.drafter import Drafter
+from seer_engine.spec_decode.proposers import Proposer, make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +57,11 @@ def resolve_device(name: str) -> torch.device:
 
 class TokenSource(Protocol):
     """Decides the emitted token after the model ran (trace replay). The model still
-    runs for real; only the token that is appended changes."""
+    runs for real; only the token that is appended changes. ``offset`` is the row's
+    distance past the request's next token (draft nodes verify later positions), so
+    a draft token is accepted iff it equals the source's token there."""
 
-    def next_token(self, request: Request, sampled: int) -> int: ...
+    def next_token(self, request: Request, sampled: int, offset: int = 0) -> int: ...
 
 
 def child_seed(base_seed: int, index: int) -> int:
@@ -74,6 +81,9 @@ class EngineSnapshot:
     generated_tokens: int = 0
     steps: int = 0
     sampled_rows: int = 0  # request-steps that emitted tokens; < generated_tokens with drafts
+    draft_tokens_verified: int = 0
+    draft_tokens_accepted: int = 0
+    drafter_s: float = 0.0
 
     def __add__(self, other: EngineSnapshot) -> EngineSnapshot:
         return EngineSnapshot(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -97,7 +107,12 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, policy: SchedulingPolicy | None = None, proposer: Proposer | None = None
+    ) -> None:
+        """``proposer``: a draft source shared with other engines (a rollout pool's draft
+        server), which then also decides when a group's drafts are dropped; by default
+        the engine makes its own from ``config.speculative_config``."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -137,6 +152,17 @@ class LLMEngine:
         self._sleeping = False  # KV cache freed (and weights off the accelerator)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, _Parent] = {}
+        self.drafter = self._make_drafter(config.speculative_config, proposer)
+        # Live user requests per group, when this engine frees its own groups' drafts.
+        self._group_live: dict[str, int] | None = {} if self.drafter and proposer is None else None
+
+    def _make_drafter(self, spec: SpeculativeConfig | None, proposer: Proposer | None) -> Drafter | None:
+        if spec is None:
+            return None
+        budget = make_budget(spec.budget, lambda: StepCostModel.fit(self.runner.profile_step_cost()))
+        if isinstance(budget, AdaptiveBudget):
+            budget.cost  # profile now, while the KV cache is empty  # noqa: B018
+        return Drafter(spec, proposer or make_proposer(spec), budget)
 
     # -- sizing --------------------------------------------------------------------
 
@@ -197,6 +223,7 @@ class LLMEngine:
         group_id: str | None = None,
         stream: bool = False,
         prior_output_token_ids: Sequence[int] = (),
+        sequence_id: str | None = None,
     ) -> list[Request]:
         """Queue a request (n samples); returns the scheduler requests it became.
 
@@ -204,6 +231,8 @@ class LLMEngine:
         next chunk of a divided rollout): they count towards max_tokens, min_tokens, stop
         strings and sampling positions, and their KV is recomputed or taken from the
         prefix cache like any other context. Logprobs cover only new tokens.
+        ``sequence_id`` names the response the request continues (drafters keep their
+        per-response state under it); it defaults to the request's own id.
         """
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -223,9 +252,15 @@ class LLMEngine:
                 group_id=group_id if group_id is not None else request_id,
                 sample_index=i,
                 output_token_ids=list(prior),
+                sequence_id=None
+                if sequence_id is None
+                else (sequence_id if params.n == 1 else f"{sequence_id}-{i}"),
             )
             parent.children.append(child)
         self._parents[request_id] = parent
+        if self._group_live is not None:
+            gid = parent.children[0].group_id
+            self._group_live[gid] = self._group_live.get(gid, 0) + 1
         for child in parent.children:
             self._child_parent[child.request_id] = parent
             self.scheduler.add_request(child)
@@ -259,36 +294,67 @@ class LLMEngine:
             ScheduledChunk(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]
         result = self.runner.execute(batch)
+        by_id = {req.request_id: req for req, _ in sched.scheduled}
         if self.token_source is not None:
-            by_id = {req.request_id: req for req, _ in sched.scheduled}
-            result.sampled = {
-                rid: self.token_source.next_token(by_id[rid], tok) for rid, tok in result.sampled.items()
-            }
-        updated = self.scheduler.update_from_output(sched, result.sampled)
+            result.sampled = {rid: self._replayed(by_id[rid], rows) for rid, rows in result.sampled.items()}
+        verdicts = {rid: accept(by_id[rid].draft, rows) for rid, rows in result.sampled.items()}
+        self._move_accepted_kv(batch, verdicts)
+        counts = {rid: by_id[rid].num_output_tokens for rid in verdicts}
+        updated = self.scheduler.update_from_output(sched, {rid: v.tokens for rid, v in verdicts.items()})
         for req in updated:
-            lp = result.logprobs.get(req.request_id)
-            if lp is not None:
-                self._record_logprobs(req, lp)
+            rid = req.request_id
+            num_new = req.num_output_tokens - counts[rid]
+            lps = result.logprobs.get(rid)
+            if lps is not None:
+                for j, row in enumerate(verdicts[rid].rows[:num_new]):
+                    self._record_logprobs(req, req.output_token_ids[counts[rid] + j], lps[row])
             if not req.is_finished and req.sampling_params.stop:
-                self._check_stop_strings(req)
+                self._check_stop_strings(req, num_new)
+        if self.drafter is not None:
+            self.drafter.after_step(updated, verdicts, self.scheduler.running)
         return self._collect_outputs(updated)
 
-    def _record_logprobs(self, req: Request, lp: tuple[float, int, list[tuple[int, float]]]) -> None:
+    def _replayed(self, req: Request, rows: list[int]) -> list[int]:
+        """Trace replay: every row emits the trace's token at its position."""
+        depths = [0] + (req.draft.depths if req.draft else [])
+        return [self.token_source.next_token(req, tok, d) for tok, d in zip(rows, depths)]
+
+    def _move_accepted_kv(self, batch: list[ScheduledChunk], verdicts: dict[str, Acceptance]) -> None:
+        """Accepted nodes of a tree computed their KV at slot num_tokens + node; the
+        sequence needs it at num_tokens + depth - 1 (a single path is already there)."""
+        moves = []
+        for chunk in batch:
+            verdict = verdicts.get(chunk.request.request_id)
+            if verdict is None:
+                continue
+            base, blocks = chunk.request.num_tokens, chunk.block_ids
+            for j, node in enumerate(verdict.nodes):
+                if node != j:
+                    moves.append((self.runner.slot(blocks, base + node), self.runner.slot(blocks, base + j)))
+        self.runner.move_kv(moves)
+
+    def _record_logprobs(
+        self, req: Request, token: int, lp: tuple[float, int, list[tuple[int, float]]]
+    ) -> None:
         chosen, rank, top = lp
-        token = req.output_token_ids[-1]
         entry = {token: (chosen, rank)}
         for r, (tid, value) in enumerate(top, start=1):
             entry.setdefault(tid, (value, r))
         req.logprobs.append(entry)
         req.cumulative_logprob += chosen
 
-    def _check_stop_strings(self, req: Request) -> None:
-        if req.num_output_tokens < req.sampling_params.min_tokens:
-            return
-        hit = self.detokenizer.find_stop_string(req.output_token_ids, req.sampling_params.stop)
-        if hit is not None:
-            req.stop_reason = hit
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+    def _check_stop_strings(self, req: Request, num_new: int) -> None:
+        """A stop string completed by one of this step's ``num_new`` tokens finishes the
+        request there; tokens after it (accepted draft tokens) are dropped."""
+        params = req.sampling_params
+        total = req.num_output_tokens
+        for length in range(max(total - num_new + 1, params.min_tokens, 1), total + 1):
+            hit = self.detokenizer.find_stop_string(req.output_token_ids[:length], params.stop)
+            if hit is not None:
+                req.truncate_output(length)
+                req.stop_reason = hit
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                return
 
     def _collect_outputs(self, updated: list[Request]) -> list[RequestOutput]:
         """Final outputs of user requests whose samples all finished, plus progress of
@@ -308,6 +374,7 @@ class LLMEngine:
                 continue
             if parent.finished:
                 del self._parents[parent.request_id]
+                self._release_group(parent.children[0].group_id)
             samples = [parent.outputs.get(c.sample_index) or self._completion(c) for c in parent.children]
             outputs.append(
                 RequestOutput(
@@ -319,6 +386,15 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _release_group(self, group_id: str) -> None:
+        """The last request of a group finished: its drafts are of no further use."""
+        if self._group_live is None:
+            return
+        self._group_live[group_id] -= 1
+        if self._group_live[group_id] == 0:
+            del self._group_live[group_id]
+            self.drafter.proposer.finish_group(group_id)
 
     def _completion(self, req: Request) -> CompletionOutput:
         params = req.sampling_params
@@ -406,6 +482,9 @@ class LLMEngine:
             generated_tokens=sched.stats.generated_tokens,
             steps=sched.stats.steps,
             sampled_rows=sched.stats.sampled_rows,
+            draft_tokens_verified=sched.stats.draft_tokens_scheduled,
+            draft_tokens_accepted=sched.stats.draft_tokens_accepted,
+            drafter_s=self.drafter.stats.observe_s + self.drafter.stats.propose_s if self.drafter else 0.0,
         )
 
     @property

@@ -100,12 +100,12 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
           f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}", flush=True)  # fmt: skip
     results = {}
     for name in policies:
-        pool = EnginePool(cfg, args.instances)
+        policy = make_rollout_policy(name, true_lengths=true_lengths, starvation_s=args.starvation_s)
+        pool = EnginePool.for_policy(cfg, policy, args.instances)
         eos = eos if eos is not None else min(pool.first.eos_token_ids)
         replay = TraceReplay(responses, eos)
         for inst in pool:
             inst.engine.token_source = replay
-        policy = make_rollout_policy(name, true_lengths=true_lengths, starvation_s=args.starvation_s)
         progress = _Progress(name, total)
         start = time.perf_counter()
         fresh = [Group(g.group_id, g.prompt_token_ids, g.sampling_params, g.n, order=g.order) for g in groups]

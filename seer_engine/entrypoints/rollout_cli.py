@@ -76,14 +76,14 @@ def run_rollout(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise ValueError(f"input file {str(path)!r} not found")
     rollout_config = RolloutConfig.from_cli_args(args)
-    pool = EnginePool(EngineConfig.from_cli_args(args), rollout_config.instances)
+    policy = make_rollout_policy(rollout_config.policy, starvation_s=rollout_config.starvation_s)
+    pool = EnginePool.for_policy(EngineConfig.from_cli_args(args), policy, rollout_config.instances)
     engine = pool.first
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     groups = read_groups(path, args.n, defaults, engine.encode_prompt)
     name = rollout_config.policy
     total = sum(g.n for g in groups)
     with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
-        policy = make_rollout_policy(name, starvation_s=rollout_config.starvation_s)
         rollout = Rollout(
             pool, policy, rollout_config.chunk_tokens, on_sample_finished=lambda s: bar.update()
         )

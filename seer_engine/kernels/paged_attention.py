@@ -18,10 +18,11 @@ launch no more programs than they have work for.
 
 Each program runs an online softmax over the context in tiles of ``TILE_N`` keys,
 looking each key's block up in the block table, so tiles need not align with blocks.
-Visibility is decided in one helper, ``_visible``: today it is causal by absolute
-position; a draft-tree mask for speculative decoding would AND in an ancestor
-bit-mask there for keys at or past the first query (tree nodes are laid out in
-topological order, so the causal loop bound stays valid).
+Visibility is decided in one helper, ``_visible``: causal by absolute position, and,
+for speculative-decoding verification (``HAS_TREE``), ANDed with each query token's
+draft-tree bit-mask (``AttentionMetadata.tree_mask``) for keys at or past the
+request's first query. Tree nodes are laid out parents before children, so the causal
+loop bound stays valid. Without a tree the mask is neither loaded nor applied.
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _visible(q_pos, k_pos):
-    """``[M, N]`` mask of which keys each query row may see: causal by absolute position.
-
-    The one place to extend for tree attention (see the module docstring).
-    """
-    return k_pos[None, :] <= q_pos[:, None]
+def _visible(q_pos, k_pos, num_cached, tree, HAS_TREE: tl.constexpr):
+    """``[M, N]`` mask of which keys each query row may see: causal by absolute position
+    and, with ``HAS_TREE``, limited among the new keys to the bits of the row's ``tree``
+    mask (bit j: new token j; the shift is clamped because only q_len <= 64 has a tree)."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if HAS_TREE:
+        bit = tl.minimum(tl.maximum(k_pos - num_cached, 0), 63).to(tl.int64)
+        in_tree = ((tree[:, None] >> bit[None, :]) & 1) != 0
+        visible = visible & ((k_pos < num_cached)[None, :] | in_tree)
+    return visible
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -91,6 +96,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    tree_mask_ptr,
     scale_log2e,
     num_reqs,
     stride_qt,
@@ -111,6 +117,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     """One program: a tile of query tokens x the query heads of one kv head."""
     pid = tl.program_id(0)
@@ -155,6 +162,9 @@ def _paged_attention_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    tree = 0  # unused without a tree
+    if HAS_TREE:
+        tree = tl.load(tree_mask_ptr + tokens, mask=row_valid, other=-1)
 
     # Online softmax state. A finite floor for the running max keeps rows that see no
     # key (padding rows) free of inf - inf = nan.
@@ -182,7 +192,7 @@ def _paged_attention_kernel(
             v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e
-        s = tl.where(_visible(q_pos, k_pos), s, float("-inf"))
+        s = tl.where(_visible(q_pos, k_pos, num_cached, tree, HAS_TREE), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -271,6 +281,10 @@ def triton_paged_attention(
     block_q = block_q or default_q
     tile_n = tile_n or default_n
     block_m = max(16, block_q * group_pad)  # tl.dot needs at least 16 rows
+    tree_mask = meta.tree_mask
+    if tree_mask is not None:
+        assert tree_mask.dtype == torch.int64 and tree_mask.shape == (num_tokens,)
+        tree_mask = tree_mask.contiguous()
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
@@ -279,6 +293,7 @@ def triton_paged_attention(
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
+        meta.slot_mapping if tree_mask is None else tree_mask,  # a dummy int64 pointer without a tree
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         num_reqs,
         query.stride(0),
@@ -301,6 +316,7 @@ def triton_paged_attention(
         # The interpreter multiplies bfloat16 tiles as raw uint16 bits; do its dots in
         # fp32 (exact for bf16 products, so results stay comparable with the GPU's).
         UPCAST=_is_interpreted() and query.dtype == torch.bfloat16,
+        HAS_TREE=tree_mask is not None,
     )
     return out
 

@@ -5,7 +5,9 @@ Every step the model runner lays the scheduled tokens of all requests end to end
 query_start_loc[i]`` new tokens that sit at the end of its context of ``seq_lens[i]``
 tokens, so prefill chunks, prefix-cache hits and decode steps are one operation: new
 keys/values are written into the paged cache at ``slot_mapping``, then every query
-attends causally to its request's cached context through the block table.
+attends causally to its request's cached context through the block table. For
+speculative-decoding verification, ``tree_mask`` narrows causality further: a draft
+node sees the cached context, its ancestors and itself.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (index 0 keys, 1 values). A slot is ``block_id * block_size + offset``.
@@ -31,6 +33,14 @@ class AttentionMetadata:
     # Host copies so the torch backend can group requests without device syncs.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Draft-tree verification (speculative decoding): None, or [num_tokens] int64. For
+    # query token t of request i, m = t - query_start_loc[i] its index among the
+    # request's new tokens: bit j set <=> t may see the request's new token j (key slot
+    # num_cached + j, num_cached = seq_len - q_len). -1 (all bits) means plain causal.
+    # Keys before num_cached are always visible; causality (k <= q) always applies, as
+    # draft nodes are laid out parents before children. Requests with a tree have
+    # q_len <= 64.
+    tree_mask: torch.Tensor | None = None
     # Per-step precomputation a backend shares across layers (e.g. gather plans, masks).
     plan_cache: dict = field(default_factory=dict)
 
@@ -78,6 +88,12 @@ def torch_store_kv(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+# Longest q_len whose requests share a padded group in the torch backend. Verification
+# rows (draft trees have at most 64 nodes) fall under it; longer prefill chunks attend
+# alone, so padding never multiplies prefill work.
+_MAX_GROUPED_Q_LEN = 64
+
+
 @dataclass
 class _TorchAttentionGroup:
     """Requests attended together: their query rows, context blocks and visibility mask."""
@@ -91,37 +107,69 @@ class _TorchAttentionGroup:
     visible: torch.Tensor  # [B, 1, Q, ctx_len] bool, True where a query may attend
 
 
-def _plan_torch_attention(meta: AttentionMetadata, block_size: int, device: torch.device):
-    """Group the batch once per step (every layer reuses it): decode rows (q_len == 1)
-    together in one padded batch, each longer chunk on its own so padding never
-    multiplies prefill work."""
-    starts = [0]
-    for q_len in meta.query_lens_cpu:
-        starts.append(starts[-1] + q_len)
-    decode = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-    members = [decode] if decode else []
-    members += [[i] for i, q in enumerate(meta.query_lens_cpu) if q > 1]
+def _group_requests(query_lens: list[int]) -> list[list[int]]:
+    """Requests with the same q_len <= 64 (decode rows, verification rows) form one group;
+    each longer chunk is a group of its own. Requests without new tokens are skipped."""
+    short: dict[int, list[int]] = {}
+    long: list[list[int]] = []
+    for i, q_len in enumerate(query_lens):
+        if q_len > _MAX_GROUPED_Q_LEN:
+            long.append([i])
+        elif q_len > 0:
+            short.setdefault(q_len, []).append(i)
+    return list(short.values()) + long
+
+
+def _tree_visible(
+    tree_mask: torch.Tensor, rows: torch.Tensor, num_cached: torch.Tensor, q_len: int, ctx_len: int
+) -> torch.Tensor:
+    """``[B, Q, ctx_len]`` bool: False where a draft-tree mask hides a new key from a query.
+
+    The bits are expanded to ``[B, Q, Q]`` with shifts and then gathered at each key's
+    index among the new tokens, so the int64 work stays independent of the context length.
+    """
+    batch = num_cached.shape[0]
+    device = tree_mask.device
+    tree = tree_mask.index_select(0, rows).view(batch, q_len, 1)
+    bits = ((tree >> torch.arange(q_len, device=device)) & 1).bool()  # [B, Q, Q]
+    new_idx = torch.arange(ctx_len, device=device)[None, :] - num_cached[:, None]  # [B, ctx_len]
+    in_tree = bits.gather(2, new_idx.clamp(0, q_len - 1)[:, None, :].expand(batch, q_len, ctx_len))
+    return (new_idx < 0)[:, None, :] | in_tree
+
+
+def _plan_torch_attention(
+    meta: AttentionMetadata, block_size: int, device: torch.device
+) -> list[_TorchAttentionGroup]:
+    """Group the batch once per step (every layer reuses it): see ``_group_requests``.
+
+    Grouping keeps the CPU cost of a decode or verification step at a few kernel launches
+    per layer rather than a few per request. ``tree_mask`` only applies to grouped
+    requests: longer chunks carry no tree (their mask is -1).
+    """
     plan = []
-    for reqs in members:
+    for reqs in _group_requests(meta.query_lens_cpu):
         q_len = meta.query_lens_cpu[reqs[0]]
         ctx_len = max(meta.seq_lens_cpu[i] for i in reqs)
         num_blocks = -(-ctx_len // block_size)
-        rows = [starts[i] + j for i in reqs for j in range(q_len)]
         idx = torch.tensor(reqs, device=device)
+        q_offsets = torch.arange(q_len, device=device)
+        rows = (meta.query_start_loc[idx].long()[:, None] + q_offsets).reshape(-1)
         seq_lens = meta.seq_lens[idx].long()
-        q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=device)[None, :]
+        num_cached = seq_lens - q_len
+        q_pos = num_cached[:, None] + q_offsets[None, :]
         key = torch.arange(ctx_len, device=device)
         visible = (key[None, None, :] <= q_pos[:, :, None]) & (key[None, None, :] < seq_lens[:, None, None])
-        visible = visible[:, None]  # broadcast over heads
+        if meta.tree_mask is not None and q_len <= _MAX_GROUPED_Q_LEN:
+            visible &= _tree_visible(meta.tree_mask, rows, num_cached, q_len, ctx_len)
         plan.append(
             _TorchAttentionGroup(
-                rows=torch.tensor(rows, device=device),
+                rows=rows,
                 batch=len(reqs),
                 q_len=q_len,
                 block_ids=meta.block_tables[idx, :num_blocks].reshape(-1),
                 num_blocks=num_blocks,
                 ctx_len=ctx_len,
-                visible=visible,
+                visible=visible[:, None],  # broadcast over heads
             )
         )
     return plan

@@ -1,11 +1,14 @@
 """Runs one scheduled step: lays out the flattened batch, runs the model, samples.
 
 Only rows whose chunk reaches the end of their request's tokens produce logits;
-mid-prompt chunks of a chunked prefill only fill the KV cache.
+mid-prompt chunks of a chunked prefill only fill the KV cache. A request with a
+draft samples at its last token and at every draft node; which of those tokens are
+kept is decided by ``spec_decode.draft.accept``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +16,7 @@ import torch
 from seer_engine.core.request import Request
 from seer_engine.model_executor.attention import AttentionMetadata, get_attention_backend
 from seer_engine.model_executor.model_config import ModelConfig
-from seer_engine.model_executor.sampler import Sampler, SamplerOutput, SamplingRow
+from seer_engine.model_executor.sampler import Sampler, SamplingRow
 from seer_engine.model_executor.weight_loader import load_model
 
 
@@ -26,10 +29,12 @@ class ScheduledChunk:
 
 @dataclass
 class StepResult:
-    """Tokens sampled this step, by request id, with logprobs where asked for."""
+    """Tokens sampled this step at every row that samples, by request id: one row, or
+    with a draft the root row and one per draft node (see spec_decode.draft). Logprobs
+    per row where asked for."""
 
-    sampled: dict[str, int]
-    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]]
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -77,6 +82,9 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------
 
     def _prepare(self, batch: list[ScheduledChunk]):
+        """The flattened batch. A request with a draft verifies it in the same pass: its
+        nodes follow its last token, parents before children, at slots num_tokens + i
+        but at RoPE positions by tree depth; a tree (not a single path) adds a mask."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -84,19 +92,28 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        samplers: list[Request] = []  # requests whose chunk reaches their last token
+        samplers: list[SamplerRows] = []  # requests whose chunk reaches their last token
+        trees: list[tuple[int, list[int]]] = []  # (first row, row mask bits) of tree drafts
         for chunk in batch:
-            req, blocks = chunk.request, chunk.block_ids
+            req, blocks, draft = chunk.request, chunk.block_ids, chunk.request.draft
+            num_draft = len(draft) if draft else 0
             start = req.num_computed_tokens
             end = start + chunk.num_new_tokens
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
+            committed_end = end - num_draft
+            input_ids.extend(req.all_token_ids[start:committed_end])
+            positions.extend(range(start, committed_end))
+            if draft:
+                input_ids.extend(draft.tokens)
+                positions.extend(committed_end - 1 + d for d in draft.depths)
+                if not draft.is_path:  # a path's mask is the causal one
+                    trees.append((len(input_ids) - num_draft - 1, draft.row_mask_bits()))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(len(input_ids))
             seq_lens.append(end)
-            if end == req.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                samplers.append(req)
+            if committed_end == req.num_tokens:
+                first = len(input_ids) - 1 - num_draft
+                logits_rows.extend(range(first, len(input_ids)))
+                samplers.append(SamplerRows(req, num_draft))
         width = max(-(-n // bs) for n in seq_lens)
         tables = [c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in batch]
         dev = self.device
@@ -109,6 +126,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=[c.num_new_tokens for c in batch],
             seq_lens_cpu=seq_lens,
+            tree_mask=_tree_mask(trees, len(input_ids), dev),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -123,14 +141,97 @@ class ModelRunner:
         if not samplers:
             return StepResult({}, {})
         logits = self.model.logits(hidden[torch.tensor(logits_rows, device=self.device)])
-        out = self.sampler(logits, [sampling_row(r) for r in samplers])
-        return _to_result(samplers, out)
+        rows = [row for s in samplers for row in sampling_rows(s.request)]
+        out = self.sampler(logits, rows)
+        result = StepResult({}, {})
+        i = 0
+        for s in samplers:
+            rid, n = s.request.request_id, s.num_draft + 1
+            result.sampled[rid] = out.token_ids[i : i + n]
+            if s.request.sampling_params.logprobs is not None:
+                result.logprobs[rid] = out.logprobs[i : i + n]
+            i += n
+        return result
+
+    @torch.inference_mode()
+    def move_kv(self, moves: list[tuple[int, int]]) -> None:
+        """Copy keys/values from slot ``src`` to slot ``dst`` in every layer: accepted
+        draft nodes of a tree move to the positions they now hold in the sequence."""
+        if not moves:
+            return
+        src = torch.tensor([m[0] for m in moves], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            flat = cache.view(2, -1, *cache.shape[3:])
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+
+    def profile_step_cost(
+        self,
+        batch_sizes: tuple[int, ...] = (1, 4, 16),
+        draft_lens: tuple[int, ...] = (0, 7, 15),
+        context: int = 64,
+    ) -> list[tuple[int, float]]:
+        """(scheduled tokens, seconds) of decode-shaped steps with path drafts, for the
+        draft budget's cost model. Dummy requests write into the first KV blocks, so
+        call it before serving (the cache is empty then)."""
+        from seer_engine.sampling_params import SamplingParams
+        from seer_engine.spec_decode.draft import DraftTree
+
+        points: list[tuple[int, float]] = []
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        for draft_len in draft_lens:
+            blocks = list(range(-(-(context + draft_len) // self.block_size)))
+            if len(blocks) > self.num_blocks:
+                continue
+            for size in batch_sizes:
+                batch = []
+                for i in range(size):
+                    req = Request(f"profile-{i}", [i % self.cfg.vocab_size] * context, params, 1, seed=i)
+                    req.num_computed_tokens = context - 1
+                    if draft_len:
+                        req.draft = DraftTree([0] * draft_len, list(range(-1, draft_len - 1)))
+                    batch.append(ScheduledChunk(req, 1 + draft_len, blocks))
+                times = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    self.execute(batch)
+                    times.append(time.perf_counter() - start)
+                points.append((size * (1 + draft_len), min(times[1:])))
+        return points
+
+    def slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
 
-def sampling_row(request: Request) -> SamplingRow:
+def _tree_mask(trees: list[tuple[int, list[int]]], num_tokens: int, device: torch.device):
+    """Per-token visibility bits (see AttentionMetadata.tree_mask); None without trees."""
+    if not trees:
+        return None
+    bits = [-1] * num_tokens
+    for first, rows in trees:
+        bits[first : first + len(rows)] = rows
+    return torch.tensor(bits, dtype=torch.int64, device=device)
+
+
+@dataclass
+class SamplerRows:
+    """A request that samples this step, at its last token and at each draft node."""
+
+    request: Request
+    num_draft: int
+
+
+def sampling_rows(request: Request) -> list[SamplingRow]:
+    """One row at the request's next position, then one per draft node at its depth."""
+    depths = [0] + (request.draft.depths if request.draft else [])
+    return [sampling_row(request, d) for d in depths]
+
+
+def sampling_row(request: Request, depth: int = 0) -> SamplingRow:
+    """The row that samples the token ``depth`` places after the request's next one."""
     p = request.sampling_params
     banned: list[int] = []
-    if request.num_output_tokens < p.min_tokens:
+    if request.num_output_tokens + depth < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
     return SamplingRow(
         temperature=p.temperature,
@@ -138,13 +239,7 @@ def sampling_row(request: Request) -> SamplingRow:
         top_p=p.top_p,
         min_p=p.min_p,
         seed=request.seed,
-        position=request.num_tokens,
+        position=request.num_tokens + depth,
         banned_token_ids=banned,
         num_logprobs=p.logprobs,
     )
-
-
-def _to_result(requests: list[Request], out: SamplerOutput) -> StepResult:
-    sampled = {r.request_id: t for r, t in zip(requests, out.token_ids)}
-    logprobs = {r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
-    return StepResult(sampled, logprobs)

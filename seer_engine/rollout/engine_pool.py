@@ -7,12 +7,15 @@ per-instance idle time and tail are those of N instances running side by side.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from seer_engine.core.policies import RolloutPolicy
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine, TokenSource
 from seer_engine.outputs import RequestOutput
+from seer_engine.spec_decode.proposers import Proposer, make_proposer
 
 
 @dataclass
@@ -61,14 +64,41 @@ class EngineInstance:
 
 
 class EnginePool:
+    """The instances of one rollout. With speculative decoding they share one proposer
+    (the draft server): a group's suffix tree holds the tokens of siblings on every
+    instance, and a response resuming elsewhere finds its own tokens there."""
+
     def __init__(
         self, config: EngineConfig, num_instances: int, token_source: TokenSource | None = None
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"--instances must be >= 1, got {num_instances}")
-        self.instances = [EngineInstance(i, LLMEngine(config)) for i in range(num_instances)]
+        spec = config.speculative_config
+        self.proposer: Proposer | None = make_proposer(spec) if spec is not None else None
+        self.instances = [
+            EngineInstance(i, LLMEngine(config, proposer=self.proposer)) for i in range(num_instances)
+        ]
         for inst in self.instances:
             inst.engine.token_source = token_source
+
+    @classmethod
+    def for_policy(
+        cls,
+        config: EngineConfig,
+        policy: RolloutPolicy,
+        num_instances: int,
+        token_source: TokenSource | None = None,
+    ) -> EnginePool:
+        """A pool with the speculative decoding the policy asks for (``seer``: grouped
+        suffix trees), unless the config already names one."""
+        if policy.speculative is not None and config.speculative_config is None:
+            config = dataclasses.replace(config, speculative_config=policy.speculative)
+        return cls(config, num_instances, token_source)
+
+    def finish_group(self, group_id: str) -> None:
+        """Every response of the group is done: free its drafts on the draft server."""
+        if self.proposer is not None:
+            self.proposer.finish_group(group_id)
 
     def __iter__(self):
         return iter(self.instances)

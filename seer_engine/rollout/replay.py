@@ -17,8 +17,8 @@ class TraceReplay:
         self._responses = {k: list(v) for k, v in responses.items()}
         self._eos = eos_token_id
 
-    def next_token(self, request: Request, sampled: int) -> int:
-        """The trace's next token for this response, then EOS at its end."""
+    def next_token(self, request: Request, sampled: int, offset: int = 0) -> int:
+        """The trace's token ``offset`` places after this response's next one (EOS past its end)."""
         tokens = self._responses[sample_key_of(request.request_id)]
-        position = request.num_output_tokens
+        position = request.num_output_tokens + offset
         return tokens[position] if position < len(tokens) else self._eos

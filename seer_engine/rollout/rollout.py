@@ -272,6 +272,7 @@ class Rollout:
             group_id=g.group_id,
             stream=sample.stream,
             prior_output_token_ids=sample.output_token_ids,
+            sequence_id=sample.key,
         )
         blocks = self._blocks_for(inst, sample) if reserve else 0
         inst.in_flight[rid] = blocks
@@ -326,6 +327,7 @@ class Rollout:
         self._live_per_group[gid] -= 1
         if self._live_per_group[gid] == 0:
             self._finished_groups.append(gid)
+            self.pool.finish_group(gid)
         if self.on_sample_finished is not None:
             self.on_sample_finished(sample)
 

@@ -70,9 +70,9 @@ def _completion(index: int, sample: RolloutSample) -> CompletionOutput:
 
 class RolloutEngine:
     def __init__(self, config: EngineConfig, rollout: RolloutConfig) -> None:
-        self.config = config
-        self.pool = EnginePool(config, rollout.instances)
         policy = make_rollout_policy(rollout.policy, starvation_s=rollout.starvation_s)
+        self.pool = EnginePool.for_policy(config, policy, rollout.instances)
+        self.config = self.pool.first.config
         self.rollout = Rollout(self.pool, policy, rollout.chunk_tokens)
         first = self.pool.first
         self.max_model_len = first.max_model_len

@@ -13,33 +13,14 @@ append only that request's prompt and output to it, i.e. a "group" of one reques
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 
 from seer_engine._C import GroupSuffixTree
+from seer_engine.spec_decode.draft import DraftTree
 
 __all__ = ["PROMPT_KEY", "DraftTree", "GroupSuffixTree", "GroupSuffixTrees"]
 
 # Sequence key for a group's prompt; responses use their own (non-negative) keys.
 PROMPT_KEY = -1
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """A draft: node i is ``tokens[i]``, hanging off node ``parents[i]``.
-
-    ``parents[i] == -1`` means the node follows the last context token; parents always
-    come before children, so a single path has parents ``[-1, 0, 1, ...]``.
-    ``probs[i]`` is the estimated probability of the whole path to node i, and
-    ``match_len`` the number of context tokens the draft was conditioned on (0: none).
-    """
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)
-    match_len: int = 0
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
 
 def _as_list(tokens: Sequence[int]) -> Sequence[int]:

@@ -1,0 +1,70 @@
+"""``--speculative-config``: which drafter proposes, how many tokens, how they are budgeted."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("group_suffix", "suffix", "ngram")
+BUDGETS = ("adaptive", "fixed")
+MAX_DRAFT_NODES = 63  # the tree mask gives each verification row 64 visibility bits
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: ``group_suffix`` (Seer: one suffix tree per group, siblings draft for
+    each other), ``suffix`` (a tree per request over its own prompt and output, as in
+    SuffixDecoding) or ``ngram`` (prompt lookup). ``num_speculative_tokens`` caps the
+    draft nodes per request and step; ``budget="adaptive"`` gives fewer (or none) when
+    the batch is large and more where acceptance is high; ``multi_path`` allows token
+    trees (suffix methods only)."""
+
+    method: str = "group_suffix"
+    num_speculative_tokens: int = 16
+    budget: str = "adaptive"
+    multi_path: bool = True
+    min_prob: float = 0.1  # suffix trees: drop branches the tree gives less than this
+    max_depth: int = 64  # suffix trees: deepest suffix kept
+    prompt_lookup_min: int = 2  # ngram: shortest suffix to match
+    prompt_lookup_max: int = 5  # ngram: longest suffix to match
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"speculative budget must be one of {list(BUDGETS)}, got {self.budget!r}")
+        n = self.num_speculative_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_DRAFT_NODES:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_DRAFT_NODES}, got {n!r}")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
+        if not isinstance(self.max_depth, int) or self.max_depth < 2:
+            raise ValueError(f"max_depth must be an integer >= 2, got {self.max_depth!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @property
+    def trees(self) -> bool:
+        return self.multi_path and self.method != "ngram"
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the CLI's JSON string, a dict, or an instance; None/"" means off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown --speculative-config keys {unknown}; known: {sorted(known)}")
+        return cls(**value)

@@ -1,0 +1,100 @@
+"""The drafter of one engine: after every step it feeds the proposer the new tokens,
+learns how well each response's drafts are accepted, and gives the requests that
+decode next a draft sized by the budget policy.
+
+Acceptance is estimated per response from its verified drafts (accepted nodes out of
+the depths tried, decayed so that it follows the response as it changes), starting
+from an even prior. A request drafts a token tree when its budget is wide enough to
+branch and its single paths are often cut short; a single path otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from seer_engine.core.request import Request
+from seer_engine.spec_decode.budget import BudgetPolicy
+from seer_engine.spec_decode.config import SpeculativeConfig
+from seer_engine.spec_decode.draft import Acceptance
+from seer_engine.spec_decode.proposers import Proposer
+
+PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # an even prior: 1 accepted out of 2 tried
+DECAY = 0.8  # weight of the past at each verified draft
+TREE_MIN_BUDGET = 4  # narrower budgets go into a single path
+TREE_MAX_ACCEPTANCE = 0.8  # above this a single path is rarely cut short
+
+
+@dataclass
+class SpecDecodeStats:
+    draft_tokens_proposed: int = 0
+    tree_drafts: int = 0  # drafts that branch (multi-path)
+    speculate_calls: int = 0
+    observe_s: float = 0.0  # feeding new tokens to the proposer
+    propose_s: float = 0.0  # budgets and drafts
+    observed_tokens: int = 0
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, budget: BudgetPolicy) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.budget = budget
+        self.stats = SpecDecodeStats()
+        self._acceptance: dict[str, list[float]] = {}  # sequence id -> [accepted, tried]
+
+    def acceptance(self, request: Request) -> float:
+        acc, tried = self._acceptance.get(request.sequence_id, (0.0, 0.0))
+        return (acc + PRIOR_ACCEPTED) / (tried + PRIOR_TRIED)
+
+    def after_step(
+        self, updated: Sequence[Request], verdicts: dict[str, Acceptance], running: Sequence[Request]
+    ) -> None:
+        """Learn from this step's verdicts, then draft for the next step."""
+        start = time.perf_counter()
+        for req in updated:
+            self.proposer.observe(req)
+            verdict = verdicts.get(req.request_id)
+            if verdict is None:
+                continue
+            self.stats.observed_tokens += len(verdict.tokens)
+            if verdict.draft_depth:
+                self._learn(req.sequence_id, verdict)
+            if req.is_finished:
+                self._acceptance.pop(req.sequence_id, None)
+        middle = time.perf_counter()
+        self.propose(running)
+        self.stats.observe_s += middle - start
+        self.stats.propose_s += time.perf_counter() - middle
+
+    def _learn(self, sequence_id: str, verdict: Acceptance) -> None:
+        accepted = len(verdict.nodes)
+        tried = min(accepted + 1, verdict.draft_depth)
+        state = self._acceptance.setdefault(sequence_id, [0.0, 0.0])
+        state[0] = state[0] * DECAY + accepted
+        state[1] = state[1] * DECAY + tried
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set ``request.draft`` on every request that decodes next step and gets a budget."""
+        ready = [
+            r
+            for r in running
+            if not r.is_finished
+            and r.num_computed_tokens == r.num_tokens - 1
+            and r.num_output_tokens + 1 < r.max_tokens
+        ]
+        cap = self.config.num_speculative_tokens
+        for req, budget in zip(ready, self.budget.allocate(ready, self.acceptance, cap)):
+            budget = min(budget, req.max_tokens - req.num_output_tokens - 1)
+            if budget <= 0:
+                continue
+            multi_path = (
+                self.config.trees and budget >= TREE_MIN_BUDGET and self.acceptance(req) < TREE_MAX_ACCEPTANCE
+            )
+            draft = self.proposer.propose(req, budget, multi_path)
+            self.stats.speculate_calls += 1
+            if draft:
+                req.draft = draft
+                self.stats.draft_tokens_proposed += len(draft)
+                self.stats.tree_drafts += not draft.is_path

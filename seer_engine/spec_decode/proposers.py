@@ -1,0 +1,115 @@
+"""Where drafts come from: pluggable proposers behind one interface.
+
+A proposer sees each request's tokens as they are generated (``observe``) and drafts
+a continuation (``propose``). One proposer may serve several engines (a rollout
+pool's draft server shares the group trees across instances), so all of its state
+is keyed by group and sequence ids, never by engine request ids: a rollout chunk
+that resumes a response on another instance finds its tokens already there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+
+import numpy as np
+
+from seer_engine.core.request import Request
+from seer_engine.spec_decode.config import SpeculativeConfig
+from seer_engine.spec_decode.draft import DraftTree
+from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTrees
+
+
+class Proposer:
+    name = "abstract"
+
+    def observe(self, request: Request) -> None:
+        """Take in the request's tokens generated since the last call."""
+
+    def propose(self, request: Request, budget: int, multi_path: bool) -> DraftTree:
+        """At most ``budget`` draft nodes continuing the request's tokens."""
+        raise NotImplementedError
+
+    def finish_group(self, group_id: str) -> None:
+        """Every response of the group is done: drop what is kept for it."""
+
+
+class SuffixProposer(Proposer):
+    """Suffix-tree drafts. ``grouped``: one tree per group holding the prompt and every
+    sibling's output (Seer); else one tree per response over its own prompt and output
+    (SuffixDecoding's per-request tree, the comparison point)."""
+
+    def __init__(self, config: SpeculativeConfig, grouped: bool) -> None:
+        self.name = "group_suffix" if grouped else "suffix"
+        self.grouped = grouped
+        self.trees = GroupSuffixTrees(max_depth=config.max_depth, min_prob=config.min_prob)
+        self.match_cap = config.max_depth // 2
+        self._seq_keys: dict[str, int] = {}  # sequence id -> its key inside its tree
+        self._appended: dict[str, int] = {}  # sequence id -> output tokens already in the tree
+        self._sequences: dict[str, list[str]] = {}  # group id -> its sequence ids
+        self._next_key = itertools.count()
+
+    def _tree_of(self, request: Request) -> Hashable:
+        return request.group_id if self.grouped else request.sequence_id
+
+    def observe(self, request: Request) -> None:
+        sid = request.sequence_id
+        tree = self._tree_of(request)
+        if sid not in self._seq_keys:
+            if tree not in self.trees:
+                self.trees.append(tree, PROMPT_KEY, request.prompt_token_ids)
+            self._seq_keys[sid] = next(self._next_key)
+            self._appended[sid] = 0
+            self._sequences.setdefault(request.group_id, []).append(sid)
+        done = self._appended[sid]
+        if request.num_output_tokens > done:
+            self.trees.append(tree, self._seq_keys[sid], request.output_token_ids[done:])
+            self._appended[sid] = request.num_output_tokens
+
+    def propose(self, request: Request, budget: int, multi_path: bool) -> DraftTree:
+        sid = request.sequence_id
+        if sid not in self._seq_keys:
+            self.observe(request)
+        tree = self._tree_of(request)
+        if self._appended[sid] >= self.match_cap:  # its own output is context enough: no walk
+            return self.trees.speculate_sequence(tree, self._seq_keys[sid], budget, multi_path)
+        return self.trees.speculate(tree, request.all_token_ids[-self.match_cap :], budget, multi_path)
+
+    def finish_group(self, group_id: str) -> None:
+        for sid in self._sequences.pop(group_id, []):
+            self._seq_keys.pop(sid, None)
+            self._appended.pop(sid, None)
+            if not self.grouped:
+                self.trees.free(sid)
+        if self.grouped:
+            self.trees.free(group_id)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) and propose what
+    followed it. Single path; stateless."""
+
+    name = "ngram"
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, request: Request, budget: int, multi_path: bool) -> DraftTree:
+        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        size = len(tokens)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
+            hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                follow = tokens[start : start + budget].tolist()
+                return DraftTree(follow, list(range(-1, len(follow) - 1)), [1.0] * len(follow), n)
+        return DraftTree()
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    return SuffixProposer(config, grouped=config.method == "group_suffix")
