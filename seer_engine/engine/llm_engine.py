@@ -331,7 +331,9 @@ class LLMEngine:
             for j, node in enumerate(verdict.nodes):
                 if node != j:
                     moves.append((self.runner.slot(blocks, base + node), self.runner.slot(blocks, base + j)))
-        self.runner.move_kv(moves)
+        if moves:
+            self.runner.move_kv(moves)
+            self.drafter.stats.moved_kv_slots += len(moves)
 
     def _record_logprobs(
         self, req: Request, token: int, lp: tuple[float, int, list[tuple[int, float]]]

@@ -30,6 +30,7 @@ TREE_MAX_ACCEPTANCE = 0.8  # above this a single path is rarely cut short
 class SpecDecodeStats:
     draft_tokens_proposed: int = 0
     tree_drafts: int = 0  # drafts that branch (multi-path)
+    moved_kv_slots: int = 0  # accepted tree nodes whose KV moved into sequence order
     speculate_calls: int = 0
     observe_s: float = 0.0  # feeding new tokens to the proposer
     propose_s: float = 0.0  # budgets and drafts

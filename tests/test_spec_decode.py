@@ -1,0 +1,231 @@
+"""Speculative decoding: drafts never change outputs (greedy: token for token, also
+against transformers; seeded sampling: the same tokens as speculation off, and the
+target distribution by a chi-square test), for single paths and trees, with chunked
+prefill, prefix sharing, rollout chunks and several instances."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from seer_engine.core.policies import make_rollout_policy
+from seer_engine.core.request import Group
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.replay import TraceReplay
+from seer_engine.rollout.rollout import Rollout
+from seer_engine.sampling_params import SamplingParams
+from seer_engine.spec_decode.config import SpeculativeConfig
+from seer_engine.spec_decode.draft import DraftTree, accept
+
+TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
+PATH = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8, "multi_path": False}
+SPECS = {
+    "group-tree": TREE,
+    "group-path": PATH,
+    "group-adaptive": {"method": "group_suffix"},
+    "suffix": {"method": "suffix", "budget": "fixed"},
+    "ngram": {"method": "ngram", "budget": "fixed"},
+}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3")
+
+
+def _engine(model, spec=None, **kw) -> LLMEngine:
+    args = {"num_kv_blocks": 256, "max_num_seqs": 64, **kw}
+    return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **args))
+
+
+def _run_waves(engine: LLMEngine, waves, head_start: int = 6) -> dict[str, list[list[int]]]:
+    """Add each wave of (request id, prompt, params, group) after the previous one ran
+    ``head_start`` steps, so later siblings draft from earlier ones; run to the end."""
+    outputs = {}
+    for wave in waves:
+        for rid, prompt, params, group in wave:
+            engine.add_request(rid, prompt, params, group_id=group)
+        for _ in range(head_start):
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    return {rid: [c.token_ids for c in o.outputs] for rid, o in outputs.items()}
+
+
+def _waves(params: SamplingParams, prompt_len: int = 40):
+    prompt = [(7 * i) % 13 + 3 for i in range(prompt_len)]  # repeats: n-gram lookups match
+    return [[(f"w{w}-{g}", prompt, params, f"g{g}") for g in range(2)] for w in range(3)]
+
+
+def test_draft_tree_layout_and_acceptance():
+    # root -> 5 (0) -> 6 (1) -> 7 (3); root -> 8 (2); node 0 -> 9 (4)
+    tree = DraftTree([5, 6, 8, 7, 9], [-1, 0, -1, 1, 0])
+    tree.validate()
+    assert tree.depths == [1, 2, 1, 3, 2] and not tree.is_path
+    assert tree.row_mask_bits() == [0b1, 0b11, 0b111, 0b1001, 0b10111, 0b100011]
+    assert tree.truncated(3) == DraftTree([5, 6, 8], [-1, 0, -1])
+    # rows: root samples 5 -> node 0; row 1 samples 9 -> node 4; row 5 samples 2 (bonus)
+    verdict = accept(tree, [5, 9, 0, 0, 0, 2])
+    assert (verdict.nodes, verdict.tokens, verdict.rows) == ([0, 4], [5, 9, 2], [0, 1, 5])
+    assert accept(tree, [4, 0, 0, 0, 0, 0]).tokens == [4]  # nothing matches: just the bonus
+    assert accept(None, [11]).tokens == [11]
+    with pytest.raises(ValueError, match="parents must come before"):
+        DraftTree([1, 2], [1, -1]).validate()
+
+
+def test_speculative_config_errors():
+    assert SpeculativeConfig.parse('{"method": "ngram"}').method == "ngram"
+    assert SpeculativeConfig.parse("") is None
+    for bad, needle in (
+        ("{", "not valid JSON"),
+        ('{"method": "eagle"}', "method must be one of"),
+        ('{"num_speculative_tokens": 64}', "1..63"),
+        ('{"draft": 3}', "unknown --speculative-config keys"),
+        ("[1]", "JSON object"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            EngineConfig(speculative_config=bad)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_outputs_unchanged(model, name):
+    """Prefix sharing (n=3), chunked prefill (16-token budget), staggered siblings."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=3)
+    waves = _waves(params)
+    want = _run_waves(_engine(model, max_num_batched_tokens=16), waves)
+    engine = _engine(model, SPECS[name], max_num_batched_tokens=16)
+    assert _run_waves(engine, waves) == want
+    stats = engine.scheduler.stats
+    assert stats.draft_tokens_scheduled > 0
+    if name.startswith("group"):  # siblings draft for each other
+        assert stats.draft_tokens_accepted > 0 and stats.generated_tokens > stats.sampled_rows
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
+    if engine.drafter.proposer.name != "ngram":
+        assert len(engine.drafter.proposer.trees) == 0, "finished groups free their trees"
+
+
+@pytest.mark.parametrize("name", ["suffix", "ngram"])
+def test_own_context_drafts_accept_repeats(model, name):
+    """Trace replay emits a repeating response: drafting from a request's own tokens
+    accepts, and a draft token counts only where it equals the trace's token."""
+    pattern = [21, 22, 23, 24, 25, 26, 27]
+    response = pattern * 6
+    engine = _engine(model, SPECS[name])
+    engine.token_source = TraceReplay({"r": response}, eos_token_id=min(engine.eos_token_ids))
+    engine.add_request("r", [3, 4, 5], SamplingParams(temperature=0, max_tokens=len(response)))
+    out = _run_waves(engine, [])
+    assert out == {"r": [response]}
+    stats = engine.scheduler.stats
+    assert stats.draft_tokens_accepted >= len(response) // 2 and stats.steps < len(response) * 2 // 3
+
+
+def test_greedy_equals_transformers(model, hf_model):
+    prompt = [(5 * i) % 40 + 2 for i in range(24)]
+    want = hf_greedy(hf_model(model), prompt, 32)
+    engine = _engine(model, TREE)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    waves = [[("a", prompt, params, "g")], [("b", prompt, params, "g")]]
+    assert _run_waves(engine, waves, head_start=20) == {"a": [want], "b": [want]}
+    assert engine.scheduler.stats.draft_tokens_accepted >= 10
+
+
+@pytest.mark.parametrize("name", ["group-tree", "group-path", "suffix"])
+def test_seeded_sampling_unchanged(model, name):
+    """Top-k 3 makes siblings share continuations, so tree drafts branch and accept."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=24, seed=5, n=4, logprobs=2)
+    waves = _waves(params, prompt_len=20)
+    want = _run_waves(_engine(model), waves)
+    engine = _engine(model, SPECS[name])
+    assert _run_waves(engine, waves) == want
+    assert engine.scheduler.stats.draft_tokens_accepted > 0
+    if name == "group-tree":
+        assert engine.drafter.stats.tree_drafts > 0 and engine.drafter.stats.moved_kv_slots > 0
+
+
+def test_seer_rollout_across_instances_and_chunks(model):
+    params = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+    prompts = [[(3 * i + j) % 30 + 2 for i in range(12 + 5 * j)] for j in range(3)]
+
+    def run(policy: str, instances: int, chunk: int):
+        groups = [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
+        cfg = EngineConfig(model=str(model), num_kv_blocks=9, max_num_seqs=3)
+        pol = make_rollout_policy(policy)
+        pool = EnginePool.for_policy(cfg, pol, instances)
+        rollout = Rollout(pool, pol, chunk_tokens=chunk)
+        result = rollout.run(groups)
+        outs = {k: [s.output_token_ids for s in v] for k, v in result.samples.items()}
+        return outs, pool, rollout
+
+    want, _, _ = run("context", 1, 10_000)
+    got, pool, rollout = run("seer", 2, 8)
+    assert got == want
+    assert pool.proposer is not None and len(pool.proposer.trees) == 0
+    assert sum(i.engine.scheduler.stats.draft_tokens_accepted for i in pool) > 0
+    assert rollout.migrations > 0, "responses moved between instances and kept drafting"
+
+
+def _chi_square_p(observed: list[int], expected: list[float]) -> float:
+    """P(chi2 >= statistic) with cells of expected count < 5 merged."""
+    cells, acc_o, acc_e = [], 0, 0.0
+    for o, e in sorted(zip(observed, expected), key=lambda x: x[1]):
+        acc_o, acc_e = acc_o + o, acc_e + e
+        if acc_e >= 5:
+            cells.append((acc_o, acc_e))
+            acc_o, acc_e = 0, 0.0
+    if acc_e:
+        o, e = cells.pop() if cells else (0, 0.0)
+        cells.append((o + acc_o, e + acc_e))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize("name", ["group-tree", "group-path"])
+def test_sampling_keeps_the_target_distribution(model, hf_model, name):
+    """The first three tokens of 360 seeded samples (top-k 3, so 27 outcomes) against
+    the exact distribution from transformers."""
+    hf = hf_model(model)
+    prompt = [11, 12, 13, 14, 15, 16]
+    top_k, depth = 3, 3
+
+    def dist(context: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([context])).logits[0, -1].float()
+        values, ids = torch.topk(logits, top_k)
+        return dict(zip(ids.tolist(), values.softmax(-1).tolist()))
+
+    exact: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(depth):
+        exact = {
+            path + (t,): p * q for path, p in exact.items() for t, q in dist(prompt + list(path)).items()
+        }
+    engine = _engine(model, SPECS[name], max_num_seqs=128)
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_k=top_k, max_tokens=6, seed=seed, n=8)
+
+    waves = [[(f"w{w}-{i}", prompt, params(1000 * w + i), "g") for i in range(15)] for w in range(3)]
+    outs = _run_waves(engine, waves, head_start=2)
+    samples = [tuple(t[:depth]) for per_request in outs.values() for t in per_request]
+    assert len(samples) == 360
+    assert engine.scheduler.stats.draft_tokens_accepted > 100
+    counts = {path: 0 for path in exact}
+    for s in samples:
+        counts[s] += 1  # a KeyError would mean a token outside the target's support
+    keys = list(exact)
+    p = _chi_square_p([counts[k] for k in keys], [exact[k] * len(samples) for k in keys])
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_chi_square_helper_rejects_a_wrong_distribution():
+    rng = itertools.cycle([0, 0, 0, 1])  # 75% / 25%
+    observed = [0, 0]
+    for _ in range(400):
+        observed[next(rng)] += 1
+    assert _chi_square_p(observed, [300.0, 100.0]) > 0.5
+    assert _chi_square_p(observed, [200.0, 200.0]) < 1e-6
