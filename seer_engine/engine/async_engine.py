@@ -61,7 +61,9 @@ class EngineStats:
     generated_tokens: int = 0
     num_steps: int = 0
     tokens_per_second: float = 0.0  # over the last few seconds
-    accepted_tokens_per_step: float = 1.0  # > 1 once speculative decoding lands
+    accepted_tokens_per_step: float = 0.0  # draft tokens accepted per request-step
+    draft_tokens_verified: int = 0
+    draft_tokens_accepted: int = 0
     paused: str | None = None  # the pause mode, None when running
     sleeping: bool = False
     weight_version: str = "default"
@@ -694,7 +696,11 @@ class AsyncEngine:
             num_preemptions=snap.preemptions,
             generated_tokens=snap.generated_tokens,
             num_steps=snap.steps,
-            accepted_tokens_per_step=snap.generated_tokens / snap.sampled_rows if snap.sampled_rows else 1.0,
+            accepted_tokens_per_step=snap.draft_tokens_accepted / snap.sampled_rows
+            if snap.sampled_rows
+            else 0.0,
+            draft_tokens_verified=snap.draft_tokens_verified,
+            draft_tokens_accepted=snap.draft_tokens_accepted,
             paused=self._paused,
             sleeping=engine.is_sleeping,
             weight_version=self._weight_version,

@@ -12,18 +12,19 @@ SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle")
 
 @dataclass
 class RolloutConfig:
-    """``rollout_mode`` picks the Seer defaults (divided rollout + context-aware order);
-    without it a rollout runs veRL-style (``baseline``: whole groups, FCFS)."""
+    """``rollout_mode`` picks Seer (``seer``: divided rollout, context-aware order and
+    adaptive grouped speculative decoding); without it a rollout runs veRL-style
+    (``baseline``: whole groups, FCFS)."""
 
     rollout_mode: bool = False
-    policy: str | None = None  # None: "context" in rollout mode, else "baseline"
+    policy: str | None = None  # None: "seer" in rollout mode, else "baseline"
     instances: int = 1
     chunk_tokens: int = 8192
     starvation_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.policy is None:
-            self.policy = "context" if self.rollout_mode else "baseline"
+            self.policy = "seer" if self.rollout_mode else "baseline"
         if self.policy not in SERVABLE_POLICIES:
             raise ValueError(f"unknown rollout policy {self.policy!r}; choose from {list(SERVABLE_POLICIES)}")
         if self.instances < 1:
@@ -49,7 +50,7 @@ class RolloutConfig:
             "--rollout-policy",
             default=None,
             choices=SERVABLE_POLICIES,
-            help="override the policy (default: context with --rollout-mode, else baseline)",
+            help="override the policy (default: seer with --rollout-mode, else baseline)",
         )
         parser.add_argument("--instances", type=int, default=1, help="engine instances behind one scheduler")
         parser.add_argument(

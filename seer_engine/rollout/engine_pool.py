@@ -24,6 +24,9 @@ class TimelinePoint:
     running: int
     waiting: int
     kv_usage: float
+    # Cumulative counters of the instance, for figures over parts of the rollout.
+    sampled_rows: int = 0
+    draft_tokens_accepted: int = 0
 
 
 @dataclass
@@ -57,7 +60,12 @@ class EngineInstance:
         sched = self.engine.scheduler
         self.timeline.append(
             TimelinePoint(
-                self.clock, sched.num_running, sched.num_waiting, self.engine.kv_manager.stats().usage
+                self.clock,
+                sched.num_running,
+                sched.num_waiting,
+                self.engine.kv_manager.stats().usage,
+                sched.stats.sampled_rows,
+                sched.stats.draft_tokens_accepted,
             )
         )
         return outputs

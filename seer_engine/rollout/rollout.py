@@ -59,7 +59,11 @@ class RolloutMetrics:
     migrations: int
     steps: int
     idle_fraction: float
-    accepted_tokens_per_step: float
+    accepted_tokens_per_step: float  # draft tokens accepted per request-step (0: no speculation)
+    accepted_tokens_per_step_thirds: list[float] = field(default_factory=list)  # early, middle, tail
+    draft_tokens_verified: int = 0
+    draft_tokens_accepted: int = 0
+    drafter_s: float = 0.0  # CPU time feeding and querying the proposer
     instance_busy_s: list[float] = field(default_factory=list)
     instance_idle_s: list[float] = field(default_factory=list)
 
@@ -356,6 +360,8 @@ class Rollout:
         stats = [inst.engine.scheduler.stats for inst in self.pool]
         busy = [inst.busy_s for inst in self.pool]
         rows = sum(st.sampled_rows for st in stats)
+        accepted = sum(st.draft_tokens_accepted for st in stats)
+        drafters = [inst.engine.drafter for inst in self.pool if inst.engine.drafter is not None]
         return RolloutMetrics(
             policy=self.policy.name,
             output_tokens=tokens,
@@ -367,10 +373,31 @@ class Rollout:
             migrations=self.migrations,
             steps=sum(st.steps for st in stats),
             idle_fraction=1.0 - sum(busy) / (len(busy) * makespan) if makespan else 0.0,
-            accepted_tokens_per_step=sum(st.generated_tokens for st in stats) / rows if rows else 0.0,
+            accepted_tokens_per_step=accepted / rows if rows else 0.0,
+            accepted_tokens_per_step_thirds=_per_third(self.pool, makespan),
+            draft_tokens_verified=sum(st.draft_tokens_scheduled for st in stats),
+            draft_tokens_accepted=accepted,
+            drafter_s=sum(d.stats.observe_s + d.stats.propose_s for d in drafters),
             instance_busy_s=busy,
             instance_idle_s=[max(0.0, makespan - b) for b in busy],
         )
+
+
+def _per_third(pool: EnginePool, makespan: float) -> list[float]:
+    """Accepted draft tokens per request-step in the early, middle and tail thirds of
+    the rollout's time, over all instances."""
+    if not makespan:
+        return [0.0, 0.0, 0.0]
+    bounds = [0.0, makespan / 3, 2 * makespan / 3, float("inf")]
+    rows, accepted = [0, 0, 0], [0, 0, 0]
+    for inst in pool:
+        prev_rows = prev_acc = 0
+        for point in inst.timeline:
+            third = next(i for i in range(3) if point.time < bounds[i + 1]) if point.time < makespan else 2
+            rows[third] += point.sampled_rows - prev_rows
+            accepted[third] += point.draft_tokens_accepted - prev_acc
+            prev_rows, prev_acc = point.sampled_rows, point.draft_tokens_accepted
+    return [a / r if r else 0.0 for a, r in zip(accepted, rows)]
 
 
 def make_groups(

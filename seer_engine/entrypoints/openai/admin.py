@@ -36,8 +36,20 @@ _METRICS: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
     (
         "accepted_tokens_per_step",
         "gauge",
-        "Tokens accepted per request per step (1 without speculation).",
+        "Draft tokens accepted per request per step (0 without speculative decoding).",
         lambda s: s.accepted_tokens_per_step,
+    ),
+    (
+        "spec_decode_draft_tokens_total",
+        "counter",
+        "Draft tokens verified since start.",
+        lambda s: s.draft_tokens_verified,
+    ),
+    (
+        "spec_decode_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted since start.",
+        lambda s: s.draft_tokens_accepted,
     ),
     ("paused", "gauge", "1 while generation is paused.", lambda s: float(s.paused is not None)),
     ("sleeping", "gauge", "1 while the engine sleeps.", lambda s: float(s.sleeping)),
