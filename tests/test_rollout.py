@@ -11,6 +11,7 @@ from seer_engine.core.request import Group, RolloutSample
 from seer_engine.engine.config import EngineConfig
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.replay import TraceReplay
+from seer_engine.rollout.report import REPORT_KEYS
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import SamplingParams
 
@@ -192,15 +193,23 @@ def test_bench_rollout_report(tmp_path):
         pytest.skip(f"traces not found at {trace}")
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
-            "--report", str(tmp_path)]  # fmt: skip
+            "--report", str(tmp_path),
+            "--policy", "baseline,divided,context,seer,oracle,context+ngram"]  # fmt: skip
     assert main(args) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report["policies"]) == {"baseline", "divided", "context", "oracle"}
+    assert set(report["policies"]) == {"baseline", "divided", "context", "seer", "oracle", "context+ngram"}
     for name, figures in report["policies"].items():
-        for key in ("throughput_tokens_per_s", "makespan_s", "tail_s", "preemptions", "recomputed_tokens",
-                    "steps", "idle_fraction", "accepted_tokens_per_step"):  # fmt: skip
+        for key in REPORT_KEYS:
             assert key in figures, (name, key)
+        assert len(figures["accepted_tokens_per_step_thirds"]) == 3
         assert figures["output_tokens"] == report["policies"]["baseline"]["output_tokens"]
         if name != "baseline":
             assert figures["preemptions"] == 0
     assert (tmp_path / "report.png").stat().st_size > 10_000
+    seer = report["policies"]["seer"]
+    assert seer["draft_tokens_verified"] > 0 and seer["accepted_tokens_per_step"] > 0
+    assert report["policies"]["context"]["draft_tokens_verified"] == 0
+    assert set(report["vs_context"]) == set(report["policies"])
+    assert (tmp_path / "acceptance.png").stat().st_size > 5_000
+    with pytest.raises(SystemExit):
+        main(args[:-1] + ["context+eagle"])

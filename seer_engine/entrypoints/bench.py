@@ -31,7 +31,12 @@ def add_cli(subparsers) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     p = kinds.add_parser("rollout", help="trace-replay rollout benchmark of the scheduling policies")
     p.add_argument("--trace", required=True, help="a traces .jsonl.gz file")
-    p.add_argument("--policy", default="baseline,divided,context,oracle")
+    p.add_argument(
+        "--policy",
+        default="baseline,divided,context,seer,oracle",
+        help="comma-separated; a policy may add speculative decoding: context+ngram, context+suffix, "
+        "context+group_path, context+group_tree (= seer)",
+    )
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--groups", default="8", help="a count (8) or an index range (60:90) of trace groups")
     p.add_argument("--samples", type=int, default=8, help="responses per group")
@@ -71,9 +76,13 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     from seer_engine.rollout.workload import load_trace, select_groups
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in ROLLOUT_POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policy {unknown}; choose from {sorted(ROLLOUT_POLICIES)}")
+    for name in policies:
+        base, _, spec = name.partition("+")
+        if base not in ROLLOUT_POLICIES or (spec and spec not in SPEC_VARIANTS):
+            raise ValueError(
+                f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}, optionally with "
+                f"+{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
+            )
     if not Path(args.trace).is_file():
         raise ValueError(f"trace file {args.trace!r} not found")
     trace = select_groups(load_trace(args.trace), args.groups)
@@ -100,7 +109,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
           f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}", flush=True)  # fmt: skip
     results = {}
     for name in policies:
-        policy = make_rollout_policy(name, true_lengths=true_lengths, starvation_s=args.starvation_s)
+        policy = _bench_policy(name, true_lengths, args.starvation_s)
         pool = EnginePool.for_policy(cfg, policy, args.instances)
         eos = eos if eos is not None else min(pool.first.eos_token_ids)
         replay = TraceReplay(responses, eos)
@@ -123,6 +132,25 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         path = write_report(Path(args.report), results, meta)
         print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+# Speculative decoding variants a bench policy can add, e.g. "context+ngram".
+SPEC_VARIANTS: dict[str, dict] = {
+    "ngram": {"method": "ngram"},
+    "suffix": {"method": "suffix"},  # a tree per response (SuffixDecoding)
+    "group_path": {"method": "group_suffix", "multi_path": False},
+    "group_tree": {"method": "group_suffix"},  # what seer uses
+}
+
+
+def _bench_policy(name: str, true_lengths: dict[str, int], starvation_s: float):
+    """A rollout policy by name; ``base+variant`` adds that speculative decoding."""
+    base, _, spec = name.partition("+")
+    policy = make_rollout_policy(base, true_lengths=true_lengths, starvation_s=starvation_s)
+    if spec:
+        policy.name = name
+        policy.speculative = SPEC_VARIANTS[spec]
+    return policy
 
 
 class _Progress:

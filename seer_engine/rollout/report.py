@@ -17,6 +17,9 @@ REPORT_KEYS = (
     "steps",
     "idle_fraction",
     "accepted_tokens_per_step",
+    "accepted_tokens_per_step_thirds",
+    "draft_tokens_verified",
+    "drafter_s",
 )
 
 
@@ -35,37 +38,64 @@ def format_table(results: dict[str, RolloutResult]) -> str:
         "migrations",
         "steps",
         "idle",
+        "acc/step",
+        "early/mid/tail",
     )
-    lines = ["  ".join(f"{c:>11}" for c in cols)]
+    width = max(11, *(len(n) for n in results))
+    lines = ["  ".join(f"{c:>{width}}" for c in cols)]
     for name, r in results.items():
         m = r.metrics
+        thirds = "/".join(f"{x:.2f}" for x in m.accepted_tokens_per_step_thirds)
         row = (name, f"{m.throughput_tokens_per_s:.1f}", f"{m.makespan_s:.2f}", f"{m.tail_s:.2f}",
                m.preemptions, m.recomputed_tokens, m.migrations, m.steps,
-               f"{m.idle_fraction:.1%}")  # fmt: skip
-        lines.append("  ".join(f"{str(v):>11}" for v in row))
+               f"{m.idle_fraction:.1%}", f"{m.accepted_tokens_per_step:.2f}", thirds)  # fmt: skip
+        lines.append("  ".join(f"{str(v):>{width}}" for v in row))
     return "\n".join(lines)
 
 
 def write_report(out_dir: Path, results: dict[str, RolloutResult], meta: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "policies": {name: policy_summary(r) for name, r in results.items()}}
-    base = results.get("baseline")
-    if base is not None and base.metrics.throughput_tokens_per_s:
-        report["vs_baseline"] = {
-            name: {
-                "throughput_x": round(
-                    r.metrics.throughput_tokens_per_s / base.metrics.throughput_tokens_per_s, 3
-                ),
-                "tail_reduction": round(1 - r.metrics.tail_s / base.metrics.tail_s, 3)
-                if base.metrics.tail_s
-                else None,
-            }
-            for name, r in results.items()
-        }
+    for ref in ("baseline", "context"):
+        base = results.get(ref)
+        if base is not None and base.metrics.throughput_tokens_per_s:
+            report[f"vs_{ref}"] = {name: _ratios(r, base) for name, r in results.items()}
     path = out_dir / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     plot_timelines(results, out_dir / "report.png")
+    if any(r.metrics.draft_tokens_verified for r in results.values()):
+        plot_acceptance(results, out_dir / "acceptance.png")
     return path
+
+
+def _ratios(result: RolloutResult, base: RolloutResult) -> dict:
+    m, b = result.metrics, base.metrics
+    return {
+        "throughput_x": round(m.throughput_tokens_per_s / b.throughput_tokens_per_s, 3),
+        "tail_reduction": round(1 - m.tail_s / b.tail_s, 3) if b.tail_s else None,
+    }
+
+
+def plot_acceptance(results: dict[str, RolloutResult], path: Path) -> None:
+    """Accepted draft tokens per request-step, early / middle / tail third, per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(names)), 3.4))
+    width = 0.8 / 3
+    for k, label in enumerate(("early", "middle", "tail")):
+        values = [results[n].metrics.accepted_tokens_per_step_thirds[k] for n in names]
+        ax.bar([i + (k - 1) * width for i in range(len(names))], values, width, label=label)
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set_ylabel("accepted draft tokens / step")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_timelines(results: dict[str, RolloutResult], path: Path) -> None:
