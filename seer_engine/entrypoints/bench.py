@@ -34,8 +34,8 @@ def add_cli(subparsers) -> None:
     p.add_argument(
         "--policy",
         default="baseline,divided,context,seer,oracle",
-        help="comma-separated; a policy may add speculative decoding: context+ngram, context+suffix, "
-        "context+group_path, context+group_tree (= seer)",
+        help="comma-separated; a policy may add speculative decoding with 16 drafted tokens per step: "
+        "context+ngram, context+suffix, context+group_path, context+group_tree (seer: adaptive budget)",
     )
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--groups", default="8", help="a count (8) or an index range (60:90) of trace groups")
@@ -134,12 +134,15 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
-# Speculative decoding variants a bench policy can add, e.g. "context+ngram".
+# Speculative decoding variants a bench policy can add, e.g. "context+ngram". They
+# draft a fixed 16 tokens per request and step, so their accepted tokens per step
+# compare the draft sources alone; seer itself sizes drafts with the adaptive budget.
+_FIXED16 = {"budget": "fixed", "num_speculative_tokens": 16}
 SPEC_VARIANTS: dict[str, dict] = {
-    "ngram": {"method": "ngram"},
-    "suffix": {"method": "suffix"},  # a tree per response (SuffixDecoding)
-    "group_path": {"method": "group_suffix", "multi_path": False},
-    "group_tree": {"method": "group_suffix"},  # what seer uses
+    "ngram": {"method": "ngram", **_FIXED16},
+    "suffix": {"method": "suffix", **_FIXED16},  # a tree per response (SuffixDecoding)
+    "group_path": {"method": "group_suffix", "multi_path": False, **_FIXED16},
+    "group_tree": {"method": "group_suffix", **_FIXED16},
 }
 
 
