@@ -20,6 +20,7 @@ REPORT_KEYS = (
     "accepted_tokens_per_step_thirds",
     "draft_tokens_verified",
     "drafter_s",
+    "verification_overhead",
 )
 
 

@@ -64,6 +64,7 @@ class RolloutMetrics:
     draft_tokens_verified: int = 0
     draft_tokens_accepted: int = 0
     drafter_s: float = 0.0  # CPU time feeding and querying the proposer
+    verification_overhead: float = 0.0  # share of computed tokens spent on rejected draft nodes
     instance_busy_s: list[float] = field(default_factory=list)
     instance_idle_s: list[float] = field(default_factory=list)
 
@@ -378,9 +379,16 @@ class Rollout:
             draft_tokens_verified=sum(st.draft_tokens_scheduled for st in stats),
             draft_tokens_accepted=accepted,
             drafter_s=sum(d.stats.observe_s + d.stats.propose_s for d in drafters),
+            verification_overhead=_rejected_share(stats),
             instance_busy_s=busy,
             instance_idle_s=[max(0.0, makespan - b) for b in busy],
         )
+
+
+def _rejected_share(stats) -> float:
+    computed = sum(st.scheduled_tokens for st in stats)
+    rejected = sum(st.draft_tokens_scheduled - st.draft_tokens_accepted for st in stats)
+    return rejected / computed if computed else 0.0
 
 
 def _per_third(pool: EnginePool, makespan: float) -> list[float]:
