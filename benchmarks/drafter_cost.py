@@ -113,7 +113,7 @@ class Samples:
                 "p50_us": us[len(us) // 2],
                 "p99_us": us[min(len(us) - 1, int(0.99 * len(us)))],
                 "max_us": us[-1],
-                # Rare multi-µs stalls (a vector doubling in the tree, page faults, another job
+                # Rare multi-µs stalls (page faults of a growing tree, another job
                 # taking the CPU) can dominate a mean of sub-µs calls: say how much they weigh.
                 "share_of_time_over_50us": sum(v for v in us if v > 50) / sum(us),
                 "mean_us_without_over_50us": statistics.fmean([v for v in us if v <= 50] or [0.0]),
@@ -590,13 +590,14 @@ def append_discussion(res: dict[str, Any]) -> list[str]:
     a = res["cpp"]["append"]
     text = (
         f"The append mean is pulled up by rare long calls: the median call takes {a['p50_us']:.2f} µs and "
-        f"calls over 50 µs hold {100 * a['share_of_time_over_50us']:.0f}% of the append time. Most of "
-        f"them are the tree's node vector doubling: the {a.get('growth_calls', 0):,} appends during which "
-        "the node count passed a power of two (a copy plus page faults of a tree growing to tens of MiB, "
-        f"up to {a.get('growth_max_us', 0) / 1e3:.1f} ms in one call, on the engine's critical path) took "
-        f"{100 * a.get('growth_share_of_time', 0):.0f}% of it; the other appends average "
-        f"{a.get('mean_us_without_growth', 0):.2f} µs. The rest of the tail is other jobs taking the CPU "
-        "and cache on this shared 2-core machine, so the mean moves with the load. "
+        f"calls over 50 µs hold {100 * a['share_of_time_over_50us']:.0f}% of the append time. The "
+        f"{a.get('growth_calls', 0):,} appends during which the node count passed a power of two (where a "
+        "single vector of nodes used to double and copy; the tree now grows in fixed chunks, so these "
+        f"should look like any other append) took up to {a.get('growth_max_us', 0) / 1e3:.2f} ms in one "
+        f"call and {100 * a.get('growth_share_of_time', 0):.0f}% of the time; the other appends average "
+        f"{a.get('mean_us_without_growth', 0):.2f} µs. The rest of the tail is page faults of a tree growing "
+        "to tens of MiB and other jobs taking the CPU and cache on this shared 2-core machine, so the mean "
+        "moves with the load. "
         f"Append is O(max_depth) per token: a token updates up to {depth} trie nodes, one per suffix "
         f"length. On the first group, appending the same tokens one whole response at a time costs "
         f"{d['bulk_append_us']:.2f} µs/token against {d['lockstep_append_us']:.2f} µs/token in lock-step: "

@@ -16,9 +16,11 @@
 // requesting sequence itself, whose end is the context being matched) carry no
 // information about the next token and do not dilute the estimate.
 //
-// Memory: nodes are 16-byte records in one vector; a node with a single child stores
-// it inline (the common case deep in the trie), only nodes with two or more children
-// own a sorted edge list.  Freed nodes and edge lists are recycled.
+// Memory: nodes are 16-byte records in fixed-size chunks (growing never copies the
+// nodes already there, so an append never stalls on a reallocation of a large tree);
+// a node with a single child stores it inline (the common case deep in the trie),
+// only nodes with two or more children own a sorted edge list.  Freed nodes and edge
+// lists are recycled.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -36,6 +38,34 @@
 namespace py = pybind11;
 
 namespace seer {
+
+// A vector of T in chunks of 2^kBits elements: indexing costs a shift and a mask,
+// and growth allocates one new chunk instead of moving every element.
+template <typename T, int kBits = 12>
+class ChunkedVector {
+ public:
+  size_t size() const { return size_; }
+  size_t capacity() const { return chunks_.size() << kBits; }
+  T& operator[](size_t i) { return chunks_[i >> kBits][i & kMask]; }
+  const T& operator[](size_t i) const { return chunks_[i >> kBits][i & kMask]; }
+  void emplace_back() {
+    if (size_ == capacity()) chunks_.emplace_back(size_t{1} << kBits);
+    (*this)[size_++] = T{};
+  }
+  void assign(size_t n, const T& value) {
+    chunks_.clear();
+    size_ = 0;
+    for (size_t i = 0; i < n; ++i) {
+      emplace_back();
+      (*this)[i] = value;
+    }
+  }
+
+ private:
+  static constexpr size_t kMask = (size_t{1} << kBits) - 1;
+  std::vector<std::vector<T>> chunks_;
+  size_t size_ = 0;
+};
 
 // (tokens, parents, path probabilities, match length)
 using Draft = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, int>;
@@ -236,7 +266,7 @@ class GroupSuffixTree {
   int32_t child_or_create(int32_t v, int32_t t) {
     const int32_t found = find_child(v, t);
     if (found >= 0) return found;
-    const int32_t c = new_node();  // may reallocate nodes_: index, never hold references
+    const int32_t c = new_node();  // may add a chunk: index nodes_, never hold references
     Node& n = nodes_[v];
     if (n.tok == kNoChild) {
       n.tok = t;
@@ -480,7 +510,7 @@ class GroupSuffixTree {
   }
 
   int max_depth_;
-  std::vector<Node> nodes_;
+  ChunkedVector<Node> nodes_;
   std::vector<int32_t> free_nodes_;
   std::vector<std::vector<Edge>> edge_lists_;
   std::vector<int32_t> free_lists_;
