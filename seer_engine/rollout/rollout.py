@@ -198,14 +198,14 @@ class Rollout:
         Aborted responses keep the tokens they generated, with finish_reason "abort".
         """
         aborted = []
-        buffered = {s.key for s in self.buffer}
+        wanted = set(keys)
+        buffered = {s.key for s in self.buffer if s.key in wanted}
+        self.buffer = [s for s in self.buffer if s.key not in buffered]
         for key in keys:
             sample = self._live.get(key)
             if sample is None:
                 continue
-            if key in buffered:
-                self.buffer = [s for s in self.buffer if s.key != key]
-            else:
+            if key not in buffered:
                 inst = self.pool.instances[sample.instance]
                 rid = chunk_request_id(sample, running=True)
                 for out in inst.engine.abort_request([rid]):
