@@ -130,7 +130,11 @@ def server_models(tiny_model) -> tuple[Path, Path]:
 # that responses cross chunk boundaries and instances).
 SERVER_MODES = {
     "plain": [],
-    "rollout": ["--rollout-mode", "--instances", "2", "--chunk-tokens", "16"],
+    "rollout": [
+        "--rollout-mode", "--instances", "2", "--chunk-tokens", "16",
+        # seer's grouped drafts, with the step cost pinned so drafting does not hang on load
+        "--speculative-config", '{"method": "group_suffix", "step_cost": [0.004, 2e-5]}',
+    ],  # fmt: skip
 }
 
 

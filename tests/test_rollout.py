@@ -194,10 +194,10 @@ def test_bench_rollout_report(tmp_path):
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
             "--report", str(tmp_path),
-            "--policy", "baseline,divided,context,seer,oracle,context+ngram"]  # fmt: skip
+            "--policy", "baseline,divided,context,seer,oracle,context+group_tree"]  # fmt: skip
     assert main(args) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report["policies"]) == {"baseline", "divided", "context", "seer", "oracle", "context+ngram"}
+    assert set(report["policies"]) == {"baseline", "divided", "context", "seer", "oracle", "context+group_tree"}
     for name, figures in report["policies"].items():
         for key in REPORT_KEYS:
             assert key in figures, (name, key)
@@ -206,8 +206,11 @@ def test_bench_rollout_report(tmp_path):
         if name != "baseline":
             assert figures["preemptions"] == 0
     assert (tmp_path / "report.png").stat().st_size > 10_000
-    seer = report["policies"]["seer"]
-    assert seer["draft_tokens_verified"] > 0 and seer["accepted_tokens_per_step"] > 0
+    # Seer's adaptive budget drafts only where its profile of this machine says it pays
+    # (tested with a pinned cost in test_spec_decode); a fixed budget always drafts.
+    tree = report["policies"]["context+group_tree"]
+    assert tree["draft_tokens_verified"] > 0 and tree["accepted_tokens_per_step"] > 0
+    assert report["policies"]["seer"]["draft_tokens_verified"] >= 0
     assert report["policies"]["context"]["draft_tokens_verified"] == 0
     assert set(report["vs_context"]) == set(report["policies"])
     assert (tmp_path / "acceptance.png").stat().st_size > 5_000

@@ -19,15 +19,17 @@ from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.spec_decode.budget import AdaptiveBudget, FixedBudget, StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.draft import DraftTree, accept
 
+STEP_COST = [0.004, 2e-5]  # pinned, so whether drafts pay does not hang on this machine's load
 TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
 PATH = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8, "multi_path": False}
 SPECS = {
     "group-tree": TREE,
     "group-path": PATH,
-    "group-adaptive": {"method": "group_suffix"},
+    "group-adaptive": {"method": "group_suffix", "step_cost": STEP_COST},
     "suffix": {"method": "suffix", "budget": "fixed"},
     "ngram": {"method": "ngram", "budget": "fixed"},
 }
@@ -87,9 +89,37 @@ def test_speculative_config_errors():
         ('{"num_speculative_tokens": 64}', "1..63"),
         ('{"draft": 3}', "unknown --speculative-config keys"),
         ("[1]", "JSON object"),
+        ('{"step_cost": [0, 1e-5]}', "step_cost must be"),
+        ('{"step_cost": [0.01]}', "step_cost must be"),
     ):
         with pytest.raises(ValueError, match=needle):
             EngineConfig(speculative_config=bad)
+    assert SpeculativeConfig.parse('{"step_cost": [0.01, 1e-5]}').step_cost == (0.01, 1e-5)
+
+
+def test_step_cost_fit_ignores_one_slow_step():
+    line = [(t, 0.004 + 2e-5 * t) for t in (1, 4, 16, 8, 32, 128, 16, 64, 256)]
+    fit = StepCostModel.fit(line)
+    assert fit.fixed_s == pytest.approx(0.004) and fit.per_token_s == pytest.approx(2e-5)
+    # A busy machine slowed the largest step 3x: least squares would put the
+    # intercept at zero (no draft would ever pay); the medians barely move.
+    noisy = StepCostModel.fit(line[:-1] + [(256, 3 * (0.004 + 2e-5 * 256))])
+    assert noisy.fixed_s == pytest.approx(0.004, rel=0.2) and noisy.per_token_s == pytest.approx(2e-5, rel=0.5)
+
+
+def test_adaptive_budget_follows_marginal_benefit():
+    from seer_engine.core.request import Request
+
+    budget = AdaptiveBudget(StepCostModel(fixed_s=0.004, per_token_s=2e-5))
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(), 8, seed=i) for i in range(4)]
+    rates = {"r0": 0.9, "r1": 0.5, "r2": 0.1, "r3": 0.0}
+    alloc = budget.allocate(reqs, lambda r: rates[r.request_id], 16)
+    assert alloc[0] == 16 and alloc[0] > alloc[1] > alloc[2] and alloc[3] == 0
+    # A big batch has already spent its step on many rows: fewer nodes pay.
+    big = [Request(f"b{i}", [1, 2], SamplingParams(), 8, seed=i) for i in range(400)]
+    assert sum(budget.allocate(big, lambda r: 0.5, 16)) < sum(budget.allocate(big[:4], lambda r: 0.5, 16)) * 100
+    assert budget.allocate(big, lambda r: 0.5, 16)[0] < alloc[1]
+    assert FixedBudget().allocate(reqs, lambda r: 0.0, 5) == [5] * 4
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -153,7 +183,8 @@ def test_seer_rollout_across_instances_and_chunks(model):
 
     def run(policy: str, instances: int, chunk: int):
         groups = [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
-        cfg = EngineConfig(model=str(model), num_kv_blocks=9, max_num_seqs=3)
+        spec = {"method": "group_suffix", "step_cost": STEP_COST} if policy == "seer" else None
+        cfg = EngineConfig(model=str(model), num_kv_blocks=9, max_num_seqs=3, speculative_config=spec)
         pol = make_rollout_policy(policy)
         pool = EnginePool.for_policy(cfg, pol, instances)
         rollout = Rollout(pool, pol, chunk_tokens=chunk)

@@ -159,10 +159,16 @@ class LLMEngine:
     def _make_drafter(self, spec: SpeculativeConfig | None, proposer: Proposer | None) -> Drafter | None:
         if spec is None:
             return None
-        budget = make_budget(spec.budget, lambda: StepCostModel.fit(self.runner.profile_step_cost()))
+        cost = StepCostModel(*spec.step_cost) if spec.step_cost else self._profile_step_cost
+        budget = make_budget(spec.budget, cost)
         if isinstance(budget, AdaptiveBudget):
             budget.cost  # profile now, while the KV cache is empty  # noqa: B018
         return Drafter(spec, proposer or make_proposer(spec), budget)
+
+    def _profile_step_cost(self) -> StepCostModel:
+        model = StepCostModel.fit(self.runner.profile_step_cost())
+        logger.info("profiled step cost: %.3g s + %.3g s/token", model.fixed_s, model.per_token_s)
+        return model
 
     # -- sizing --------------------------------------------------------------------
 

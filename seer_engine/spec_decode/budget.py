@@ -13,6 +13,7 @@ gets deep ones.
 from __future__ import annotations
 
 import heapq
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,14 +29,21 @@ class StepCostModel:
 
     @classmethod
     def fit(cls, points: Sequence[tuple[int, float]]) -> StepCostModel:
-        """Least squares over (tokens, seconds); both coefficients kept non-negative."""
-        n = len(points)
-        mx = sum(t for t, _ in points) / n
-        my = sum(s for _, s in points) / n
-        var = sum((t - mx) ** 2 for t, _ in points)
-        slope = sum((t - mx) * (s - my) for t, s in points) / var if var else 0.0
-        slope = max(slope, 0.0)
-        return cls(fixed_s=max(my - slope * mx, 1e-9), per_token_s=slope)
+        """Theil-Sen line over (tokens, seconds): the median of pairwise slopes, then
+        the median intercept. One step slowed by a busy machine moves a least-squares
+        line a lot (to a zero intercept, and then nothing ever pays for a draft); it
+        barely moves medians. Both coefficients are kept non-negative."""
+        if not points:
+            raise ValueError("a step cost model needs at least one (tokens, seconds) point")
+        slopes = [
+            (s2 - s1) / (t2 - t1)
+            for i, (t1, s1) in enumerate(points)
+            for t2, s2 in points[i + 1 :]
+            if t2 != t1
+        ]
+        slope = max(statistics.median(slopes), 0.0) if slopes else 0.0
+        intercept = statistics.median(s - slope * t for t, s in points)
+        return cls(fixed_s=max(intercept, 1e-9), per_token_s=slope)
 
 
 class BudgetPolicy:

@@ -29,6 +29,9 @@ class SpeculativeConfig:
     max_depth: int = 64  # suffix trees: deepest suffix kept
     prompt_lookup_min: int = 2  # ngram: shortest suffix to match
     prompt_lookup_max: int = 5  # ngram: longest suffix to match
+    # Adaptive budget: [fixed_s, per_token_s] of a step from an offline profile (Seer
+    # profiles once per model and machine); None measures it at start-up.
+    step_cost: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -44,6 +47,16 @@ class SpeculativeConfig:
             raise ValueError(f"max_depth must be an integer >= 2, got {self.max_depth!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.step_cost is not None:
+            cost = self.step_cost
+            if (
+                not isinstance(cost, (list, tuple))
+                or len(cost) != 2
+                or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0 for c in cost)
+                or cost[0] <= 0
+            ):
+                raise ValueError(f"step_cost must be [fixed_s > 0, per_token_s >= 0] in seconds, got {cost!r}")
+            object.__setattr__(self, "step_cost", (float(cost[0]), float(cost[1])))
 
     @property
     def trees(self) -> bool:
