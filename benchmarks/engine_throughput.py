@@ -72,8 +72,12 @@ def run_hf(model, prompts, lengths) -> tuple[float, int, int]:
     def go():
         with torch.no_grad():
             model.generate(
-                ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                do_sample=False, pad_token_id=0,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
             )
 
     return _timed(go), sum(lengths), len(prompts) * longest
@@ -97,8 +101,14 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="seer-bench-"))
     tokenizer = str(SHARED_TOKENIZER) if SHARED_TOKENIZER.is_file() else None
     path = make_tiny_model(
-        tmp / "model", arch="qwen3", tokenizer=tokenizer, num_layers=args.layers,
-        hidden_size=args.hidden, num_heads=8, num_kv_heads=4, intermediate_size=3 * args.hidden,
+        tmp / "model",
+        arch="qwen3",
+        tokenizer=tokenizer,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=3 * args.hidden,
     )
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     llm = LLM(str(path), max_num_seqs=max(batches), num_threads=args.threads)
@@ -143,8 +153,13 @@ def main() -> int:
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
         f"torch {torch.__version__}, threads {args.threads}".strip(),
-        "model": {"arch": "qwen3", "layers": args.layers, "hidden": args.hidden, "vocab": vocab,
-                  "weight_bytes": weight_bytes},
+        "model": {
+            "arch": "qwen3",
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "vocab": vocab,
+            "weight_bytes": weight_bytes,
+        },
         "copy_bandwidth_gb_s": round(bandwidth, 2),
         "decode_floor_ms": round(floor_s * 1e3, 2),
         "batch1_ms_per_token": round(step_s * 1e3, 2) if step_s else None,

@@ -131,9 +131,14 @@ def server_models(tiny_model) -> tuple[Path, Path]:
 SERVER_MODES = {
     "plain": [],
     "rollout": [
-        "--rollout-mode", "--instances", "2", "--chunk-tokens", "16",
+        "--rollout-mode",
+        "--instances",
+        "2",
+        "--chunk-tokens",
+        "16",
         # seer's grouped drafts, with the step cost pinned so drafting does not hang on load
-        "--speculative-config", '{"method": "group_suffix", "step_cost": [0.004, 2e-5]}',
+        "--speculative-config",
+        '{"method": "group_suffix", "step_cost": [0.004, 2e-5]}',
     ],  # fmt: skip
 }
 

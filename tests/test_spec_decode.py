@@ -104,7 +104,8 @@ def test_step_cost_fit_ignores_one_slow_step():
     # A busy machine slowed the largest step 3x: least squares would put the
     # intercept at zero (no draft would ever pay); the medians barely move.
     noisy = StepCostModel.fit(line[:-1] + [(256, 3 * (0.004 + 2e-5 * 256))])
-    assert noisy.fixed_s == pytest.approx(0.004, rel=0.2) and noisy.per_token_s == pytest.approx(2e-5, rel=0.5)
+    assert noisy.fixed_s == pytest.approx(0.004, rel=0.2)
+    assert noisy.per_token_s == pytest.approx(2e-5, rel=0.5)
 
 
 def test_adaptive_budget_follows_marginal_benefit():
@@ -117,8 +118,7 @@ def test_adaptive_budget_follows_marginal_benefit():
     assert alloc[0] == 16 and alloc[0] > alloc[1] > alloc[2] and alloc[3] == 0
     # A big batch has already spent its step on many rows: fewer nodes pay.
     big = [Request(f"b{i}", [1, 2], SamplingParams(), 8, seed=i) for i in range(400)]
-    assert sum(budget.allocate(big, lambda r: 0.5, 16)) < sum(budget.allocate(big[:4], lambda r: 0.5, 16)) * 100
-    assert budget.allocate(big, lambda r: 0.5, 16)[0] < alloc[1]
+    assert budget.allocate(big, lambda r: 0.5, 16)[0] < budget.allocate(big[:4], lambda r: 0.5, 16)[0]
     assert FixedBudget().allocate(reqs, lambda r: 0.0, 5) == [5] * 4
 
 

@@ -55,7 +55,7 @@ class SpeculativeConfig:
                 or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0 for c in cost)
                 or cost[0] <= 0
             ):
-                raise ValueError(f"step_cost must be [fixed_s > 0, per_token_s >= 0] in seconds, got {cost!r}")
+                raise ValueError(f"step_cost must be [fixed_s > 0, per_token_s >= 0] seconds, got {cost!r}")
             object.__setattr__(self, "step_cost", (float(cost[0]), float(cost[1])))
 
     @property
