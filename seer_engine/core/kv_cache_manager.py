@@ -171,7 +171,47 @@ class KVCacheManager:
         hashes = self._full_block_hashes(request, request.num_tokens - 1)
         return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in self.pending
 
+    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """Chained hashes of the full blocks of a context (equal in every process)."""
+        hashes: list[int] = []
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def cached_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the leading run of ``hashes`` held in the prefix cache."""
+        ids = []
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            ids.append(block.block_id)
+        return ids
+
     # -- changes -------------------------------------------------------------------
+
+    def adopt_blocks(self, hashes: Sequence[int], start: int) -> list[int] | None:
+        """Cached blocks for ``hashes[start:]``, whose KV arrives from elsewhere (a KV
+        pool), behind the cached ``hashes[:start]``. They are allocated, registered and
+        left unreferenced at the LRU tail (the prefix refreshed with them, so making
+        room never evicts it): the next request with this context finds all of it as
+        prefix hits. None when the prefix is gone or too few blocks are free (the
+        caller recomputes instead)."""
+        if not self.enable_prefix_caching:
+            return None
+        prefix = [self.pool.lookup(h) for h in hashes[:start]]
+        if any(b is None for b in prefix):
+            return None
+        self.pool.touch(prefix)
+        if len(hashes) - start > self.pool.num_free:
+            self.pool.release(prefix)
+            return None
+        blocks = self.pool.allocate(len(hashes) - start)
+        for block, h in zip(blocks, hashes[start:]):
+            self.pool.register(block, h)
+        self.pool.release(reversed([*prefix, *blocks]))  # the prefix joins the tail last
+        return [b.block_id for b in blocks]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()

@@ -5,30 +5,64 @@ without recomputing its context. A connector saves a request's KV when a chunk e
 says how much of it a pool holds, loads it into another instance, and frees it when
 the response finishes. ``RecomputeConnector`` holds nothing: a response that moves
 recomputes its context on the new instance (the rollout counts those tokens).
+
+``PooledConnector`` is the one implementation over a pool: it stores a response's
+full KV blocks under ``<namespace>/<response>/<block index>`` in a ``BlockStore``
+(``local``: shared memory on this host; ``mooncake``: the Mooncake store), and loads
+them into the target engine's prefix cache, so the next chunk finds its context as
+prefix hits: the uniform scheduling rule then computes only what is missing (the
+last partial block). Pool trouble never loses a request: the connector counts the
+failure, logs it once, and the request recomputes.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
+import torch
+
 from seer_engine.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class KVPoolError(RuntimeError):
+    """The pool cannot serve a call (down, full, or the entry is gone)."""
 
 
 @dataclass
 class LoadResult:
-    tokens: int  # context tokens whose KV is now in the target instance
-    error: str | None = None  # why the load failed, per request; the caller recomputes
+    tokens: int  # leading context tokens whose KV the target instance now holds
+    loaded_tokens: int = 0  # of those, tokens that came from the pool in this call
+    error: str | None = None  # why the pool could not serve it; the caller recomputes
+
+
+@dataclass
+class ConnectorStats:
+    saved_blocks: int = 0
+    loaded_blocks: int = 0
+    saved_bytes: int = 0
+    loaded_bytes: int = 0
+    save_s: float = 0.0
+    load_s: float = 0.0
+    failures: int = 0  # calls the pool could not serve (the request recomputed)
 
 
 class KVConnector:
     name = "abstract"
 
-    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> None:
-        """Offer the KV of ``token_ids`` (a finished chunk's context) to the pool."""
+    def __init__(self) -> None:
+        self.stats = ConnectorStats()
+
+    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> int:
+        """Offer the KV of ``token_ids`` (a finished chunk's context, in ``engine``'s
+        prefix cache) to the pool; returns the leading tokens the pool now holds."""
         raise NotImplementedError
 
-    def lookup(self, key: str) -> int:
-        """How many leading tokens of ``key``'s context the pool holds."""
+    def lookup(self, key: str, token_ids: list[int]) -> int:
+        """How many leading tokens of ``key``'s context ``token_ids`` the pool holds."""
         raise NotImplementedError
 
     def load(self, key: str, engine: LLMEngine, token_ids: list[int]) -> LoadResult:
@@ -39,16 +73,19 @@ class KVConnector:
         """The response finished: drop its pool entry (not left to eviction)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release this process's handle on the pool."""
+
 
 class RecomputeConnector(KVConnector):
     """No pool: moving a response recomputes its KV on the target instance."""
 
     name = "recompute"
 
-    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> None:
-        return None
+    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> int:
+        return 0
 
-    def lookup(self, key: str) -> int:
+    def lookup(self, key: str, token_ids: list[int]) -> int:
         return 0
 
     def load(self, key: str, engine: LLMEngine, token_ids: list[int]) -> LoadResult:
@@ -56,3 +93,130 @@ class RecomputeConnector(KVConnector):
 
     def free(self, key: str) -> None:
         return None
+
+
+class BlockStore:
+    """What a pool backend provides: fixed-size byte values under string keys.
+
+    Every value is one KV block as ``PooledConnector`` lays it out (a contiguous
+    ``[layers, 2, block_size, kv_heads, head_dim]`` tensor). Methods raise
+    ``KVPoolError`` when the pool cannot serve them.
+    """
+
+    name = "abstract"
+
+    def put(self, keys: list[str], blocks: torch.Tensor) -> None:
+        """Store ``blocks[i]`` under ``keys[i]`` (overwriting what is there)."""
+        raise NotImplementedError
+
+    def get_into(self, keys: list[str], out: torch.Tensor) -> None:
+        """Fill ``out[i]`` with the value of ``keys[i]``; every key must exist."""
+        raise NotImplementedError
+
+    def count_leading(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, exist (stops at the first missing)."""
+        raise NotImplementedError
+
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every key that starts with ``prefix``; returns how many."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release this process's handle (the pool itself lives on)."""
+
+
+class PooledConnector(KVConnector):
+    """Save, look up, load and free a response's KV blocks in a ``BlockStore``."""
+
+    def __init__(self, store: BlockStore, block_size: int, namespace: str = "seer") -> None:
+        super().__init__()
+        self.store = store
+        self.block_size = block_size
+        self.name = store.name
+        self.namespace = namespace
+        self._warned = False
+
+    def _keys(self, key: str, num_blocks: int, start: int = 0) -> list[str]:
+        return [f"{self.namespace}/{key}/{i}" for i in range(start, num_blocks)]
+
+    def _failed(self, what: str, err: Exception) -> str:
+        self.stats.failures += 1
+        message = f"KV pool ({self.name}) could not {what}: {err}; the request recomputes"
+        if not self._warned:  # once: a pool that is down fails every call
+            logger.warning("%s (further pool failures are only counted)", message)
+            self._warned = True
+        return message
+
+    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> int:
+        self._check(engine)
+        kv = engine.kv_manager
+        block_ids = kv.cached_prefix(kv.block_hashes(token_ids))
+        if not block_ids:
+            return 0
+        keys = self._keys(key, len(block_ids))
+        try:
+            have = self.store.count_leading(keys)
+            if have < len(keys):
+                start = time.perf_counter()
+                blocks = engine.runner.read_kv_blocks(block_ids[have:])
+                self.store.put(keys[have:], blocks)
+                self.stats.save_s += time.perf_counter() - start
+                self.stats.saved_blocks += len(keys) - have
+                self.stats.saved_bytes += blocks.numel() * blocks.element_size()
+        except KVPoolError as e:
+            self._failed(f"save {key}", e)
+            return 0
+        return len(keys) * kv.block_size
+
+    def _check(self, engine: LLMEngine) -> None:
+        if engine.kv_manager.block_size != self.block_size:
+            raise ValueError(
+                f"the KV pool holds blocks of {self.block_size} tokens; this engine uses "
+                f"{engine.kv_manager.block_size}"
+            )
+
+    def lookup(self, key: str, token_ids: list[int]) -> int:
+        bs = self.block_size
+        try:
+            return self.store.count_leading(self._keys(key, len(token_ids) // bs)) * bs
+        except KVPoolError as e:
+            self._failed(f"look up {key}", e)
+            return 0
+
+    def load(self, key: str, engine: LLMEngine, token_ids: list[int]) -> LoadResult:
+        self._check(engine)
+        kv = engine.kv_manager
+        bs = kv.block_size
+        hashes = kv.block_hashes(token_ids)
+        cached = len(kv.cached_prefix(hashes))
+        try:
+            keys = self._keys(key, len(hashes))
+            pooled = self.store.count_leading(keys)
+            if pooled <= cached:
+                return LoadResult(cached * bs)
+            start = time.perf_counter()
+            runner = engine.runner
+            out = torch.empty(
+                (pooled - cached, len(runner.kv_caches), 2, bs, runner.cfg.num_kv_heads, runner.cfg.head_dim),
+                dtype=runner.dtype,
+            )
+            self.store.get_into(keys[cached:pooled], out)
+        except KVPoolError as e:
+            return LoadResult(cached * bs, error=self._failed(f"load {key}", e))
+        block_ids = kv.adopt_blocks(hashes[:pooled], cached)
+        if block_ids is None:
+            return LoadResult(cached * bs, error=f"no free KV blocks to load {key} into")
+        runner.write_kv_blocks(block_ids, out)
+        self.stats.load_s += time.perf_counter() - start
+        self.stats.loaded_blocks += len(block_ids)
+        self.stats.loaded_bytes += out.numel() * out.element_size()
+        return LoadResult(pooled * bs, loaded_tokens=(pooled - cached) * bs)
+
+    def free(self, key: str) -> None:
+        try:
+            self.store.remove_prefix(f"{self.namespace}/{key}/")
+        except KVPoolError as e:
+            self._failed(f"free {key}", e)
+
+    def close(self) -> None:
+        self.store.close()

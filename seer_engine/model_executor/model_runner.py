@@ -165,6 +165,25 @@ class ModelRunner:
             flat = cache.view(2, -1, *cache.shape[3:])
             flat.index_copy_(1, dst, flat.index_select(1, src))
 
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks' keys and values, ``[n, layers, 2, block_size, kv_heads,
+        head_dim]``: each block contiguous, the unit a KV pool stores."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        per_layer = [cache.index_select(1, idx) for cache in self.kv_caches]  # [2, n, ...]
+        return torch.stack(per_layer).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of ``read_kv_blocks``: fill the blocks from a pool's copy."""
+        shape = (len(block_ids), len(self.kv_caches), 2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if tuple(data.shape) != shape:
+            raise ValueError(f"KV blocks of shape {tuple(data.shape)} do not fit this model's {shape}")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        data = data.to(device=self.device, dtype=self.dtype)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
+
     def profile_step_cost(
         self,
         batch_sizes: tuple[int, ...] = (1, 4, 16),
