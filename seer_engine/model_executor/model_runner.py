@@ -176,7 +176,8 @@ class ModelRunner:
     @torch.inference_mode()
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read_kv_blocks``: fill the blocks from a pool's copy."""
-        shape = (len(block_ids), len(self.kv_caches), 2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        c = self.cfg
+        shape = (len(block_ids), len(self.kv_caches), 2, self.block_size, c.num_kv_heads, c.head_dim)
         if tuple(data.shape) != shape:
             raise ValueError(f"KV blocks of shape {tuple(data.shape)} do not fit this model's {shape}")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
