@@ -193,7 +193,7 @@ def test_bench_rollout_report(tmp_path):
         pytest.skip(f"traces not found at {trace}")
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
-            "--report", str(tmp_path),
+            "--report", str(tmp_path), "--distributed-backend", "inproc",
             "--policy", "baseline,divided,context,seer,oracle,context+group_tree"]  # fmt: skip
     assert main(args) == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -216,3 +216,31 @@ def test_bench_rollout_report(tmp_path):
     assert (tmp_path / "acceptance.png").stat().st_size > 5_000
     with pytest.raises(SystemExit):
         main(args[:-1] + ["context+eagle"])
+
+
+def test_bench_rollout_with_instance_processes_and_a_kv_pool(tmp_path):
+    """Two instance processes and the local shared-memory KV pool (chunk ends saved
+    to it): the replayed tokens are the same as in-process."""
+    import json
+
+    from conftest import SHARED
+
+    from seer_engine.entrypoints.cli import main
+
+    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
+    if not trace.is_file():
+        pytest.skip(f"traces not found at {trace}")
+    args = ["bench", "rollout", "--trace", str(trace), "--groups", "2", "--samples", "3",
+            "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
+            "--policy", "context,seer",
+            "--report", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["distributed_backend"] == "mp" and report["meta"]["kv_connector"] == "local"
+    for figures in report["policies"].values():
+        assert figures["backend"] == "mp" and figures["kv_connector"] == "local"
+        assert figures["pool_saved_blocks"] > 0 and figures["pool_failures"] == 0
+    assert main(args[:-2] + ["--distributed-backend", "inproc", "--report", str(tmp_path / "inproc")]) == 0
+    inproc = json.loads((tmp_path / "inproc" / "report.json").read_text())
+    for name, figures in report["policies"].items():
+        assert figures["output_tokens"] == inproc["policies"][name]["output_tokens"]

@@ -23,8 +23,14 @@ def _config(model, **kw) -> EngineConfig:
     return EngineConfig(model=str(model), **{"num_kv_blocks": 64, "max_num_seqs": 8, **kw})
 
 
-def _rollout_engine(model, instances: int = 2, chunk: int = 8, **kw) -> RolloutEngine:
-    rollout = RolloutConfig(rollout_mode=True, instances=instances, chunk_tokens=chunk)
+def _rollout_engine(model, instances: int = 2, chunk: int = 8, backend: str = "inproc", **kw):
+    """In-process instances by default; ``mp`` puts each in its own process with the
+    local shared-memory KV pool, and placement moves responses often (spread 0: the
+    least-loaded instance; pull threshold 0: every move loads from the pool)."""
+    moves = {"migration_spread": 0, "pool_pull_tokens": 0} if backend == "mp" else {}
+    rollout = RolloutConfig(
+        rollout_mode=True, instances=instances, chunk_tokens=chunk, distributed_backend=backend, **moves
+    )
     return RolloutEngine(_config(model, **kw), rollout)
 
 
@@ -40,8 +46,12 @@ def _drain(engine) -> dict[str, RequestOutput]:
 def _assert_idle(engine: RolloutEngine) -> None:
     assert not engine.rollout.buffer and engine.rollout.num_live == 0
     for inst in engine.pool:
-        kv = inst.engine.kv_manager
-        assert kv.num_free_blocks == kv.pool.num_blocks and inst.reserved_blocks == 0 and not inst.in_flight
+        assert inst.reserved_blocks == 0 and not inst.in_flight
+    for snap in engine.pool.call_all("snapshot"):
+        assert snap.kv_used_blocks == 0 and snap.running == snap.waiting == 0
+    store = getattr(engine.pool.kv_pool.connector, "store", None)
+    if store is not None:
+        assert store.used_slots == 0, "pool entries are freed when responses finish"
 
 
 def test_requests_sharing_a_prompt_form_one_group(model):
@@ -70,7 +80,8 @@ def test_requests_sharing_a_prompt_form_one_group(model):
     _assert_idle(engine)
 
 
-def test_same_outputs_as_the_plain_engine(model):
+@pytest.mark.parametrize("backend", ["inproc", "mp"])
+def test_same_outputs_as_the_plain_engine(model, backend):
     """Chunking across two instances changes nothing: tokens, text (stop strings
     trimmed), finish reasons, logprobs."""
     requests = [
@@ -79,7 +90,7 @@ def test_same_outputs_as_the_plain_engine(model):
         ("text", "Once upon a time", SamplingParams(temperature=0.8, max_tokens=21, seed=9, min_tokens=10)),
     ]
     plain = LLMEngine(_config(model))
-    rollout = _rollout_engine(model, chunk=6)
+    rollout = _rollout_engine(model, chunk=6, backend=backend)
     for engine in (plain, rollout):
         for rid, prompt, params in requests:
             engine.add_request(rid, prompt, params)
@@ -97,6 +108,10 @@ def test_same_outputs_as_the_plain_engine(model):
                 assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
     assert len(rollout.rollout.dispatch_log) > sum(p.n for _, _, p in requests), "responses ran in chunks"
     _assert_idle(rollout)
+    if backend == "mp":
+        r = rollout.rollout
+        assert r.migrations > 0 and r.pool_loads > 0 and r.pool_loaded_tokens > 0, "moves loaded KV"
+    rollout.close()
 
 
 def test_context_policy_runs_one_probe_per_group_first(model):
@@ -111,8 +126,9 @@ def test_context_policy_runs_one_probe_per_group_first(model):
     _assert_idle(engine)
 
 
-def test_abort_keeps_partial_tokens_and_frees_everything(model):
-    engine = _rollout_engine(model, chunk=8)
+@pytest.mark.parametrize("backend", ["inproc", "mp"])
+def test_abort_keeps_partial_tokens_and_frees_everything(model, backend):
+    engine = _rollout_engine(model, chunk=8, backend=backend)
     engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True, n=3))
     engine.add_request("y", [8, 9], SamplingParams(max_tokens=5, ignore_eos=True))
     done = {}
@@ -124,6 +140,7 @@ def test_abort_keeps_partial_tokens_and_frees_everything(model):
     done.update(_drain(engine))
     assert done["y"].outputs[0].finish_reason == "length" and len(done["y"].outputs[0].token_ids) == 5
     _assert_idle(engine)
+    engine.close()
 
 
 def test_sleep_refuses_in_flight_requests_and_config_errors(model):
@@ -140,6 +157,11 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
         (dict(instances=0), "--instances"),
         (dict(chunk_tokens=0), "--chunk-tokens"),
         (dict(policy="oracle"), "unknown rollout policy"),
+        (dict(distributed_backend="slurm"), "--distributed-backend"),
+        (dict(kv_connector="redis"), "--kv-connector"),
+        (dict(mooncake_master="127.0.0.1:5"), "needs --kv-connector mooncake"),
+        (dict(kv_connector="mooncake", mooncake_master="nohost"), "HOST:PORT"),
+        (dict(kv_pool_gib=0), "--kv-pool-gib"),
     ):
         with pytest.raises(ValueError, match=needle):
             RolloutConfig(**bad)

@@ -557,6 +557,9 @@ class AsyncEngine:
         finally:
             self._closed = True
             self._fail_everyone(reason)
+            close = getattr(self._engine, "close", None)  # instance processes, KV pool
+            if close is not None:
+                close()
 
     def _loop(self) -> None:
         engine = self._engine

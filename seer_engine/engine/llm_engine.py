@@ -17,6 +17,7 @@ from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.engine.request_checker import RequestChecker
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
     ModelRunner,
@@ -132,6 +133,9 @@ class LLMEngine:
             self.model_config, self.dtype, self.device, config.block_size, num_blocks, backend
         )
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.checker = RequestChecker(
+            self.detokenizer, self.vocab_size, self.max_model_len, num_blocks, config.block_size
+        )
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -206,19 +210,7 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return prompt, self.detokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token id {t!r} is out of the vocabulary (valid ids: 0..{self.vocab_size - 1})"
-                )
-        return None, ids
+        return self.checker.encode_prompt(prompt)
 
     def add_request(
         self,
@@ -444,38 +436,8 @@ class LLMEngine:
     def check_request(
         self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
     ) -> tuple[str | None, list[int], list[int], int]:
-        """Every check a new request passes: (prompt text, prompt ids, prior output, max_tokens).
-
-        Public so that a backend over several engines (rollout mode) checks requests
-        exactly as one engine does.
-        """
-        params.validate()
-        text, ids = self.encode_prompt(prompt)
-        prior = list(prior_output_token_ids)
-        if prior:
-            self.encode_prompt(prior)  # same vocabulary check as a prompt
-            if params.n != 1:
-                raise InvalidRequestError("prior_output_token_ids needs n == 1")
-        if len(ids) + len(prior) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids) + len(prior)} tokens but max_model_len is {self.max_model_len} "
-                "(at least one output token must fit)"
-            )
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise InvalidRequestError(f"stop token id {t} is out of the vocabulary")
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if len(prior) >= max_tokens:
-            raise InvalidRequestError(f"max_tokens ({max_tokens}) leaves no room after the prior output")
-        needed = self.kv_manager.blocks_needed(len(ids) + max_tokens)
-        total = self.kv_manager.pool.num_blocks
-        if needed > total:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs {needed} KV blocks "
-                f"but the cache has {total}; lower max_tokens or shorten the prompt"
-            )
-        return text, ids, prior, max_tokens
+        """Every check a new request passes: (prompt text, prompt ids, prior output, max_tokens)."""
+        return self.checker.check_request(prompt, params, prior_output_token_ids)
 
     def snapshot(self) -> EngineSnapshot:
         """Load and counters for /metrics (requests counted per sample)."""

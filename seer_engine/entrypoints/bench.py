@@ -19,7 +19,9 @@ from pathlib import Path
 from seer_engine.core.policies import ROLLOUT_POLICIES, make_rollout_policy
 from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
-from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.engine.llm_engine import resolve_model_path
+from seer_engine.model_executor.model_config import ModelConfig
+from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.report import format_table, write_report
 from seer_engine.rollout.rollout import Rollout
@@ -52,6 +54,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--report", default=None, help="write report.json and report.png here")
+    RolloutConfig.add_cluster_args(p)
     p.set_defaults(func=run_bench_rollout)
 
 
@@ -101,24 +104,35 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         groups.append(Group(gid, list(tg.prompt_token_ids), params, args.samples, order=order))
         for j, tokens in enumerate(tg.response_token_ids[: args.samples]):
             responses[f"{gid}/{j}"] = list(tokens)
-    eos = None
+    eos = min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids)
+    replay = TraceReplay(responses, eos)
+    cluster = RolloutConfig(
+        instances=args.instances,
+        distributed_backend=args.distributed_backend,
+        kv_connector=args.kv_connector,
+        mooncake_master=args.mooncake_master,
+        kv_pool_gib=args.kv_pool_gib,
+        migration_spread=args.migration_spread,
+        pool_pull_tokens=args.pool_pull_tokens,
+    )
     true_lengths = {k: min(len(v) + 1, args.max_tokens) for k, v in responses.items()}
     total = len(responses)
     print(f"bench rollout: {len(groups)} groups x {args.samples} samples = {total} responses, "
           f"{sum(true_lengths.values())} output tokens to replay, {args.instances} instances, "
-          f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}", flush=True)  # fmt: skip
+          f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}, backend "
+          f"{cluster.distributed_backend}, KV pool {cluster.kv_connector}", flush=True)  # fmt: skip
     results = {}
     for name in policies:
         policy = _bench_policy(name, true_lengths, args.starvation_s)
-        pool = EnginePool.for_policy(cfg, policy, args.instances)
-        eos = eos if eos is not None else min(pool.first.eos_token_ids)
-        replay = TraceReplay(responses, eos)
-        for inst in pool:
-            inst.engine.token_source = replay
         progress = _Progress(name, total)
-        start = time.perf_counter()
         fresh = [Group(g.group_id, g.prompt_token_ids, g.sampling_params, g.n, order=g.order) for g in groups]
-        results[name] = Rollout(pool, policy, args.chunk_tokens, on_sample_finished=progress).run(fresh)
+        with cluster.make_pool(cfg, policy, replay) as pool:
+            pool.reset_clocks()
+            start = time.perf_counter()
+            rollout = Rollout(
+                pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement()
+            )
+            results[name] = rollout.run(fresh)
         print(f"[{name}] done in {time.perf_counter() - start:.1f}s wall", flush=True)
     print(format_table(results))
     if args.report:
@@ -128,6 +142,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
             "model": model, "groups": len(groups), "samples": args.samples, "instances": args.instances,
             "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
+            "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
         }  # fmt: skip
         path = write_report(Path(args.report), results, meta)
         print(f"wrote {path} and {path.with_suffix('.png')}")

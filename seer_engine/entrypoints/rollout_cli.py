@@ -19,7 +19,6 @@ from seer_engine.core.policies import make_rollout_policy
 from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
 from seer_engine.rollout.config import RolloutConfig
-from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -77,17 +76,20 @@ def run_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"input file {str(path)!r} not found")
     rollout_config = RolloutConfig.from_cli_args(args)
     policy = make_rollout_policy(rollout_config.policy, starvation_s=rollout_config.starvation_s)
-    pool = EnginePool.for_policy(EngineConfig.from_cli_args(args), policy, rollout_config.instances)
-    engine = pool.first
-    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    groups = read_groups(path, args.n, defaults, engine.encode_prompt)
-    name = rollout_config.policy
-    total = sum(g.n for g in groups)
-    with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
-        rollout = Rollout(
-            pool, policy, rollout_config.chunk_tokens, on_sample_finished=lambda s: bar.update()
-        )
-        result = rollout.run(groups)
+    with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy) as pool:
+        defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+        groups = read_groups(path, args.n, defaults, pool.front.encode_prompt)
+        name = rollout_config.policy
+        total = sum(g.n for g in groups)
+        with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
+            rollout = Rollout(
+                pool,
+                policy,
+                rollout_config.chunk_tokens,
+                on_sample_finished=lambda s: bar.update(),
+                placement=rollout_config.placement(),
+            )
+            result = rollout.run(groups)
     with open(args.output, "w") as out:
         for g in groups:
             samples = result.samples[g.group_id]

@@ -16,16 +16,20 @@ side.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from seer_engine.core.policies import RolloutPolicy
 from seer_engine.core.request import Group, RolloutSample
-from seer_engine.kv_connector.base import KVConnector, RecomputeConnector
 from seer_engine.outputs import RequestOutput
-from seer_engine.rollout.engine_pool import EngineInstance, EnginePool
+from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceDied, StepReply
+from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -67,6 +71,15 @@ class RolloutMetrics:
     verification_overhead: float = 0.0  # share of computed tokens spent on rejected draft nodes
     instance_busy_s: list[float] = field(default_factory=list)
     instance_idle_s: list[float] = field(default_factory=list)
+    kv_connector: str = "none"
+    backend: str = "inproc"
+    pool_loads: int = 0  # migrations whose context came from the KV pool
+    pool_loaded_tokens: int = 0
+    pool_saved_blocks: int = 0
+    pool_save_s: float = 0.0  # instance time spent saving and loading pool KV
+    pool_load_s: float = 0.0
+    pool_failures: int = 0  # pool calls that failed (those requests recomputed)
+    instance_failures: int = 0  # instances lost mid-rollout (their responses finished elsewhere)
 
 
 @dataclass
@@ -91,7 +104,7 @@ class Rollout:
         policy: RolloutPolicy,
         chunk_tokens: int = 8192,
         on_sample_finished: Callable[[RolloutSample], None] | None = None,
-        kv_connector: KVConnector | None = None,
+        placement: Placement | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -99,11 +112,18 @@ class Rollout:
         self.policy = policy
         self.chunk_tokens = chunk_tokens
         self.on_sample_finished = on_sample_finished
-        self.kv_connector = kv_connector or RecomputeConnector()
+        self.placement = placement or SeerPlacement()
+        self.kv_connector = pool.kv_pool.connector  # this process's handle: frees finished entries
+        self.pooled = self.kv_connector.name != "recompute"
         self.buffer: list[RolloutSample] = []
         self.now = 0.0  # the time of the latest event (the clock of the last instance stepped)
         self.migrations = 0
-        self.migrated_tokens = 0
+        self.migrated_tokens = 0  # context tokens recomputed because a response moved
+        self.pool_loads = 0
+        self.pool_loaded_tokens = 0
+        self.instance_failures = 0
+        self._chunk_start: dict[str, int] = {}  # key -> output tokens when its running chunk began
+        self._group_instances: dict[str, set[int]] = {}  # group -> instances that ran a sibling
         self.dispatch_log: list[tuple[str, int]] = []  # (sample key, instance) in dispatch order
         self._live: dict[str, RolloutSample] = {}  # key -> unfinished sample
         self._live_per_group: dict[str, int] = {}
@@ -127,7 +147,7 @@ class Rollout:
         return [RolloutSample(group, i, sample_seed(group, i), max_tokens) for i in range(group.n)]
 
     def resolve_max_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        room = self.pool.first.max_model_len - len(prompt_token_ids)
+        room = self.pool.max_model_len - len(prompt_token_ids)
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     # -- the online interface -----------------------------------------------------------
@@ -154,11 +174,17 @@ class Rollout:
             self._live_per_group[gid] = self._live_per_group.get(gid, 0) + 1
             self._live[sample.key] = sample
             sample.enqueued_at = self.now
-            if self.policy.pin_groups_up_front:
-                inst = self.pool.instances[sample.group.order % len(self.pool)]
-                self._submit(inst, sample, sample.max_tokens, reserve=False)
-            else:
-                self.buffer.append(sample)
+            self._enqueue(sample)
+
+    def _enqueue(self, sample: RolloutSample) -> None:
+        """Into the buffer (divided policies) or onto the group's instance (baseline)."""
+        if self.policy.pin_groups_up_front:
+            alive = self.pool.alive
+            if not alive:
+                raise RuntimeError("every engine instance of the rollout is gone")
+            self._submit_or_recover(alive[sample.group.order % len(alive)], sample, sample.max_tokens, False)
+        else:
+            self.buffer.append(sample)
 
     def step(self) -> list[RolloutSample]:
         """Dispatch what fits, then step the instance with the earliest clock.
@@ -167,19 +193,25 @@ class Rollout:
         progress when they asked for a stream.
         """
         self._dispatch(self.now)
-        busy = [inst for inst in self.pool if inst.has_work]
-        if not busy:
+        try:
+            stepped = self.pool.advance()
+        except InstanceDied as died:
+            self._recover(self.pool.instances[died.index], str(died))
+            return []
+        if stepped is None:
             if not self.buffer:
                 return []
             raise RuntimeError(
                 f"{len(self.buffer)} responses cannot be dispatched: a chunk needs more KV "
                 "blocks than an instance has (raise the KV budget or lower chunk_tokens)"
             )
-        inst = min(busy, key=lambda i: i.clock)
-        outputs = inst.step()
+        inst, reply = stepped
         self.now = inst.clock
+        self._count_loads(reply)
         updated = []
-        for out in outputs:
+        for out in reply.outputs:
+            if out.request_id not in inst.in_flight:
+                continue  # aborted while this step ran
             sample = self._live[sample_key_of(out.request_id)]
             if out.finished:
                 self._on_chunk_done(inst, out)
@@ -208,8 +240,13 @@ class Rollout:
             if key not in buffered:
                 inst = self.pool.instances[sample.instance]
                 rid = chunk_request_id(sample, running=True)
-                for out in inst.engine.abort_request([rid]):
-                    self._take_chunk(inst, out)
+                try:
+                    for out in inst.abort([rid]):
+                        self._take_chunk(inst, out)
+                except InstanceDied as died:
+                    self._recover(inst, str(died))
+                if rid in inst.in_flight:  # it ended before the abort reached it
+                    inst.reserved_blocks -= inst.in_flight.pop(rid)
             self._finish(sample, "abort", None, record=False)
             aborted.append(sample)
         return aborted
@@ -223,68 +260,120 @@ class Rollout:
         return sample.num_generated + min(self.chunk_tokens, sample.max_tokens - sample.num_generated)
 
     def _blocks_for(self, inst: EngineInstance, sample: RolloutSample) -> int:
-        tokens = len(sample.group.prompt_token_ids) + self._chunk_limit(sample)
-        return inst.engine.kv_manager.blocks_needed(tokens)
+        return inst.blocks_needed(len(sample.group.prompt_token_ids) + self._chunk_limit(sample))
 
     def _dispatch(self, now: float) -> None:
         """Send buffered samples, in policy order, to instances with room for a whole chunk."""
         if not self.buffer:
             return
-        self.buffer.sort(key=lambda s: self.policy.priority(s, now))
-        kept = []
-        for sample in self.buffer:
+        pending, self.buffer = sorted(self.buffer, key=lambda s: self.policy.priority(s, now)), []
+        for sample in pending:
             inst = self._place(sample)
             if inst is None:
-                kept.append(sample)
-                continue
-            self._submit(inst, sample, self._chunk_limit(sample), reserve=True)
-        self.buffer = kept
+                self.buffer.append(sample)
+            else:  # a lost instance puts its samples back into self.buffer
+                self._submit_or_recover(inst, sample, self._chunk_limit(sample), reserve=True)
 
     def _place(self, sample: RolloutSample) -> EngineInstance | None:
-        """The instance that already holds the sample's KV if it has room, else the one
-        with the most free KV. An instance busy in the past of this event is skipped."""
-        fits = []
-        for inst in self.pool:
-            if inst.has_work and inst.clock < sample.enqueued_at:
-                continue
-            if len(inst.in_flight) >= inst.engine.config.max_num_seqs:
-                continue
-            if self._blocks_for(inst, sample) <= inst.free_reservable_blocks:
-                fits.append(inst)
+        """An instance with room for the sample's whole chunk, chosen by the placement
+        policy. An in-process instance busy in the past of this event is skipped."""
+        alive = self.pool.alive
+        fits = [
+            inst
+            for inst in alive
+            if inst.accepts_at(sample.enqueued_at)
+            and len(inst.in_flight) < inst.info.max_num_seqs
+            and self._blocks_for(inst, sample) <= inst.free_reservable_blocks
+        ]
         if not fits:
             return None
-        home = next((i for i in fits if i.index == sample.instance), None)
-        return home or max(fits, key=lambda i: (i.free_reservable_blocks, -i.index))
+        loads = [len(inst.in_flight) for inst in alive]
+        return self.placement.choose(fits, lambda inst: self._prefix_tokens(inst, sample), loads)
+
+    def _prefix_tokens(self, inst: EngineInstance, sample: RolloutSample) -> int:
+        """How much of the sample's context ``inst`` holds in its prefix cache: all of it
+        where its last chunk ran, the prompt where a sibling ran (eviction aside)."""
+        if inst.index == sample.instance:
+            return len(sample.group.prompt_token_ids) + sample.num_generated
+        if inst.index in self._group_instances.get(sample.group.group_id, ()):
+            return len(sample.group.prompt_token_ids)
+        return 0
+
+    def _submit_or_recover(
+        self, inst: EngineInstance, sample: RolloutSample, limit: int, reserve: bool
+    ) -> None:
+        try:
+            self._submit(inst, sample, limit, reserve)
+        except InstanceDied as died:
+            self._recover(inst, str(died))
 
     def _submit(self, inst: EngineInstance, sample: RolloutSample, limit: int, reserve: bool) -> None:
-        if not inst.has_work:
-            inst.clock = max(inst.clock, sample.enqueued_at)  # an idle instance waits for work
+        inst.wait_until(sample.enqueued_at)
         g = sample.group
-        if sample.instance is not None and sample.instance != inst.index:
-            context = g.prompt_token_ids + sample.output_token_ids
-            loaded = self.kv_connector.load(sample.key, inst.engine, context).tokens
+        context = len(g.prompt_token_ids) + sample.num_generated
+        load = False
+        if sample.num_generated and sample.instance != inst.index:  # it moves
             self.migrations += 1
-            self.migrated_tokens += max(0, sample.num_generated - max(0, loaded - len(g.prompt_token_ids)))
+            missing = context - self._prefix_tokens(inst, sample)
+            load = self.pooled and self.placement.should_pull(missing)
+            if not load:
+                self.migrated_tokens += missing
         remaining_min = max(0, (sample.params.min_tokens or 0) - sample.num_generated)
         params = sample.params.clone(
             n=1, seed=sample.seed, max_tokens=limit, min_tokens=min(remaining_min, limit)
         )
         rid = chunk_request_id(sample)
-        inst.engine.add_request(
-            rid,
-            g.prompt_token_ids,
-            params,
-            group_id=g.group_id,
-            stream=sample.stream,
-            prior_output_token_ids=sample.output_token_ids,
-            sequence_id=sample.key,
-        )
         blocks = self._blocks_for(inst, sample) if reserve else 0
         inst.in_flight[rid] = blocks
         inst.reserved_blocks += blocks
         sample.instance = inst.index
         sample.chunks += 1
+        self._chunk_start[sample.key] = sample.num_generated
+        self._group_instances.setdefault(g.group_id, set()).add(inst.index)
         self.dispatch_log.append((sample.key, inst.index))
+        inst.submit(
+            ChunkRequest(
+                rid,
+                g.prompt_token_ids,
+                params,
+                g.group_id,
+                sample.key,
+                list(sample.output_token_ids),
+                stream=sample.stream,
+                load_kv=load,
+                save_kv=self.pooled and limit < sample.max_tokens,
+            )
+        )
+
+    def _count_loads(self, reply: StepReply) -> None:
+        """Pool loads the instance made when it admitted migrated chunks: what the pool
+        did not cover was recomputed."""
+        for _rid, context, result in reply.loads:
+            self.pool_loads += result.loaded_tokens > 0
+            self.pool_loaded_tokens += result.loaded_tokens
+            self.migrated_tokens += max(0, context - result.tokens)
+
+    def _recover(self, inst: EngineInstance, why: str) -> None:
+        """An instance is gone: its running chunks return to the buffer from their last
+        chunk boundary (the pool still holds that KV), to finish on another instance."""
+        inst.alive = False
+        logger.warning("%s; its %d running responses go back to the buffer", why, len(inst.in_flight))
+        self.instance_failures += 1
+        lost = list(inst.in_flight)
+        inst.in_flight.clear()
+        inst.reserved_blocks = 0
+        for gid in self._group_instances.values():
+            gid.discard(inst.index)
+        for rid in lost:
+            sample = self._live.get(sample_key_of(rid))
+            if sample is None:
+                continue
+            start = self._chunk_start.get(sample.key, sample.num_generated)
+            del sample.output_token_ids[start:]  # streamed progress of the lost chunk
+            sample.chunk_logprobs = []
+            sample.instance = None
+            sample.enqueued_at = self.now
+            self._enqueue(sample)
 
     def _take_chunk(self, inst: EngineInstance, out: RequestOutput) -> RolloutSample:
         """Record a chunk's final output on its sample and release its reservation."""
@@ -303,25 +392,25 @@ class Rollout:
         """A chunk ended: the response goes back to the buffer or is finished."""
         sample = self._take_chunk(inst, out)
         result = out.outputs[0]
-        engine = inst.engine
-        at_context_limit = len(sample.group.prompt_token_ids) + sample.num_generated >= engine.max_model_len
+        at_context_limit = (
+            len(sample.group.prompt_token_ids) + sample.num_generated >= inst.info.max_model_len
+        )
         chunk_end = (
             result.finish_reason == "length"
             and sample.num_generated < sample.max_tokens
             and not at_context_limit
         )
-        if chunk_end:
+        if chunk_end:  # the instance saved its KV to the pool, if there is one
             sample.enqueued_at = self.now
-            self.kv_connector.save(
-                sample.key, engine, sample.group.prompt_token_ids + sample.output_token_ids
-            )
             self.buffer.append(sample)
             return
         self._finish(sample, result.finish_reason, result.stop_reason, record=True)
 
     def _finish(self, sample: RolloutSample, reason: str | None, stop_reason, record: bool) -> None:
         """``record``: the length is real (not cut by an abort), so the Context Manager learns it."""
-        self.kv_connector.free(sample.key)
+        if self.pooled:
+            self.kv_connector.free(sample.key)
+        self._chunk_start.pop(sample.key, None)
         sample.finish_reason = reason
         sample.stop_reason = stop_reason
         sample.finished_at = self.now
@@ -358,11 +447,12 @@ class Rollout:
         makespan = finish[-1] if finish else 0.0
         p90 = finish[max(0, math.ceil(0.9 * len(finish)) - 1)] if finish else 0.0
         tokens = sum(s.num_generated for s in flat)
-        stats = [inst.engine.scheduler.stats for inst in self.pool]
+        stats = [inst.stats for inst in self.pool]
         busy = [inst.busy_s for inst in self.pool]
         rows = sum(st.sampled_rows for st in stats)
         accepted = sum(st.draft_tokens_accepted for st in stats)
-        drafters = [inst.engine.drafter for inst in self.pool if inst.engine.drafter is not None]
+        drafters = [inst.drafter_stats for inst in self.pool if inst.drafter_stats is not None]
+        pools = [inst.connector_stats for inst in self.pool]
         return RolloutMetrics(
             policy=self.policy.name,
             output_tokens=tokens,
@@ -378,10 +468,19 @@ class Rollout:
             accepted_tokens_per_step_thirds=_per_third(self.pool, makespan),
             draft_tokens_verified=sum(st.draft_tokens_scheduled for st in stats),
             draft_tokens_accepted=accepted,
-            drafter_s=sum(d.stats.observe_s + d.stats.propose_s for d in drafters),
+            drafter_s=sum(d.observe_s + d.propose_s for d in drafters),
             verification_overhead=_rejected_share(stats),
             instance_busy_s=busy,
             instance_idle_s=[max(0.0, makespan - b) for b in busy],
+            kv_connector=self.kv_connector.name if self.pooled else "none",
+            backend=self.pool.backend,
+            pool_loads=self.pool_loads,
+            pool_loaded_tokens=self.pool_loaded_tokens,
+            pool_saved_blocks=sum(p.saved_blocks for p in pools),
+            pool_save_s=sum(p.save_s for p in pools),
+            pool_load_s=sum(p.load_s for p in pools),
+            pool_failures=sum(p.failures for p in pools) + self.kv_connector.stats.failures,
+            instance_failures=self.instance_failures,
         )
 
 

@@ -28,7 +28,6 @@ from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.llm_engine import EngineSnapshot, child_seed
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.rollout.config import RolloutConfig
-from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -71,13 +70,14 @@ def _completion(index: int, sample: RolloutSample) -> CompletionOutput:
 class RolloutEngine:
     def __init__(self, config: EngineConfig, rollout: RolloutConfig) -> None:
         policy = make_rollout_policy(rollout.policy, starvation_s=rollout.starvation_s)
-        self.pool = EnginePool.for_policy(config, policy, rollout.instances)
-        self.config = self.pool.first.config
-        self.rollout = Rollout(self.pool, policy, rollout.chunk_tokens)
-        first = self.pool.first
-        self.max_model_len = first.max_model_len
-        self.vocab_size = first.vocab_size
-        self.detokenizer: Detokenizer = first.detokenizer
+        self.pool = rollout.make_pool(config, policy)
+        self.config = self.pool.config
+        self.rollout = Rollout(self.pool, policy, rollout.chunk_tokens, placement=rollout.placement())
+        front = self.pool.front
+        self.max_model_len = front.max_model_len
+        self.vocab_size = front.vocab_size
+        self.detokenizer: Detokenizer = front.detokenizer
+        self._sleeping = False
         self._requests: dict[str, _UserRequest] = {}
         self._owner: dict[str, _UserRequest] = {}  # sample key -> its user request
         self._groups: dict[tuple, Group] = {}  # live groups by prompt (or by the caller's group_id)
@@ -88,7 +88,7 @@ class RolloutEngine:
     # -- requests ------------------------------------------------------------------------
 
     def validate_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        return self.pool.first.validate_request(prompt, params)
+        return self.pool.front.validate_request(prompt, params)
 
     def add_request(
         self,
@@ -103,7 +103,7 @@ class RolloutEngine:
         rollout policy's business here, so it is not used)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, ids, _, max_tokens = self.pool.first.check_request(prompt, params)
+        text, ids, _, max_tokens = self.pool.front.check_request(prompt, params)
         group = self._group_for(ids, text, params, group_id)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         samples = [
@@ -191,7 +191,7 @@ class RolloutEngine:
 
     @property
     def is_sleeping(self) -> bool:
-        return self.pool.first.is_sleeping
+        return self._sleeping
 
     def sleep(self) -> None:
         if self.has_unfinished_requests():
@@ -199,25 +199,27 @@ class RolloutEngine:
                 f"cannot sleep with {self.num_unfinished_requests} requests in flight; abort them "
                 "or wait for them to finish first"
             )
-        for inst in self.pool:
-            inst.engine.sleep()
+        self.pool.call_all("sleep")
+        self._sleeping = True
 
     def wake_up(self) -> None:
-        for inst in self.pool:
-            inst.engine.wake_up()
+        self.pool.call_all("wake_up")
+        self._sleeping = False
 
     def update_weights(self, path: str | Path) -> None:
-        for inst in self.pool:
-            inst.engine.update_weights(path)
+        self.pool.call_all("update_weights", str(path))
 
     def reset_prefix_cache(self) -> None:
-        for inst in self.pool:
-            inst.engine.reset_prefix_cache()
+        self.pool.call_all("reset_prefix_cache")
+
+    def close(self) -> None:
+        """Stop the instances (processes) and release the KV pool."""
+        self.pool.close()
 
     def snapshot(self) -> EngineSnapshot:
         """The sum over instances; responses waiting in the Request Buffer count as waiting."""
         total = EngineSnapshot()
-        for inst in self.pool:
-            total = total + inst.engine.snapshot()
+        for snap in self.pool.call_all("snapshot"):
+            total = total + snap
         total.waiting += len(self.rollout.buffer)
         return total

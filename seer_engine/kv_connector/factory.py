@@ -1,0 +1,120 @@
+"""``--kv-connector``: the KV pool a rollout's instances share, and handles on it.
+
+A ``KVPool`` is made once, by the process that runs the Request Buffer: it owns the
+pool (the shared-memory segment, or a Mooncake master it started) and a connector of
+its own (to free entries when responses finish). Instances in other processes open
+their own connector from ``spec``, a small picklable description.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from seer_engine.kv_connector.base import KVConnector, PooledConnector, RecomputeConnector
+
+KV_CONNECTORS = ("none", "local", "mooncake")
+DEFAULT_LOCAL_POOL_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class RecomputeSpec:
+    def open(self) -> KVConnector:
+        return RecomputeConnector()
+
+
+@dataclass(frozen=True)
+class PooledSpec:
+    """Opens a ``PooledConnector`` on the store ``store_type.open(store_spec)`` (a
+    BlockStore client in the calling process)."""
+
+    store_type: type
+    store_spec: Any
+    block_size: int
+    namespace: str
+
+    def open(self) -> KVConnector:
+        return PooledConnector(self.store_type.open(self.store_spec), self.block_size, self.namespace)
+
+
+@dataclass
+class KVPool:
+    connector: KVConnector  # this process's handle
+    spec: Any  # ``spec.open()`` makes a handle in another process
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+    _closed: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.connector.name
+
+    @classmethod
+    def recompute(cls) -> KVPool:
+        return cls(RecomputeConnector(), RecomputeSpec())
+
+    def close(self) -> None:
+        """Drop this process's handle and what it owns (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        closers, self._closers = self._closers, []
+        self.connector.close()
+        for close in reversed(closers):
+            close()
+
+
+def make_kv_pool(
+    kind: str,
+    block_size: int,
+    block_bytes: int,
+    *,
+    mooncake_master: str | None = None,
+    capacity_gib: float = DEFAULT_LOCAL_POOL_GIB,
+    namespace: str = "seer",
+) -> KVPool:
+    """A new pool of ``kind`` for blocks of ``block_size`` tokens (``block_bytes`` each)."""
+    if kind == "none":
+        return KVPool.recompute()
+    if capacity_gib <= 0:
+        raise ValueError(f"--kv-pool-gib must be > 0, got {capacity_gib}")
+    capacity = int(capacity_gib * 2**30)
+    if kind == "local":
+        from seer_engine.kv_connector.local import LocalStore
+
+        store = LocalStore.create(capacity, block_bytes)
+        spec = PooledSpec(type(store), store.spec, block_size, namespace)
+        return KVPool(PooledConnector(store, block_size, namespace), spec)
+    if kind == "mooncake":
+        from seer_engine.kv_connector.mooncake import MooncakeMaster, MooncakeStore
+
+        closers: list[Callable[[], None]] = []
+        if mooncake_master is None:
+            master = MooncakeMaster()
+            closers.append(master.stop)
+            address, metadata = master.address, master.metadata_server
+        else:
+            address, metadata = mooncake_master, None
+        try:
+            store = MooncakeStore(address, metadata_server=metadata, global_segment_size=capacity)
+        except BaseException:
+            for close in closers:
+                close()
+            raise
+        spec = PooledSpec(type(store), store.spec, block_size, namespace)
+        return KVPool(PooledConnector(store, block_size, namespace), spec, closers)
+    raise ValueError(f"--kv-connector must be one of {list(KV_CONNECTORS)}, got {kind!r}")
+
+
+def kv_pool_for(kind: str, config, **kwargs: Any) -> KVPool:
+    """``make_kv_pool`` sized for the blocks of ``config``'s model (an EngineConfig)."""
+    if kind == "none":
+        return KVPool.recompute()
+    from seer_engine.engine.llm_engine import resolve_model_path
+    from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
+    from seer_engine.model_executor.model_runner import kv_cache_bytes_per_block
+
+    model_config = ModelConfig.from_pretrained(resolve_model_path(config.model))
+    dtype = model_config.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
+    block_bytes = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
+    return make_kv_pool(kind, config.block_size, block_bytes, **kwargs)

@@ -1,0 +1,210 @@
+"""An engine instance in a process of its own (``--distributed-backend mp``).
+
+The worker process runs an ``InstanceWorker`` and answers messages in order: submit,
+abort, step, call. The Request Buffer never waits on a step: it sends ``step`` to
+every busy instance and takes whichever reply comes first, so instances compute in
+parallel. A call that needs an answer (abort, a serving primitive) reads the replies
+queued before it and keeps any step reply among them for the next poll. A process
+that dies surfaces as ``InstanceDied`` on the next message, and its chunks go back to
+the Request Buffer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections import deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.outputs import RequestOutput
+from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceDied, InstanceWorker, StepReply
+
+READY_TIMEOUT_S = 600.0  # loading a large model may take minutes
+
+
+def worker_threads(num_instances: int) -> int:
+    """Torch threads per instance process: the cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // num_instances)
+
+
+def build_worker(index: int, config: EngineConfig, token_source, kv_spec, replica_spec) -> InstanceWorker:
+    """The engine side of an instance, built inside its process (or Ray actor)."""
+    from seer_engine.engine.llm_engine import LLMEngine
+
+    replica = replica_spec.open() if replica_spec is not None else None
+    engine = LLMEngine(config, proposer=replica)
+    engine.token_source = token_source
+    return InstanceWorker(engine, kv_spec.open(), replica)
+
+
+def _worker_main(
+    conn: Connection, index: int, config: EngineConfig, token_source, kv_spec, replica_spec
+) -> None:
+    try:
+        if config.num_threads:
+            import torch
+
+            torch.set_num_threads(config.num_threads)
+        worker = build_worker(index, config, token_source, kv_spec, replica_spec)
+        conn.send(("ready", worker.info))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                op, args = conn.recv()
+            except EOFError:  # the rollout's process is gone
+                break
+            if op == "close":
+                conn.send(("ok", None))
+                break
+            try:
+                conn.send(("ok", getattr(worker, op)(*args)))
+            except Exception as e:
+                conn.send(("error", (_portable(e), traceback.format_exc())))
+    finally:
+        worker.connector.close()
+
+
+def _portable(error: Exception) -> Exception | None:
+    """The exception itself if it survives pickling (the caller re-raises it), else None."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return None
+    return error
+
+
+class ProcessInstance(EngineInstance):
+    backend = "mp"
+
+    def __init__(
+        self, index: int, config: EngineConfig, token_source=None, kv_spec=None, replica_spec=None
+    ) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_worker_main,
+            args=(child, index, config, token_source, kv_spec, replica_spec),
+            name=f"seer-instance-{index}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self._pending: deque[str] = deque()  # ops sent whose replies are not read yet
+        self._replies: deque[StepReply] = deque()
+        self.stepping = False
+        self._index = index
+
+    def wait_ready(self) -> None:
+        """Block until the worker has built its engine (raises with its traceback if not)."""
+        if not self._conn.poll(READY_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"engine instance {self._index} did not start in {READY_TIMEOUT_S:.0f} s")
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(
+                f"engine instance {self._index} exited while starting (exit code {self.process.exitcode})"
+            ) from None
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"engine instance {self._index} failed to start:\n{value}")
+        super().__init__(self._index, value)
+
+    # -- messages ----------------------------------------------------------------------
+
+    def _died(self, why: str) -> InstanceDied:
+        self.alive = False
+        self.stepping = False
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        return InstanceDied(self.index, f"{why} (exit code {code})")
+
+    def _send(self, op: str, *args: Any) -> None:
+        if not self.alive:
+            raise InstanceDied(self.index, "already gone")
+        try:
+            self._conn.send((op, args))
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            raise self._died(f"sending {op}: {e}") from None
+        self._pending.append(op)
+
+    def _read_one(self) -> tuple[str, Any]:
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, ConnectionResetError, OSError):
+            raise self._died("its process exited") from None
+        op = self._pending.popleft()
+        if status == "error":
+            error, trace = value
+            if op == "call" and isinstance(error, (ValueError, OSError)):
+                raise error  # a refused serving call (a bad checkpoint path): the caller's error
+            raise RuntimeError(f"engine instance {self.index} failed in {op}:\n{trace}")
+        if op == "step":
+            self.stepping = False
+            self._replies.append(value)
+        return op, value
+
+    def _answer(self, op: str) -> Any:
+        """Read replies up to ``op``'s (the last one sent)."""
+        while True:
+            got, value = self._read_one()
+            if got == op and not self._pending:
+                return value
+
+    def submit(self, chunk: ChunkRequest) -> None:
+        self._send("submit", chunk)  # its reply is read (and dropped) with the next ones
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        self._send("abort", request_ids)
+        return self._answer("abort")
+
+    def call(self, method: str, *args: Any) -> Any:
+        self._send("call", method, *args)
+        return self._answer("call")
+
+    def start_step(self, draft_updates: list | None = None, finished_groups: list[str] | None = None) -> None:
+        if not self.stepping:
+            self._send("step", draft_updates, finished_groups)
+            self.stepping = True
+
+    def poll_reply(self) -> StepReply | None:
+        """A step reply if one has arrived (never blocks)."""
+        while not self._replies and self._pending:
+            try:
+                ready = self._conn.poll()
+            except (EOFError, OSError):
+                raise self._died("its pipe broke") from None
+            if not ready:
+                if not self.process.is_alive():
+                    raise self._died("its process exited")
+                break
+            self._read_one()
+        return self._replies.popleft() if self._replies else None
+
+    @staticmethod
+    def wait_any(instances: Sequence[ProcessInstance], timeout: float) -> None:
+        wait([i._conn for i in instances], timeout=timeout)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(("close", ()))
+                self.process.join(timeout=10.0)
+            except (BrokenPipeError, OSError):
+                pass
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5.0)
+        if self.process.is_alive():
+            self.process.kill()
+        self.alive = False
+        self._conn.close()

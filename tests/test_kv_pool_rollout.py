@@ -1,0 +1,105 @@
+"""The global KV pool in a rollout: responses that move between instances load their
+context instead of recomputing it, outputs do not change, pool entries are gone at
+the end, and a lost instance process costs nothing but time."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine.core.policies import make_rollout_policy
+from seer_engine.core.request import Group
+from seer_engine.engine.config import EngineConfig
+from seer_engine.kv_connector.factory import kv_pool_for
+from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.placement import SeerPlacement
+from seer_engine.rollout.rollout import Rollout
+from seer_engine.sampling_params import SamplingParams
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3")
+
+
+def _groups() -> list[Group]:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [[(3 * i + j) % 30 + 2 for i in range(20 + 9 * j)] for j in range(3)]
+    return [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
+
+
+def _config(model, kv_blocks: int) -> EngineConfig:
+    # A tight KV budget: a response's last instance is often full when its next chunk
+    # is due, so responses move.
+    return EngineConfig(model=str(model), num_kv_blocks=kv_blocks, max_num_seqs=3, block_size=BLOCK)
+
+
+def _outputs(result) -> dict[str, list[list[int]]]:
+    return {gid: [s.output_token_ids for s in samples] for gid, samples in result.samples.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    with EnginePool(_config(model, 64), 1) as pool:
+        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=10_000).run(_groups())
+    return _outputs(result)
+
+
+def _pooled_rollout(model, backend: str, kv: str = "local", kv_blocks: int = 10):
+    cfg = _config(model, kv_blocks)
+    pool = EnginePool(cfg, 2, backend=backend, kv_pool=kv_pool_for(kv, cfg, capacity_gib=0.05))
+    placement = SeerPlacement(spread_threshold=32, pull_threshold_tokens=0)
+    return pool, Rollout(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement)
+
+
+@pytest.mark.parametrize("backend", ["inproc", "mp"])
+def test_migration_through_the_local_pool_keeps_outputs_and_skips_prefill(model, reference, backend):
+    pool, rollout = _pooled_rollout(model, backend)
+    with pool:
+        result = rollout.run(_groups())
+        store = pool.kv_pool.connector.store
+        assert store.used_slots == 0, "every pool entry is freed when its response finishes"
+    m = result.metrics
+    assert _outputs(result) == reference
+    assert m.migrations > 0 and m.pool_loads > 0 and m.pool_failures == 0
+    # A restore computes at most the context's last partial block, never its prefix.
+    assert m.recomputed_tokens < m.migrations * BLOCK
+    assert m.pool_saved_blocks > 0 and m.kv_connector == "local" and m.backend == backend
+
+
+def test_without_a_pool_moves_recompute(model, reference):
+    pool, rollout = _pooled_rollout(model, "inproc", kv="none")
+    with pool:
+        result = rollout.run(_groups())
+    m = result.metrics
+    assert _outputs(result) == reference
+    assert m.migrations > 0 and m.pool_loads == 0
+    assert m.recomputed_tokens >= m.migrations * 8, "each move recomputes at least a chunk of output"
+
+
+def test_a_dead_instance_process_requeues_its_responses(model, reference):
+    pool, rollout = _pooled_rollout(model, "mp", kv_blocks=64)
+    with pool:
+        groups = _groups()
+        for order, group in enumerate(groups):
+            group.order = order
+        samples = {g.group_id: rollout.new_samples(g) for g in groups}
+        for g in groups:
+            rollout.add_samples(samples[g.group_id])
+        victim = pool.instances[1]
+        # Run until the victim holds responses past their first chunk (their last
+        # boundary is in the pool), then kill its process.
+        while not any(
+            s.instance == 1 and s.chunks >= 2 and s.num_generated for v in samples.values() for s in v
+        ):
+            rollout.step()
+        victim.process.kill()
+        while rollout.has_work:
+            rollout.step()
+        outputs = {gid: [s.output_token_ids for s in v] for gid, v in samples.items()}
+        assert all(s.finished for v in samples.values() for s in v)
+        assert not victim.alive and rollout.instance_failures == 1
+        assert rollout.pool_loads > 0, "responses of the dead instance resumed from the pool"
+        assert pool.kv_pool.connector.store.used_slots == 0
+    assert outputs == reference
