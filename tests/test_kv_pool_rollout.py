@@ -103,3 +103,18 @@ def test_a_dead_instance_process_requeues_its_responses(model, reference):
         assert rollout.pool_loads > 0, "responses of the dead instance resumed from the pool"
         assert pool.kv_pool.connector.store.used_slots == 0
     assert outputs == reference
+
+
+def test_draft_server_keeps_instance_processes_drafting_from_siblings(model, reference):
+    """Group suffix trees replicated in each instance process, kept in sync by the
+    draft server: siblings on other instances feed the drafts, outputs do not change."""
+    spec = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
+    cfg = EngineConfig(
+        model=str(model), num_kv_blocks=64, max_num_seqs=3, block_size=BLOCK, speculative_config=spec
+    )
+    with EnginePool(cfg, 2, backend="mp") as pool:
+        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8).run(_groups())
+        served = pool.draft_server.stats.served_tokens
+        assert pool.draft_server.num_groups == 0, "finished groups leave the draft server"
+    assert _outputs(result) == reference
+    assert served > 0 and result.metrics.draft_tokens_accepted > 0
