@@ -103,6 +103,9 @@ class EnginePool:
             config = dataclasses.replace(config, num_threads=config.num_threads or worker_threads(n))
         else:
             from seer_engine.rollout.ray_instance import RayInstance as Remote
+            from seer_engine.rollout.ray_instance import actor_threads
+
+            config = dataclasses.replace(config, num_threads=config.num_threads or actor_threads(n))
         for i in range(n):
             self.instances.append(Remote(i, config, token_source, self.kv_pool.spec, replica))
         for inst in self.instances:
