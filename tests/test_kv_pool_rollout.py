@@ -49,23 +49,25 @@ def reference(model):
 def _pooled_rollout(model, backend: str, kv: str = "local", kv_blocks: int = 10):
     cfg = _config(model, kv_blocks)
     pool = EnginePool(cfg, 2, backend=backend, kv_pool=kv_pool_for(kv, cfg, capacity_gib=0.05))
+    # (mooncake: a master on 127.0.0.1 started here, stopped when the pool closes)
     placement = SeerPlacement(spread_threshold=32, pull_threshold_tokens=0)
     return pool, Rollout(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement)
 
 
-@pytest.mark.parametrize("backend", ["inproc", "mp"])
-def test_migration_through_the_local_pool_keeps_outputs_and_skips_prefill(model, reference, backend):
-    pool, rollout = _pooled_rollout(model, backend)
+@pytest.mark.parametrize("backend,kv", [("inproc", "local"), ("mp", "local"), ("mp", "mooncake")])
+def test_migration_through_the_pool_keeps_outputs_and_skips_prefill(model, reference, backend, kv):
+    pool, rollout = _pooled_rollout(model, backend, kv)
     with pool:
         result = rollout.run(_groups())
-        store = pool.kv_pool.connector.store
-        assert store.used_slots == 0, "every pool entry is freed when its response finishes"
+        connector = pool.kv_pool.connector
+        left = [connector.lookup(f"g{j}/{i}", [0] * 512) for j in range(3) for i in range(4)]
+        assert left == [0] * 12, "every pool entry is freed when its response finishes"
     m = result.metrics
     assert _outputs(result) == reference
     assert m.migrations > 0 and m.pool_loads > 0 and m.pool_failures == 0
     # A restore computes at most the context's last partial block, never its prefix.
     assert m.recomputed_tokens < m.migrations * BLOCK
-    assert m.pool_saved_blocks > 0 and m.kv_connector == "local" and m.backend == backend
+    assert m.pool_saved_blocks > 0 and m.kv_connector == kv and m.backend == backend
 
 
 def test_without_a_pool_moves_recompute(model, reference):
@@ -118,3 +120,25 @@ def test_draft_server_keeps_instance_processes_drafting_from_siblings(model, ref
         assert pool.draft_server.num_groups == 0, "finished groups leave the draft server"
     assert _outputs(result) == reference
     assert served > 0 and result.metrics.draft_tokens_accepted > 0
+
+
+def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
+    """Kill the master mid-rollout: pool calls fail fast, moved responses recompute,
+    the outputs stay the same."""
+    pool, rollout = _pooled_rollout(model, "inproc", kv="mooncake")
+    with pool:
+        groups = _groups()
+        for order, group in enumerate(groups):
+            group.order = order
+        samples = {g.group_id: rollout.new_samples(g) for g in groups}
+        for g in groups:
+            rollout.add_samples(samples[g.group_id])
+        while rollout.pool_loads == 0 and rollout.has_work:
+            rollout.step()
+        assert rollout.pool_loads > 0 and rollout.has_work, "a move loaded from the pool before the kill"
+        pool.kv_pool.master.stop()
+        while rollout.has_work:
+            rollout.step()
+        m = rollout._metrics(samples)
+    assert {gid: [s.output_token_ids for s in v] for gid, v in samples.items()} == reference
+    assert m.pool_failures > 0 and m.migrations > m.pool_loads

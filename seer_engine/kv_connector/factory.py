@@ -43,6 +43,7 @@ class KVPool:
     connector: KVConnector  # this process's handle
     spec: Any  # ``spec.open()`` makes a handle in another process
     _closers: list[Callable[[], None]] = field(default_factory=list)
+    master: Any = None  # the MooncakeMaster this pool started, if any
     _closed: bool = False
 
     @property
@@ -102,7 +103,8 @@ def make_kv_pool(
                 close()
             raise
         spec = PooledSpec(type(store), store.spec, block_size, namespace)
-        return KVPool(PooledConnector(store, block_size, namespace), spec, closers)
+        owned = master if mooncake_master is None else None
+        return KVPool(PooledConnector(store, block_size, namespace), spec, closers, owned)
     raise ValueError(f"--kv-connector must be one of {list(KV_CONNECTORS)}, got {kind!r}")
 
 
