@@ -25,7 +25,16 @@ REPORT_KEYS = (
 
 
 def policy_summary(result: RolloutResult) -> dict:
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(result.metrics).items()}
+    summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(result.metrics).items()}
+    summary["pool_time_share_per_instance"] = round(pool_time_share(result.metrics), 6)
+    return summary
+
+
+def pool_time_share(m) -> float:
+    """Instance time spent saving and loading pool KV, per instance, as a share of the
+    makespan (Seer reports migration under 0.1% of rollout time per instance)."""
+    instances = max(1, len(m.instance_busy_s))
+    return (m.pool_save_s + m.pool_load_s) / instances / m.makespan_s if m.makespan_s else 0.0
 
 
 def format_table(results: dict[str, RolloutResult]) -> str:
@@ -37,6 +46,8 @@ def format_table(results: dict[str, RolloutResult]) -> str:
         "preempt",
         "recomputed",
         "migrations",
+        "pool_loads",
+        "pool_time",
         "steps",
         "idle",
         "acc/step",
@@ -48,7 +59,8 @@ def format_table(results: dict[str, RolloutResult]) -> str:
         m = r.metrics
         thirds = "/".join(f"{x:.2f}" for x in m.accepted_tokens_per_step_thirds)
         row = (name, f"{m.throughput_tokens_per_s:.1f}", f"{m.makespan_s:.2f}", f"{m.tail_s:.2f}",
-               m.preemptions, m.recomputed_tokens, m.migrations, m.steps,
+               m.preemptions, m.recomputed_tokens, m.migrations, m.pool_loads,
+               f"{pool_time_share(m):.2%}", m.steps,
                f"{m.idle_fraction:.1%}", f"{m.accepted_tokens_per_step:.2f}", thirds)  # fmt: skip
         lines.append("  ".join(f"{str(v):>{width}}" for v in row))
     return "\n".join(lines)
