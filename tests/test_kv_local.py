@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pool_workload import greedy
 
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
@@ -281,16 +282,6 @@ def _engine_saves(model: str, spec, prompt: list[int]) -> tuple[list[int], int]:
     return first, saved
 
 
-def _greedy(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int, prior: list[int]) -> list[int]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request(rid, prompt, params, prior_output_token_ids=prior)
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = list(out.outputs[0].token_ids)
-    return tokens
-
-
 def test_response_moves_between_engine_processes(tiny_model, worker):
     path = str(tiny_model())
     cfg = EngineConfig(model=path, num_kv_blocks=64)
@@ -300,7 +291,7 @@ def test_response_moves_between_engine_processes(tiny_model, worker):
     try:
         prompt = [(7 * i + 3) % 500 + 5 for i in range(30)]
         fut = worker.submit(_engine_saves, path, conn.store.spec, prompt)
-        reference = _greedy(LLMEngine(cfg), "ref", prompt, 40, [])  # while A works
+        reference = greedy(LLMEngine(cfg), "ref", prompt, 40, [])  # while A works
         first, saved = fut.result(timeout=240)
         context = prompt + first
         assert first == reference[:20]
@@ -310,7 +301,7 @@ def test_response_moves_between_engine_processes(tiny_model, worker):
         r = conn.load("s", b, context)
         assert (r.tokens, r.loaded_tokens, r.error) == (48, 48, None)
         before = b.scheduler.stats.scheduled_tokens
-        assert _greedy(b, "r2", prompt, 40, first) == reference
+        assert greedy(b, "r2", prompt, 40, first) == reference
         computed = b.scheduler.stats.scheduled_tokens - before
         assert computed == len(context) - r.tokens + (40 - 20 - 1)  # 2 context tokens, then decode
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pool_workload import greedy
 
 if importlib.util.find_spec("mooncake") is None:
     pytest.skip("the Mooncake wheel is not installed (pip install '.[mooncake]')", allow_module_level=True)
@@ -35,7 +36,6 @@ from seer_engine.kv_connector.mooncake import (  # noqa: E402
     _free_port,
     make_mooncake_connector,
 )
-from seer_engine.sampling_params import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SPAWN = multiprocessing.get_context("spawn")
@@ -316,16 +316,6 @@ def test_connector_on_a_given_master_mounts_its_memory(master):
 # -- two engines -----------------------------------------------------------------------
 
 
-def _greedy(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int, prior: list[int]) -> list[int]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request(rid, prompt, params, prior_output_token_ids=prior)
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = list(out.outputs[0].token_ids)
-    return tokens
-
-
 def test_response_moves_between_engines_then_the_master_dies(tiny_model):
     cfg = EngineConfig(model=str(tiny_model()), num_kv_blocks=64)
     a, b = LLMEngine(cfg), LLMEngine(cfg)
@@ -334,8 +324,8 @@ def test_response_moves_between_engines_then_the_master_dies(tiny_model):
     assert owned is not None and owned.holder_pid is not None
     try:
         prompt = [(7 * i + 3) % 500 + 5 for i in range(30)]
-        reference = _greedy(LLMEngine(cfg), "ref", prompt, 40, [])
-        first = _greedy(a, "r1", prompt, 20, [])
+        reference = greedy(LLMEngine(cfg), "ref", prompt, 40, [])
+        first = greedy(a, "r1", prompt, 20, [])
         context = prompt + first
         assert first == reference[:20]
         assert conn.save("s", a, context) == len(context) // bs * bs == 48
@@ -344,7 +334,7 @@ def test_response_moves_between_engines_then_the_master_dies(tiny_model):
         r = conn.load("s", b, context)
         assert (r.tokens, r.loaded_tokens, r.error) == (48, 48, None)
         before = b.scheduler.stats.scheduled_tokens
-        assert _greedy(b, "r2", prompt, 40, first) == reference
+        assert greedy(b, "r2", prompt, 40, first) == reference
         computed = b.scheduler.stats.scheduled_tokens - before
         assert computed < bs + (40 - 20)
         assert computed == len(context) - r.tokens + (40 - 20 - 1)  # 2 context tokens, then decode

@@ -5,17 +5,13 @@ the end, and a lost instance process costs nothing but time."""
 from __future__ import annotations
 
 import pytest
+from pool_workload import BLOCK, outputs_of, pool_config, pool_groups, reference_outputs
 
 from seer_engine.core.policies import make_rollout_policy
-from seer_engine.core.request import Group
-from seer_engine.engine.config import EngineConfig
 from seer_engine.kv_connector.factory import kv_pool_for
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.rollout import Rollout
-from seer_engine.sampling_params import SamplingParams
-
-BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -23,31 +19,13 @@ def model(tiny_model):
     return tiny_model("qwen3")
 
 
-def _groups() -> list[Group]:
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = [[(3 * i + j) % 30 + 2 for i in range(20 + 9 * j)] for j in range(3)]
-    return [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
-
-
-def _config(model, kv_blocks: int) -> EngineConfig:
-    # A tight KV budget: a response's last instance is often full when its next chunk
-    # is due, so responses move.
-    return EngineConfig(model=str(model), num_kv_blocks=kv_blocks, max_num_seqs=3, block_size=BLOCK)
-
-
-def _outputs(result) -> dict[str, list[list[int]]]:
-    return {gid: [s.output_token_ids for s in samples] for gid, samples in result.samples.items()}
-
-
 @pytest.fixture(scope="module")
 def reference(model):
-    with EnginePool(_config(model, 64), 1) as pool:
-        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=10_000).run(_groups())
-    return _outputs(result)
+    return reference_outputs(model)
 
 
 def _pooled_rollout(model, backend: str, kv: str = "local", kv_blocks: int = 10):
-    cfg = _config(model, kv_blocks)
+    cfg = pool_config(model, kv_blocks)
     pool = EnginePool(cfg, 2, backend=backend, kv_pool=kv_pool_for(kv, cfg, capacity_gib=0.05))
     # (mooncake: a master on 127.0.0.1 started here, stopped when the pool closes)
     placement = SeerPlacement(spread_threshold=32, pull_threshold_tokens=0)
@@ -58,13 +36,13 @@ def _pooled_rollout(model, backend: str, kv: str = "local", kv_blocks: int = 10)
 def test_migration_through_the_pool_keeps_outputs_and_skips_prefill(model, reference, backend, kv):
     pool, rollout = _pooled_rollout(model, backend, kv)
     with pool:
-        result = rollout.run(_groups())
+        result = rollout.run(pool_groups())
         connector = pool.kv_pool.connector
         left = [connector.lookup(f"g{j}/{i}", [0] * 512) for j in range(3) for i in range(4)]
         assert left == [0] * 12, "every pool entry is freed when its response finishes"
     m = result.metrics
-    assert _outputs(result) == reference
-    assert m.migrations > 0 and m.pool_loads > 0 and m.pool_failures == 0
+    assert outputs_of(result.samples) == reference
+    assert m.migrations > 0 and m.pool_loads > 0 and m.pool_failures == 0, m
     # A restore computes at most the context's last partial block, never its prefix.
     assert m.recomputed_tokens < m.migrations * BLOCK
     assert m.pool_saved_blocks > 0 and m.kv_connector == kv and m.backend == backend
@@ -73,9 +51,9 @@ def test_migration_through_the_pool_keeps_outputs_and_skips_prefill(model, refer
 def test_without_a_pool_moves_recompute(model, reference):
     pool, rollout = _pooled_rollout(model, "inproc", kv="none")
     with pool:
-        result = rollout.run(_groups())
+        result = rollout.run(pool_groups())
     m = result.metrics
-    assert _outputs(result) == reference
+    assert outputs_of(result.samples) == reference
     assert m.migrations > 0 and m.pool_loads == 0
     assert m.recomputed_tokens >= m.migrations * 8, "each move recomputes at least a chunk of output"
 
@@ -83,7 +61,7 @@ def test_without_a_pool_moves_recompute(model, reference):
 def test_a_dead_instance_process_requeues_its_responses(model, reference):
     pool, rollout = _pooled_rollout(model, "mp", kv_blocks=64)
     with pool:
-        groups = _groups()
+        groups = pool_groups()
         for order, group in enumerate(groups):
             group.order = order
         samples = {g.group_id: rollout.new_samples(g) for g in groups}
@@ -99,7 +77,7 @@ def test_a_dead_instance_process_requeues_its_responses(model, reference):
         victim.process.kill()
         while rollout.has_work:
             rollout.step()
-        outputs = {gid: [s.output_token_ids for s in v] for gid, v in samples.items()}
+        outputs = outputs_of(samples)
         assert all(s.finished for v in samples.values() for s in v)
         assert not victim.alive and rollout.instance_failures == 1
         assert rollout.pool_loads > 0, "responses of the dead instance resumed from the pool"
@@ -111,14 +89,12 @@ def test_draft_server_keeps_instance_processes_drafting_from_siblings(model, ref
     """Group suffix trees replicated in each instance process, kept in sync by the
     draft server: siblings on other instances feed the drafts, outputs do not change."""
     spec = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
-    cfg = EngineConfig(
-        model=str(model), num_kv_blocks=64, max_num_seqs=3, block_size=BLOCK, speculative_config=spec
-    )
+    cfg = pool_config(model, 64, speculative_config=spec)
     with EnginePool(cfg, 2, backend="mp") as pool:
-        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8).run(_groups())
+        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8).run(pool_groups())
         served = pool.draft_server.stats.served_tokens
         assert pool.draft_server.num_groups == 0, "finished groups leave the draft server"
-    assert _outputs(result) == reference
+    assert outputs_of(result.samples) == reference
     assert served > 0 and result.metrics.draft_tokens_accepted > 0
 
 
@@ -127,7 +103,7 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
     the outputs stay the same."""
     pool, rollout = _pooled_rollout(model, "inproc", kv="mooncake")
     with pool:
-        groups = _groups()
+        groups = pool_groups()
         for order, group in enumerate(groups):
             group.order = order
         samples = {g.group_id: rollout.new_samples(g) for g in groups}
@@ -140,5 +116,5 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
         while rollout.has_work:
             rollout.step()
         m = rollout._metrics(samples)
-    assert {gid: [s.output_token_ids for s in v] for gid, v in samples.items()} == reference
+    assert outputs_of(samples) == reference
     assert m.pool_failures > 0 and m.migrations > m.pool_loads

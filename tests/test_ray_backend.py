@@ -5,10 +5,9 @@ actors through the local KV pool, and a killed actor costs nothing but time."""
 from __future__ import annotations
 
 import pytest
+from pool_workload import BLOCK, outputs_of, pool_config, pool_groups, reference_outputs
 
 from seer_engine.core.policies import make_rollout_policy
-from seer_engine.core.request import Group
-from seer_engine.engine.config import EngineConfig
 from seer_engine.kv_connector.factory import kv_pool_for
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.instance import ChunkRequest, InstanceDied
@@ -18,8 +17,6 @@ from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")  # CI installs it; elsewhere the module is skipped
-
-BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -35,33 +32,15 @@ def model(tiny_model):
     return tiny_model("qwen3")
 
 
-def _groups() -> list[Group]:
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = [[(3 * i + j) % 30 + 2 for i in range(20 + 9 * j)] for j in range(3)]
-    return [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
-
-
-def _config(model, kv_blocks: int) -> EngineConfig:
-    # A tight KV budget: a response's last instance is often full when its next chunk
-    # is due, so responses move.
-    return EngineConfig(model=str(model), num_kv_blocks=kv_blocks, max_num_seqs=3, block_size=BLOCK)
-
-
-def _outputs(samples) -> dict[str, list[list[int]]]:
-    return {gid: [s.output_token_ids for s in v] for gid, v in samples.items()}
-
-
 @pytest.fixture(scope="module")
 def reference(model):
-    with EnginePool(_config(model, 64), 1) as pool:
-        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=10_000).run(_groups())
-    return _outputs(result.samples)
+    return reference_outputs(model)
 
 
 @pytest.fixture(scope="module")
 def ray_pool(cluster, model):
     """Two actors over the local pool, shared by the tests (the last one kills an actor)."""
-    cfg = _config(model, 10)
+    cfg = pool_config(model, 10)
     with EnginePool(cfg, 2, backend="ray", kv_pool=kv_pool_for("local", cfg, capacity_gib=0.05)) as pool:
         yield pool
 
@@ -73,10 +52,10 @@ def _rollout(pool: EnginePool) -> Rollout:
 
 def test_actors_migrate_through_the_local_pool_and_keep_outputs(ray_pool, reference):
     assert all(isinstance(inst, RayInstance) and inst.backend == "ray" for inst in ray_pool)
-    result = _rollout(ray_pool).run(_groups())
+    result = _rollout(ray_pool).run(pool_groups())
     assert ray_pool.kv_pool.connector.store.used_slots == 0, "every pool entry is freed at the end"
     m = result.metrics
-    assert _outputs(result.samples) == reference
+    assert outputs_of(result.samples) == reference
     assert m.migrations > 0 and m.pool_loads > 0 and m.pool_failures == 0
     assert m.recomputed_tokens < m.migrations * BLOCK, "a restore computes at most a partial block"
     assert m.backend == "ray" and m.kv_connector == "local"
@@ -98,7 +77,7 @@ def test_a_failed_submit_is_not_lost(ray_pool):
 def test_a_killed_actor_requeues_its_responses(ray_pool, reference):
     pool = ray_pool
     rollout = _rollout(pool)
-    groups = _groups()
+    groups = pool_groups()
     for order, group in enumerate(groups):
         group.order = order
     samples = {g.group_id: rollout.new_samples(g) for g in groups}
@@ -118,6 +97,6 @@ def test_a_killed_actor_requeues_its_responses(ray_pool, reference):
     assert not victim.alive and rollout.instance_failures == 1
     assert rollout.pool_loads > 0, "responses of the dead actor resumed from the pool"
     assert pool.kv_pool.connector.store.used_slots == 0
-    assert _outputs(samples) == reference
+    assert outputs_of(samples) == reference
     with pytest.raises(InstanceDied):
         victim.abort(["nothing"])

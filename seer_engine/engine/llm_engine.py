@@ -425,13 +425,8 @@ class LLMEngine:
     )  # fmt: skip
 
     def validate_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Make add_request's checks without queuing anything; returns the prompt's ids.
-
-        A server that holds requests while paused refuses bad ones at once with this.
-        It also refuses a request that could never fit the KV cache (prompt plus
-        max_tokens over all blocks), which would otherwise preempt itself forever.
-        """
-        return self.check_request(prompt, params)[1]
+        """add_request's checks without queuing anything (see RequestChecker)."""
+        return self.checker.validate_request(prompt, params)
 
     def check_request(
         self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
