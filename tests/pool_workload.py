@@ -1,4 +1,4 @@
-"""The workload the KV-pool tests share: three greedy groups over two instances with a
+"""The workload the KV-pool tests share: three seeded groups over two instances with a
 tight KV budget (a response's last instance is often full when its next chunk is due,
 so responses move), its single-instance reference, and greedy decoding on one engine."""
 
@@ -15,8 +15,12 @@ from seer_engine.sampling_params import SamplingParams
 BLOCK = 16
 
 
-def pool_groups() -> list[Group]:
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+def pool_groups(temperature: float = 1.0) -> list[Group]:
+    """Seeded sampling, so siblings differ: a moved response's blocks past the prompt
+    are then in no other instance's prefix cache and must come from the pool (greedy
+    siblings would share them by content). Per-response seeds make the tokens
+    independent of chunking and placement."""
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=48, ignore_eos=True)
     prompts = [[(3 * i + j) % 30 + 2 for i in range(20 + 9 * j)] for j in range(3)]
     return [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
 
@@ -30,10 +34,11 @@ def outputs_of(samples: dict) -> dict[str, list[list[int]]]:
     return {gid: [s.output_token_ids for s in v] for gid, v in samples.items()}
 
 
-def reference_outputs(model) -> dict[str, list[list[int]]]:
+def reference_outputs(model, temperature: float = 1.0) -> dict[str, list[list[int]]]:
     """The workload on one in-process instance, whole responses (no chunks, no moves)."""
     with EnginePool(pool_config(model, 64), 1) as pool:
-        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=10_000).run(pool_groups())
+        rollout = Rollout(pool, make_rollout_policy("context"), chunk_tokens=10_000)
+        result = rollout.run(pool_groups(temperature))
     return outputs_of(result.samples)
 
 

@@ -85,16 +85,17 @@ def test_a_dead_instance_process_requeues_its_responses(model, reference):
     assert outputs == reference
 
 
-def test_draft_server_keeps_instance_processes_drafting_from_siblings(model, reference):
+def test_draft_server_keeps_instance_processes_drafting_from_siblings(model):
     """Group suffix trees replicated in each instance process, kept in sync by the
-    draft server: siblings on other instances feed the drafts, outputs do not change."""
+    draft server: siblings on other instances feed the drafts (greedy siblings agree,
+    so their drafts are accepted), outputs do not change."""
     spec = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
     cfg = pool_config(model, 64, speculative_config=spec)
     with EnginePool(cfg, 2, backend="mp") as pool:
-        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8).run(pool_groups())
+        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8).run(pool_groups(0.0))
         served = pool.draft_server.stats.served_tokens
         assert pool.draft_server.num_groups == 0, "finished groups leave the draft server"
-    assert outputs_of(result.samples) == reference
+    assert outputs_of(result.samples) == reference_outputs(model, 0.0)
     assert served > 0 and result.metrics.draft_tokens_accepted > 0
 
 

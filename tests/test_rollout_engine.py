@@ -25,8 +25,8 @@ def _config(model, **kw) -> EngineConfig:
 
 def _rollout_engine(model, instances: int = 2, chunk: int = 8, backend: str = "inproc", **kw):
     """In-process instances by default; ``mp`` puts each in its own process with the
-    local shared-memory KV pool, and placement moves responses often (spread 0: the
-    least-loaded instance; pull threshold 0: every move loads from the pool)."""
+    local shared-memory KV pool, and placement that moves responses when loads differ
+    (spread 0: the least-loaded instance; pull threshold 0: moves load from the pool)."""
     moves = {"migration_spread": 0, "pool_pull_tokens": 0} if backend == "mp" else {}
     rollout = RolloutConfig(
         rollout_mode=True, instances=instances, chunk_tokens=chunk, distributed_backend=backend, **moves
@@ -108,9 +108,8 @@ def test_same_outputs_as_the_plain_engine(model, backend):
                 assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
     assert len(rollout.rollout.dispatch_log) > sum(p.n for _, _, p in requests), "responses ran in chunks"
     _assert_idle(rollout)
-    if backend == "mp":
-        r = rollout.rollout
-        assert r.migrations > 0 and r.pool_loads > 0 and r.pool_loaded_tokens > 0, "moves loaded KV"
+    if backend == "mp":  # chunk ends went to the shared-memory pool (moves: test_kv_pool_rollout)
+        assert sum(inst.connector_stats.saved_blocks for inst in rollout.pool) > 0
     rollout.close()
 
 
