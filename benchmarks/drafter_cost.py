@@ -29,13 +29,14 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import machine_info  # benchmarks/ is on sys.path when a script here runs
 
 from seer_engine.core.request import Request
 from seer_engine.rollout.workload import TraceGroup, load_trace, select_groups, traces_dir
@@ -360,19 +361,7 @@ def depth_sweep(group: TraceGroup, depths: Sequence[int]) -> list[dict[str, floa
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "loadavg_1m_at_start": os.getloadavg()[0],
-    }
+    return machine_info.machine()
 
 
 def best_of(runs: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -33,13 +33,13 @@ import datetime as dt
 import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import machine_info  # benchmarks/ is on sys.path when a script here runs
 import torch
 
 from seer_engine.kv_connector.mooncake import MooncakeMaster, MooncakeStore
@@ -50,22 +50,11 @@ MiB = 1 << 20
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "mooncake": importlib.metadata.version("mooncake-transfer-engine-non-cuda"),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "transport": "TCP over loopback (127.0.0.1), client and segment holder in two processes",
-        "loadavg_1m_at_start": os.getloadavg()[0],
-    }
+    return machine_info.machine(
+        torch=torch.__version__,
+        mooncake=importlib.metadata.version("mooncake-transfer-engine-non-cuda"),
+        transport="TCP over loopback (127.0.0.1), client and segment holder in two processes",
+    )
 
 
 def timed(call, seconds: float, min_repeats: int) -> list[float]:

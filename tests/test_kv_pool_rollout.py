@@ -61,12 +61,7 @@ def test_without_a_pool_moves_recompute(model, reference):
 def test_a_dead_instance_process_requeues_its_responses(model, reference):
     pool, rollout = _pooled_rollout(model, "mp", kv_blocks=64)
     with pool:
-        groups = pool_groups()
-        for order, group in enumerate(groups):
-            group.order = order
-        samples = {g.group_id: rollout.new_samples(g) for g in groups}
-        for g in groups:
-            rollout.add_samples(samples[g.group_id])
+        samples = rollout.start(pool_groups())
         victim = pool.instances[1]
         # Run until the victim holds responses past their first chunk (their last
         # boundary is in the pool), then kill its process.
@@ -104,12 +99,7 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
     the outputs stay the same."""
     pool, rollout = _pooled_rollout(model, "inproc", kv="mooncake")
     with pool:
-        groups = pool_groups()
-        for order, group in enumerate(groups):
-            group.order = order
-        samples = {g.group_id: rollout.new_samples(g) for g in groups}
-        for g in groups:
-            rollout.add_samples(samples[g.group_id])
+        samples = rollout.start(pool_groups())
         while rollout.pool_loads == 0 and rollout.has_work:
             rollout.step()
         assert rollout.pool_loads > 0 and rollout.has_work, "a move loaded from the pool before the kill"

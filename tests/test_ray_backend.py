@@ -77,12 +77,7 @@ def test_a_failed_submit_is_not_lost(ray_pool):
 def test_a_killed_actor_requeues_its_responses(ray_pool, reference):
     pool = ray_pool
     rollout = _rollout(pool)
-    groups = pool_groups()
-    for order, group in enumerate(groups):
-        group.order = order
-    samples = {g.group_id: rollout.new_samples(g) for g in groups}
-    for g in groups:
-        rollout.add_samples(samples[g.group_id])
+    samples = rollout.start(pool_groups())
     victim = pool.instances[1]
     # Run until the victim holds responses past their first chunk (their last boundary
     # is in the pool), then kill its actor.

@@ -131,12 +131,17 @@ class Rollout:
 
     # -- the offline loop ------------------------------------------------------------
 
-    def run(self, groups: Sequence[Group]) -> RolloutResult:
+    def start(self, groups: Sequence[Group]) -> dict[str, list[RolloutSample]]:
+        """Admit every group's responses (in this order); ``step`` then runs them."""
         for order, group in enumerate(groups):
             group.order = order
         samples = {g.group_id: self.new_samples(g) for g in groups}
         for group in groups:
             self.add_samples(samples[group.group_id])
+        return samples
+
+    def run(self, groups: Sequence[Group]) -> RolloutResult:
+        samples = self.start(groups)
         while self.has_work:
             self.step()
         return RolloutResult(list(groups), samples, self._metrics(samples), [i.timeline for i in self.pool])
