@@ -109,3 +109,16 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
         m = rollout._metrics(samples)
     assert outputs_of(samples) == reference
     assert m.pool_failures > 0 and m.migrations > m.pool_loads
+
+
+def test_cli_names_an_unreachable_mooncake_master(tmp_path, capsys):
+    from seer_engine.entrypoints.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "max_tokens": 4}\n')
+    args = ["rollout", "--model", "tiny", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+            "--instances", "2", "--kv-connector", "mooncake", "--mooncake-master", "127.0.0.1:1"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert "no Mooncake master answers at 127.0.0.1:1" in capsys.readouterr().err
