@@ -338,17 +338,9 @@ class MooncakeMaster:
         )
 
     def _start_master(self, binary: str | None, timeout: float) -> subprocess.Popen:
-        if binary is None or not os.path.exists(binary):
-            raise KVPoolError(
-                f"mooncake_master not found ({binary or 'not in the mooncake package nor on PATH'}): "
-                "pip install 'seer_engine[mooncake]' (mooncake-transfer-engine-non-cuda)"
-            )
-        # A free port can be taken before the master binds it; it then exits (often without a
-        # word), so any early exit is retried on new ports.
-        for _attempt in range(3):
-            rpc, http, admin = (_free_port(self.host) for _ in range(3))
-            argv = [
-                binary,
+        def argv(rpc: int, http: int, admin: int) -> list[str]:
+            self.rpc_port, self.http_port, self.admin_port = rpc, http, admin
+            return [
                 f"--rpc_address={self.host}",
                 f"--rpc_port={rpc}",
                 "--enable_http_metadata_server=true",
@@ -358,28 +350,14 @@ class MooncakeMaster:
                 f"--metrics_port={admin}",
                 "--enable_metric_reporting=false",  # else a stats line every few seconds
             ]
-            try:
-                proc = self._spawn(argv, self.log_path)
-            except OSError as e:
-                raise KVPoolError(f"cannot run mooncake_master ({binary}): {e}") from e
-            self._procs.append(proc)
-            if self._wait_ready(proc, "mooncake_master", [http, admin, rpc], self.log_path, timeout):
-                self.rpc_port, self.http_port, self.admin_port = rpc, http, admin
-                return proc
-            self._procs.remove(proc)
-            tail = _log_tail(self.log_path)
-        raise KVPoolError(f"mooncake_master ({binary}) exited with code {proc.returncode}; log:\n{tail}")
+
+        hint = "pip install 'seer_engine[mooncake]' (mooncake-transfer-engine-non-cuda)"
+        return self._start("mooncake_master", binary, hint, 3, argv, self.log_path, timeout)
 
     def _start_holder(self, binary: str | None, timeout: float) -> subprocess.Popen:
-        if binary is None or not os.path.exists(binary):
-            raise KVPoolError(
-                f"mooncake_client not found ({binary or 'not in the mooncake package nor on PATH'}); "
-                "it holds the pool's memory (segment_bytes > 0)"
-            )
-        for _attempt in range(3):
-            port = _free_port(self.host)
-            argv = [
-                binary,
+        def argv(port: int) -> list[str]:
+            self.holder_port = port
+            return [
                 f"--host={self.host}",
                 f"--port={port}",
                 f"--global_segment_size={self.segment_bytes}",
@@ -387,22 +365,40 @@ class MooncakeMaster:
                 f"--metadata_server={self.metadata_server}",
                 "--protocol=tcp",
             ]
+
+        hint = f"it holds the pool's memory (segment_bytes={self.segment_bytes} > 0)"
+        return self._start(
+            "mooncake_client", binary, hint, 1, argv, self.segment_log_path, timeout, first=True
+        )
+
+    def _start(
+        self,
+        name: str,
+        binary: str | None,
+        hint: str,
+        num_ports: int,
+        argv: Callable[..., list[str]],
+        log: Path,
+        timeout: float,
+        first: bool = False,
+    ) -> subprocess.Popen:
+        """Run ``binary`` on fresh ports until it listens on all of them. A free port can
+        be taken before the process binds it; it then exits (often without a word), so
+        any early exit is retried on new ports. ``first``: stopped last (it holds data)."""
+        if binary is None or not os.path.exists(binary):
+            where = binary or "not in the mooncake package nor on PATH"
+            raise KVPoolError(f"{name} not found ({where}): {hint}")
+        for _attempt in range(3):
+            ports = [_free_port(self.host) for _ in range(num_ports)]
             try:
-                proc = self._spawn(argv, self.segment_log_path)
+                proc = self._spawn([binary, *argv(*ports)], log)
             except OSError as e:
-                raise KVPoolError(f"cannot run mooncake_client ({binary}): {e}") from e
-            self._procs.insert(0, proc)
-            if self._wait_ready(
-                proc, "mooncake_client (segment holder)", [port], self.segment_log_path, timeout
-            ):
-                self.holder_port = port
+                raise KVPoolError(f"cannot run {name} ({binary}): {e}") from e
+            self._procs.insert(0 if first else len(self._procs), proc)
+            if self._wait_ready(proc, name, ports, log, timeout):
                 return proc
             self._procs.remove(proc)
-            tail = _log_tail(self.segment_log_path)
-        raise KVPoolError(
-            f"mooncake_client (segment holder of {self.segment_bytes} bytes) exited with code "
-            f"{proc.returncode}; log:\n{tail}"
-        )
+        raise KVPoolError(f"{name} ({binary}) exited with code {proc.returncode}; log:\n{_log_tail(log)}")
 
     # -- interface -------------------------------------------------------------------
 
