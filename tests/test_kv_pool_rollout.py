@@ -94,6 +94,24 @@ def test_draft_server_keeps_instance_processes_drafting_from_siblings(model):
     assert served > 0 and result.metrics.draft_tokens_accepted > 0
 
 
+def test_an_abort_racing_the_step_that_ended_the_chunk_gets_its_tokens(model):
+    """The instance process ends a chunk, then an abort arrives before the buffer has
+    read that step's reply: the abort still answers with the chunk's tokens."""
+    from seer_engine.rollout.instance import ChunkRequest
+    from seer_engine.sampling_params import SamplingParams
+
+    with EnginePool(pool_config(model, 16), 1, backend="mp") as pool:
+        inst = pool.instances[0]
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        inst.submit(ChunkRequest("g/0#0", [5, 6, 7], params, "g", "g/0", []))
+        inst.start_step()
+        type(inst).wait_any([inst], timeout=60)  # the step's reply is in the pipe, unread
+        (out,) = inst.abort(["g/0#0"])
+        assert out.finished and len(out.outputs[0].token_ids) == 1
+        reply = inst.poll_reply()
+        assert [o.request_id for o in reply.outputs] == ["g/0#0"]
+
+
 def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
     """Kill the master mid-rollout: pool calls fail fast, moved responses recompute,
     the outputs stay the same."""

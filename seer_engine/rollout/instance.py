@@ -96,6 +96,9 @@ class InstanceWorker:
         self._save: dict[str, ChunkRequest] = {}  # request id -> its chunk, saved when it ends
         self._loads: list[tuple[str, int, LoadResult]] = []
         self._carried_s = 0.0  # pool time since the last step, charged to the next one
+        # Chunks the last step ended: an abort sent before the buffer read that step's
+        # reply (instances in other processes) still gets their tokens.
+        self._just_finished: dict[str, RequestOutput] = {}
 
     @property
     def info(self) -> InstanceInfo:
@@ -125,7 +128,10 @@ class InstanceWorker:
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         for rid in request_ids:
             self._save.pop(rid, None)
-        return self.engine.abort_request(request_ids)
+        outputs = self.engine.abort_request(request_ids)
+        aborted = {out.request_id for out in outputs}
+        ended = [self._just_finished[r] for r in request_ids if r not in aborted and r in self._just_finished]
+        return outputs + ended
 
     def step(self, draft_updates: list | None = None, finished_groups: list[str] | None = None) -> StepReply:
         """``draft_updates``: siblings' new tokens from the draft server, applied before
@@ -137,6 +143,7 @@ class InstanceWorker:
                 self.replica.apply(draft_updates)
         start = time.perf_counter()
         outputs = self.engine.step()
+        self._just_finished = {out.request_id: out for out in outputs if out.finished}
         for out in outputs:
             chunk = self._save.pop(out.request_id, None) if out.finished else None
             if chunk is not None and out.outputs[0].finish_reason == "length":
