@@ -41,6 +41,7 @@ import machine_info  # benchmarks/ is on sys.path when a script here runs
 from seer_engine.core.request import Request
 from seer_engine.rollout.workload import TraceGroup, load_trace, select_groups, traces_dir
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.sim.acceptance import accepted_len
 from seer_engine.spec_decode._suffix_tree_ref import RefGroupSuffixTree
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.draft import DraftTree
@@ -125,19 +126,6 @@ class Samples:
             out[op] = row
         out.get("append", {}).update(self.growth())
         return out
-
-
-def accepted_len(draft: DraftTree, truth: Sequence[int]) -> int:
-    """Tokens of the real continuation the draft would have accepted (greedy walk down its tree)."""
-    node, accepted = -1, 0
-    for tok in truth:
-        nxt = next(
-            (i for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if p == node and t == tok), -1
-        )
-        if nxt < 0:
-            break
-        node, accepted = nxt, accepted + 1
-    return accepted
 
 
 def timer_overhead_ns(repeats: int = 20000) -> float:

@@ -23,7 +23,7 @@ from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.replay import TraceReplay
-from seer_engine.rollout.report import format_table, write_report
+from seer_engine.rollout.report import Progress, format_table, write_report
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import SamplingParams
 
@@ -124,7 +124,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     results = {}
     for name in policies:
         policy = _bench_policy(name, true_lengths, args.starvation_s)
-        progress = _Progress(name, total)
+        progress = Progress(name, total)
         fresh = [Group(g.group_id, g.prompt_token_ids, g.sampling_params, g.n, order=g.order) for g in groups]
         with cluster.make_pool(cfg, policy, replay) as pool:
             pool.reset_clocks()
@@ -169,18 +169,3 @@ def _bench_policy(name: str, true_lengths: dict[str, int], starvation_s: float):
         policy.name = name
         policy.speculative = SPEC_VARIANTS[spec]
     return policy
-
-
-class _Progress:
-    """A line every ~10% of finished responses, so long runs show they move."""
-
-    def __init__(self, name: str, total: int) -> None:
-        self.name, self.total, self.done = name, total, 0
-        self.every = max(1, total // 10)
-        self.start = time.perf_counter()
-
-    def __call__(self, sample) -> None:
-        self.done += 1
-        if self.done % self.every == 0 or self.done == self.total:
-            print(f"[{self.name}] {self.done}/{self.total} responses, "
-                  f"{time.perf_counter() - self.start:.1f}s wall", flush=True)  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -137,3 +138,18 @@ def plot_timelines(results: dict[str, RolloutResult], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class Progress:
+    """A line every ~10% of finished responses, so long runs show they move."""
+
+    def __init__(self, name: str, total: int) -> None:
+        self.name, self.total, self.done = name, total, 0
+        self.every = max(1, total // 10)
+        self.start = time.perf_counter()
+
+    def __call__(self, sample) -> None:
+        self.done += 1
+        if self.done % self.every == 0 or self.done == self.total:
+            print(f"[{self.name}] {self.done}/{self.total} responses, "
+                  f"{time.perf_counter() - self.start:.1f}s wall", flush=True)  # fmt: skip

@@ -128,6 +128,7 @@ class Rollout:
         self._live: dict[str, RolloutSample] = {}  # key -> unfinished sample
         self._live_per_group: dict[str, int] = {}
         self._finished_groups: list[str] = []  # groups whose last live response finished
+        self._need: dict[RolloutSample, int] = {}  # buffered sample -> KV blocks of its next chunk
 
     # -- the offline loop ------------------------------------------------------------
 
@@ -268,16 +269,44 @@ class Rollout:
         return inst.blocks_needed(len(sample.group.prompt_token_ids) + self._chunk_limit(sample))
 
     def _dispatch(self, now: float) -> None:
-        """Send buffered samples, in policy order, to instances with room for a whole chunk."""
-        if not self.buffer:
+        """Send buffered samples, in policy order, to instances with room for a whole chunk.
+
+        Only samples whose chunk fits the roomiest instance are ordered and placed, so a
+        long buffer that mostly waits for KV costs little per step (the simulator's
+        buffers are thousands long)."""
+        room = self._room()
+        if room is None or not self.buffer:
             return
-        pending, self.buffer = sorted(self.buffer, key=lambda s: self.policy.priority(s, now)), []
-        for sample in pending:
+        fits = [s for s in self.buffer if self._blocks_needed(s) <= room]
+        fits.sort(key=lambda s: self.policy.priority(s, now))
+        for sample in fits:
+            if room is None:
+                return
+            if self._blocks_needed(sample) > room:
+                continue
             inst = self._place(sample)
-            if inst is None:
-                self.buffer.append(sample)
-            else:  # a lost instance puts its samples back into self.buffer
+            if inst is not None:
+                self.buffer.remove(sample)  # a lost instance puts its samples back
+                del self._need[sample]
                 self._submit_or_recover(inst, sample, self._chunk_limit(sample), reserve=True)
+                room = self._room()
+
+    def _room(self) -> int | None:
+        """The most free KV blocks on an instance with a free sequence slot (None: no slot)."""
+        free = [
+            inst.free_reservable_blocks
+            for inst in self.pool.alive
+            if len(inst.in_flight) < inst.info.max_num_seqs
+        ]
+        return max(free) if free else None
+
+    def _blocks_needed(self, sample: RolloutSample) -> int:
+        """KV blocks of the sample's next chunk (every instance has the same block size);
+        kept while it waits in the buffer, where it cannot change."""
+        need = self._need.get(sample)
+        if need is None:
+            need = self._need[sample] = self._blocks_for(self.pool.instances[0], sample)
+        return need
 
     def _place(self, sample: RolloutSample) -> EngineInstance | None:
         """An instance with room for the sample's whole chunk, chosen by the placement
@@ -313,7 +342,7 @@ class Rollout:
             self._recover(inst, str(died))
 
     def _submit(self, inst: EngineInstance, sample: RolloutSample, limit: int, reserve: bool) -> None:
-        inst.wait_until(sample.enqueued_at)
+        inst.wait_until(max(sample.enqueued_at, self.now))
         g = sample.group
         context = len(g.prompt_token_ids) + sample.num_generated
         load = False
@@ -343,7 +372,7 @@ class Rollout:
                 params,
                 g.group_id,
                 sample.key,
-                list(sample.output_token_ids),
+                sample.output_token_ids,  # replaced, never changed, when the chunk ends
                 stream=sample.stream,
                 load_kv=load,
                 save_kv=self.pooled and limit < sample.max_tokens,
@@ -374,7 +403,7 @@ class Rollout:
             if sample is None:
                 continue
             start = self._chunk_start.get(sample.key, sample.num_generated)
-            del sample.output_token_ids[start:]  # streamed progress of the lost chunk
+            sample.output_token_ids = sample.output_token_ids[:start]  # drop the lost chunk's progress
             sample.chunk_logprobs = []
             sample.instance = None
             sample.enqueued_at = self.now
@@ -385,7 +414,7 @@ class Rollout:
         inst.reserved_blocks -= inst.in_flight.pop(out.request_id)
         sample = self._live[sample_key_of(out.request_id)]
         result = out.outputs[0]
-        sample.output_token_ids = list(result.token_ids)
+        sample.output_token_ids = result.token_ids  # the instance's own copy
         sample.text = result.text
         sample.logprobs.extend(result.logprobs or [])
         sample.chunk_logprobs = []
@@ -416,6 +445,7 @@ class Rollout:
         if self.pooled:
             self.kv_connector.free(sample.key)
         self._chunk_start.pop(sample.key, None)
+        self._need.pop(sample, None)
         sample.finish_reason = reason
         sample.stop_reason = stop_reason
         sample.finished_at = self.now

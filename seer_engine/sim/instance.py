@@ -1,0 +1,521 @@
+"""A modeled engine instance: continuous batching on a step-time model, no forward passes.
+
+It speaks the Request Buffer's instance interface (``EngineInstance``: submit, abort,
+step replies with the chunks that ended), so the simulator runs the engine's own
+``Rollout``, policies, Context Manager and placement over it. Only the engine below
+that line is modeled, after the real scheduler: each step runs the decode rows, then
+prefill chunks within ``max_num_batched_tokens``, then admits waiting chunks in the
+engine's scheduling-policy order while sequences and KV allow; when KV runs out the
+policy's victim is preempted and recomputed later. A chunk that ran here before
+finds its context in the prefix cache (LRU, evicted when running requests need the
+room), a chunk pulled from the KV pool pays the transfer, anything else recomputes.
+
+Speed comes from one observation: between two events (a chunk ends, KV runs out, a
+chunk arrives) every decoding row gains the same tokens per step, so a run of decode
+steps has a closed form. Rows are kept in "progress" units: ``progress`` grows by the
+tokens each row gains per step, and a row ends when it reaches its ``progress_end``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from seer_engine.core.policies import SchedulingPolicy
+from seer_engine.core.scheduler import SchedulerStats
+from seer_engine.kv_connector.base import ConnectorStats, LoadResult
+from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceInfo, StepReply
+from seer_engine.sim.profile import InstanceProfile
+from seer_engine.spec_decode.budget import AdaptiveBudget, BudgetPolicy, StepCostModel
+
+EPS = 1e-9
+
+
+class TokenCount(Sequence[int]):
+    """Token ids the simulator counts but never holds: ``len`` works, reading one does not
+    (so nothing copies a 98k-token response by accident)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):  # type: ignore[override]
+        raise TypeError("simulated responses have lengths, not token ids")
+
+    def __repr__(self) -> str:
+        return f"TokenCount({self.n})"
+
+
+@dataclass
+class SimWorld:
+    """What the modeled engines know and the scheduler must not: each response's real
+    length (EOS included), and how far each group has got (speculation depends on it)."""
+
+    lengths: Mapping[str, int]  # sample key -> output tokens
+    max_tokens: int  # a response this long was cut by the budget ("length"), not EOS
+    group_sizes: Mapping[str, int]
+    finished: dict[str, int] = field(default_factory=dict)
+
+    def stage(self, group_id: str) -> float:
+        """Share of the group's responses already finished."""
+        return self.finished.get(group_id, 0) / self.group_sizes[group_id]
+
+    def on_response_end(self, group_id: str) -> None:
+        self.finished[group_id] = self.finished.get(group_id, 0) + 1
+
+
+class SimSpeculation:
+    """Grouped speculative decoding as the engine's budget policy sizes it and the
+    acceptance model (fitted by trace replay) rewards it."""
+
+    def __init__(self, acceptance, budget: str, max_nodes: int) -> None:
+        self.acceptance = acceptance
+        self.budget = budget
+        self.max_nodes = max_nodes
+
+    def rates(self, rows: int, stage: float, step: StepCostModel) -> tuple[float, float]:
+        """(draft nodes, accepted tokens) per row and step for ``rows`` decoding rows."""
+        rate = round(self.acceptance.per_token_rate(stage), 3)
+        # The fixed cost moves with the batch's KV; two significant digits of its ratio
+        # to the per-token cost decide the budget just as well and keep the cache small.
+        ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
+        nodes = _allocate(self.budget, rows, rate, ratio, self.max_nodes)
+        accepted = sum(self.acceptance.accepted_per_step(n, stage) * k for n, k in nodes) / rows
+        drafted = sum(n * k for n, k in nodes) / rows
+        return drafted, min(accepted, drafted)
+
+
+@lru_cache(maxsize=65536)
+def _allocate(
+    budget: str, rows: int, rate: float, ratio: float, max_nodes: int
+) -> tuple[tuple[int, int], ...]:
+    """The engine's budget policy over ``rows`` alike rows: (nodes, how many rows) pairs."""
+    policy: BudgetPolicy = AdaptiveBudget(StepCostModel(ratio, 1.0)) if budget == "adaptive" else None
+    if policy is None:
+        return ((max_nodes, rows),)
+    counts: dict[int, int] = {}
+    for n in policy.allocate([None] * rows, lambda _: rate, max_nodes):
+        counts[n] = counts.get(n, 0) + 1
+    return tuple(counts.items())
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One dispatched chunk inside a modeled engine."""
+
+    request_id: str
+    key: str  # the response (sample key)
+    group_id: str
+    prompt_len: int
+    generated: float  # output tokens (as of ``progress_start`` while decoding)
+    end: int  # output tokens at which the chunk stops
+    finish_reason: str  # what it reports when it gets there
+    arrival_order: int
+    hit: int = 0  # context tokens it will find in place when admitted
+    computed: float = 0.0  # context tokens whose KV is in place (prefill rows)
+    lost: float = 0.0  # computed tokens a preemption dropped
+    progress_start: float = 0.0
+    priority: int = 0  # the engine's scheduling policies read these two
+    loaded: int = 0  # tokens pulled from the pool at admission
+
+    @property
+    def context(self) -> float:
+        return self.prompt_len + self.generated
+
+
+@dataclass
+class Segment:
+    """The instance's next stretch of work: ``steps`` alike decode steps, or one mixed step."""
+
+    steps: int
+    seconds: float
+    end: float
+    rows: int = 0  # decoding rows
+    gain: float = 1.0  # tokens each decoding row gains per step
+    drafted: float = 0.0  # draft nodes per decoding row and step
+    prefill: list[tuple[SimRequest, float]] = field(default_factory=list)  # (request, new tokens): one step
+    admit: list[SimRequest] = field(default_factory=list)
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.prefill or self.admit)
+
+
+class SimInstance(EngineInstance):
+    backend = "sim"
+
+    def __init__(
+        self,
+        index: int,
+        profile: InstanceProfile,
+        world: SimWorld,
+        scheduling: SchedulingPolicy,
+        speculation: SimSpeculation | None = None,
+        max_model_len: int = 1 << 30,
+    ) -> None:
+        super().__init__(
+            index, InstanceInfo(profile.num_blocks, profile.block_size, profile.max_num_seqs, max_model_len)
+        )
+        self.profile = profile
+        self.world = world
+        self.scheduling = scheduling
+        self.speculation = speculation
+        self.capacity = profile.num_blocks * profile.block_size
+        self.progress = 0.0
+        self.decoding: dict[str, SimRequest] = {}
+        self._ends: list[tuple[float, int, str]] = []  # (progress_end, order, request id), lazily pruned
+        self._context_base = 0.0  # sum of (context - progress_start) over decoding rows
+        self.prefilling: list[SimRequest] = []
+        self.waiting: list[SimRequest] = []
+        self.cache: OrderedDict[str, int] = OrderedDict()  # response key -> context tokens, LRU first
+        self.cached_tokens = 0
+        self.prompt_groups: set[str] = set()  # groups whose prompt is in the prefix cache
+        self._stats = SchedulerStats()
+        self._connector = ConnectorStats()
+        self._loads: list[tuple[str, int, LoadResult]] = []
+        self._carried_s = 0.0  # pool transfer time charged to the next step
+        self._segment: Segment | None = None
+        self._arrivals = 0
+        self._undelivered: list[RequestOutput] = []  # chunks that ended while catching up to an arrival
+        self._elapsed = 0.0  # step time since the last reply
+
+    # -- the instance interface ------------------------------------------------------
+
+    def submit(self, chunk: ChunkRequest) -> None:
+        self._segment = None
+        generated = len(chunk.prior_output_token_ids)
+        context = len(chunk.prompt_token_ids) + generated
+        true_len = self.world.lengths[chunk.sequence_id]
+        limit = chunk.params.max_tokens
+        end = min(limit, true_len)
+        reason = "stop" if end == true_len and true_len < self.world.max_tokens else "length"
+        if chunk.load_kv:
+            hit = context
+            seconds = self.profile.pool_load_s(context)
+            self._carried_s += seconds
+            self._connector.load_s += seconds
+            self._connector.loaded_blocks += -(-context // self.profile.block_size)
+            self._loads.append((chunk.request_id, context, LoadResult(context, context)))
+        elif chunk.sequence_id in self.cache:
+            hit = self._uncache(chunk.sequence_id)
+        else:
+            hit = len(chunk.prompt_token_ids) if chunk.group_id in self.prompt_groups else 0
+        self._arrivals += 1
+        self.waiting.append(
+            SimRequest(chunk.request_id, chunk.sequence_id, chunk.group_id, len(chunk.prompt_token_ids),
+                       generated, end, reason, self._arrivals, hit=min(hit, context - 1))
+        )  # fmt: skip
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        self._segment = None
+        wanted = set(request_ids)
+        outputs = []
+        for req in [r for r in self.waiting + self.prefilling if r.request_id in wanted]:
+            (self.waiting if req in self.waiting else self.prefilling).remove(req)
+            outputs.append(_output(req, "abort"))
+        for rid in wanted & set(self.decoding):
+            req = self._stop_decoding(rid)
+            outputs.append(_output(req, "abort"))
+        return outputs
+
+    def call(self, method: str, *args):
+        raise ValueError(f"a simulated instance has no {method!r}")
+
+    def wait_until(self, t: float) -> None:
+        """A chunk arrives at ``t``: run the work that ends by then (it joins the next step)."""
+        while True:
+            seg = self._plan()
+            if seg is None:
+                self.clock = max(self.clock, t)
+                return
+            if seg.end > t:
+                if not seg.mixed and seg.steps > 1:
+                    self._run_decode(seg, self._steps_within(seg, t - self.clock))
+                return
+            self._undelivered += self._commit(seg)
+
+    def next_event_at(self) -> float:
+        seg = self._plan()
+        return seg.end if seg is not None else math.inf
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.in_flight)
+
+    def step(self, horizon: float = math.inf) -> StepReply:
+        """Run segments until a chunk ends (or the next one would pass ``horizon``, when
+        another instance has an event first)."""
+        outputs, self._undelivered = self._undelivered, []
+        while not outputs:
+            seg = self._plan()
+            if seg is None:
+                break
+            outputs += self._commit(seg)
+            nxt = self._plan()
+            if outputs or nxt is None or nxt.end > horizon:
+                break
+        loads, self._loads = self._loads, []
+        reply = StepReply(
+            outputs=outputs,
+            elapsed_s=self._take_elapsed(),
+            running=len(self.decoding) + len(self.prefilling),
+            waiting=len(self.waiting),
+            kv_usage=min(1.0, self._running_kv() / self.capacity),
+            stats=self._stats,
+            drafter=None,
+            connector=self._connector,
+            loads=loads,
+        )
+        self.record(reply, self.clock)
+        return reply
+
+    # -- planning ------------------------------------------------------------------------
+
+    def _plan(self) -> Segment | None:
+        if self._segment is None:
+            self._segment = self._next_segment()
+        return self._segment
+
+    def _next_segment(self) -> Segment | None:
+        self._preempt_until_growth_fits()
+        rows = len(self.decoding)
+        gain, drafted = self._rates(rows)
+        budget = self.profile.max_num_batched_tokens - rows * (1 + drafted)
+        prefill = []
+        for req in self.prefilling:
+            n = min(req.context - req.computed, max(budget, 0))
+            if n > 0:
+                prefill.append((req, n))
+                budget -= n
+        admit = self._admissible(budget, rows * gain)
+        if not prefill and not admit:
+            if not rows:
+                return None
+            return self._decode_segment(rows, gain, drafted)
+        tokens = rows * (1 + drafted) + sum(n for _, n in prefill)
+        kv_read = self._decoding_context() + sum(r.computed + n for r, n in prefill)
+        for req in admit:
+            n = min(req.context - req.hit, max(budget, 0))
+            prefill.append((req, n))
+            tokens += n
+            kv_read += req.hit + n
+            budget -= n
+        seconds = self.profile.step.step_s(tokens, kv_read) + self._carried_s
+        return Segment(1, seconds, self.clock + seconds, rows, gain, drafted, prefill, admit)
+
+    def _decode_segment(self, rows: int, gain: float, drafted: float) -> Segment:
+        first_end = self._first_end()
+        steps = max(1, math.ceil((first_end - self.progress) / gain - EPS))
+        growth = rows * gain
+        room = self.capacity - self._running_kv()
+        steps = max(1, min(steps, int(room // growth)))
+        seg = Segment(steps, 0.0, 0.0, rows, gain, drafted)
+        seg.seconds = self._decode_seconds(seg, steps) + self._carried_s
+        seg.end = self.clock + seg.seconds
+        return seg
+
+    def _decode_seconds(self, seg: Segment, steps: int) -> float:
+        m = self.profile.step
+        per_step = m.step_s(seg.rows * (1 + seg.drafted), self._decoding_context())
+        return steps * per_step + m.c_s_per_kv_token * seg.rows * seg.gain * steps * (steps - 1) / 2
+
+    def _steps_within(self, seg: Segment, seconds: float) -> int:
+        """Whole steps of a decode segment that end within ``seconds``."""
+        lo, hi = 0, seg.steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._decode_seconds(seg, mid) + self._carried_s <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _rates(self, rows: int) -> tuple[float, float]:
+        """(tokens gained, draft nodes) per decoding row and step."""
+        if self.speculation is None or not rows:
+            return 1.0, 0.0
+        stage = sum(self.world.stage(r.group_id) for r in self.decoding.values()) / rows
+        m = self.profile.step
+        cost = StepCostModel(m.a_s + m.c_s_per_kv_token * self._decoding_context(), m.b_s_per_token)
+        drafted, accepted = self.speculation.rates(rows, stage, cost)
+        return 1.0 + accepted, drafted
+
+    def _admissible(self, budget: float, growth: float) -> list[SimRequest]:
+        """Waiting chunks the engine would admit this step, in its policy's order."""
+        if not self.waiting or budget <= 0:
+            return []
+        self.waiting.sort(key=self.scheduling.sort_key)
+        free = self.capacity - self._running_kv() - growth
+        seats = self.profile.max_num_seqs - len(self.decoding) - len(self.prefilling)
+        admit = []
+        for req in self.waiting:
+            if budget <= 0 or seats <= 0:
+                break
+            n = min(req.context - req.hit, budget)
+            if req.hit + n > free:
+                break
+            admit.append(req)
+            free -= req.hit + n
+            budget -= n
+            seats -= 1
+        return admit
+
+    def _preempt_until_growth_fits(self) -> None:
+        """The engine preempts its policy's victim when the next step's tokens have no KV."""
+        while self.decoding or self.prefilling:
+            rows = len(self.decoding)
+            gain = 1.0 if self.speculation is None else self._rates(rows)[0]
+            if self._running_kv() + rows * gain <= self.capacity:
+                return
+            running = list(self.decoding.values()) + self.prefilling
+            victim = self.scheduling.select_victim(running)
+            if victim.request_id in self.decoding:
+                self._stop_decoding(victim.request_id)
+                victim.lost = victim.context
+            else:
+                self.prefilling.remove(victim)
+                victim.lost = victim.computed
+            victim.hit = 0
+            victim.computed = 0.0
+            self.waiting.append(victim)
+            self._stats.preemptions += 1
+
+    # -- committing ------------------------------------------------------------------------
+
+    def _commit(self, seg: Segment) -> list[RequestOutput]:
+        outputs = self._commit_segment(seg)
+        self._evict()
+        return outputs
+
+    def _commit_segment(self, seg: Segment) -> list[RequestOutput]:
+        self._segment = None
+        if not seg.mixed:
+            return self._run_decode(seg, seg.steps)
+        self._carried_s = 0.0
+        self.clock = seg.end
+        self._elapsed += seg.seconds
+        outputs = self._advance_decoding(seg, 1)
+        st = self._stats
+        st.steps += 1
+        st.scheduled_tokens += seg.rows * (1 + seg.drafted) + sum(n for _, n in seg.prefill)
+        for req in seg.admit:
+            self.waiting.remove(req)
+            self._stats.recomputed_tokens += max(0, int(req.lost - req.hit))
+            req.computed = req.hit
+            self.prefilling.append(req)
+            self.prompt_groups.add(req.group_id)
+        for req, n in seg.prefill:
+            req.computed += n
+            if req.computed >= req.context - EPS:  # the prompt is in: the row samples a token
+                self.prefilling.remove(req)
+                req.generated += 1
+                st.sampled_rows += 1
+                st.generated_tokens += 1
+                if req.generated >= req.end - EPS:
+                    outputs.append(self._end_chunk(req))
+                else:
+                    self._start_decoding(req)
+        return outputs
+
+    def _run_decode(self, seg: Segment, steps: int) -> list[RequestOutput]:
+        """``steps`` decode steps of ``seg`` (all of it, or the part before an arrival)."""
+        self._segment = None
+        seconds = self._decode_seconds(seg, steps) + self._carried_s
+        self._carried_s = 0.0
+        self.clock += seconds
+        self._elapsed += seconds
+        return self._advance_decoding(seg, steps)
+
+    def _advance_decoding(self, seg: Segment, steps: int) -> list[RequestOutput]:
+        if not steps or not seg.rows:
+            return []
+        st = self._stats
+        if not seg.mixed:
+            st.steps += steps
+            st.scheduled_tokens += steps * seg.rows * (1 + seg.drafted)
+        st.sampled_rows += steps * seg.rows
+        st.generated_tokens += steps * seg.rows * seg.gain
+        st.draft_tokens_scheduled += steps * seg.rows * seg.drafted
+        st.draft_tokens_accepted += steps * seg.rows * (seg.gain - 1)
+        self.progress += steps * seg.gain
+        outputs = []
+        while self._ends and self._ends[0][0] <= self.progress + EPS:
+            entry = heapq.heappop(self._ends)
+            if self._is_current(entry):
+                outputs.append(self._end_chunk(self._stop_decoding(entry[2])))
+        return outputs
+
+    def _end_chunk(self, req: SimRequest) -> RequestOutput:
+        req.generated = req.end
+        if req.finish_reason == "length" and req.end < self.world.lengths[req.key]:
+            self._cache(req.key, int(req.context))  # the next chunk may resume here
+        else:
+            self.world.on_response_end(req.group_id)
+        return _output(req, req.finish_reason)
+
+    def _take_elapsed(self) -> float:
+        elapsed, self._elapsed = self._elapsed, 0.0
+        return elapsed
+
+    # -- decoding rows and KV ------------------------------------------------------------
+
+    def _progress_end(self, req: SimRequest) -> float:
+        return req.progress_start + (req.end - req.generated)
+
+    def _first_end(self) -> float:
+        while not self._is_current(self._ends[0]):
+            heapq.heappop(self._ends)
+        return self._ends[0][0]
+
+    def _is_current(self, entry: tuple[float, int, str]) -> bool:
+        """Entries of rows that stopped (or stopped and restarted) stay in the heap until seen."""
+        req = self.decoding.get(entry[2])
+        return req is not None and abs(self._progress_end(req) - entry[0]) < EPS
+
+    def _start_decoding(self, req: SimRequest) -> None:
+        req.progress_start = self.progress
+        self.decoding[req.request_id] = req
+        self._context_base += req.context - self.progress
+        heapq.heappush(self._ends, (self._progress_end(req), req.arrival_order, req.request_id))
+
+    def _stop_decoding(self, rid: str) -> SimRequest:
+        req = self.decoding.pop(rid)
+        self._context_base -= req.context - req.progress_start
+        req.generated = min(req.end, req.generated + self.progress - req.progress_start)
+        return req
+
+    def _decoding_context(self) -> float:
+        return self._context_base + len(self.decoding) * self.progress
+
+    def _running_kv(self) -> float:
+        return self._decoding_context() + sum(r.computed for r in self.prefilling)
+
+    def _cache(self, key: str, tokens: int) -> None:
+        self.cache[key] = tokens
+        self.cached_tokens += tokens
+
+    def _evict(self) -> None:
+        """Drop the least recently cached contexts while running rows need their room."""
+        while self.cache and self.cached_tokens + self._running_kv() > self.capacity:
+            _, dropped = self.cache.popitem(last=False)
+            self.cached_tokens -= dropped
+
+    def _uncache(self, key: str) -> int:
+        tokens = self.cache.pop(key)
+        self.cached_tokens -= tokens
+        return tokens
+
+
+def _output(req: SimRequest, reason: str) -> RequestOutput:
+    n = int(round(req.generated))
+    completion = CompletionOutput(0, "", TokenCount(n), None, None, finish_reason=reason)
+    return RequestOutput(req.request_id, None, TokenCount(req.prompt_len), [completion], finished=True)

@@ -1,0 +1,97 @@
+"""What the simulator knows of an instance: its step-time model and its capacity.
+
+A step costs ``t = a + b * scheduled_tokens + c * kv_tokens_read``: ``a`` is the
+fixed cost (on a GPU, reading the weights once), ``b`` the per-token compute and
+``c`` reading the KV cache of the batch. Profiles are small JSON files written by
+``seer_engine profile`` (fitted on the machine at hand) or derived on paper for the
+built-in cluster setups (``sim/setups.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    a_s: float  # fixed seconds per step
+    b_s_per_token: float  # seconds per scheduled token
+    c_s_per_kv_token: float  # seconds per KV token read by the step's attention
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"step-time model: {f.name} must be >= 0, got {getattr(self, f.name)}")
+
+    def step_s(self, scheduled_tokens: float, kv_tokens_read: float) -> float:
+        return self.a_s + self.b_s_per_token * scheduled_tokens + self.c_s_per_kv_token * kv_tokens_read
+
+
+@dataclass(frozen=True)
+class InstanceProfile:
+    """One inference instance (a TP/EP group of GPUs, or one CPU engine)."""
+
+    name: str
+    step: StepTimeModel
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int = 16
+    kv_bytes_per_token: int = 0  # KV of one token over all layers (pool transfers)
+    pool_bytes_per_s: float = 0.0  # KV pool bandwidth into one instance; 0: no pool
+    derivation: str = ""  # how the figures were measured or derived
+    measured: dict = field(default_factory=dict)  # fit quality, machine, date (profiles only)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"instance profile {self.name!r}: {name} must be a positive integer, got {value!r}"
+                )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_capacity_tokens // self.block_size
+
+    def pool_load_s(self, tokens: int) -> float:
+        """Seconds to pull ``tokens`` of KV from the pool (0 without a pool model)."""
+        if not self.pool_bytes_per_s or not self.kv_bytes_per_token:
+            return 0.0
+        return tokens * self.kv_bytes_per_token / self.pool_bytes_per_s
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(self.to_json())
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> InstanceProfile:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"instance profile: unknown keys {unknown}")
+        data = dict(data)
+        step = data.pop("step", None)
+        if not isinstance(step, dict):
+            raise ValueError(
+                "instance profile: 'step' must be an object with a_s, b_s_per_token, c_s_per_kv_token"
+            )
+        return cls(step=StepTimeModel(**step), **data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> InstanceProfile:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"instance profile {str(p)!r} not found (write one with `seer_engine profile`)")
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"instance profile {str(p)!r} is not valid: {e}") from None

@@ -1,0 +1,180 @@
+"""The cluster simulator: the engine's own Rollout over modeled instances.
+
+``simulate`` builds N ``SimInstance``s, hands them to the same ``Rollout`` (Request
+Buffer, rollout policy, Context Manager, placement) that drives real engines, and
+returns the same ``RolloutResult``. Nothing about scheduling is re-implemented here:
+the policy classes are imported from ``core`` and ``rollout``; the modeled engines
+use the engine's scheduling policy (FCFS) to pick admission order and preemption
+victims, and its draft budget policy to size drafts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from seer_engine.core.policies import RolloutPolicy, make_policy, make_rollout_policy
+from seer_engine.core.request import Group
+from seer_engine.kv_connector.base import KVConnector
+from seer_engine.kv_connector.factory import KVPool
+from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.placement import Placement, SeerPlacement
+from seer_engine.rollout.rollout import Rollout, RolloutResult
+from seer_engine.sampling_params import SamplingParams
+from seer_engine.sim.instance import SimInstance, SimSpeculation, SimWorld, TokenCount
+from seer_engine.sim.profile import InstanceProfile
+from seer_engine.spec_decode.config import SpeculativeConfig
+
+
+@dataclass
+class SimGroup:
+    """A group as the simulator needs it: a prompt length and each response's length."""
+
+    group_id: str
+    prompt_len: int
+    lengths: list[int]
+
+
+class ModeledPool(KVConnector):
+    """The global KV pool as the simulator sees it: always there, its transfer time
+    charged by the instance that loads (``InstanceProfile.pool_load_s``)."""
+
+    name = "modeled"
+
+    def free(self, key: str) -> None:
+        pass
+
+
+class SimPool(EnginePool):
+    """An engine pool of modeled instances: the next event is the earliest one of any instance."""
+
+    def __init__(self, instances: Sequence[SimInstance], pooled: bool) -> None:
+        self.config = None
+        self.backend = "sim"
+        self.kv_pool = KVPool(ModeledPool(), None) if pooled else KVPool.recompute()
+        self.proposer = None
+        self.draft_server = None
+        self._finished_groups = {}
+        self.instances = list(instances)
+        self._t0 = 0.0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.instances[0].info.max_model_len
+
+    def advance(self):
+        busy = [inst for inst in self.instances if inst.alive and inst.has_work]
+        if not busy:
+            return None
+        times = [inst.next_event_at() for inst in busy]
+        first = min(range(len(busy)), key=lambda i: (times[i], busy[i].index))
+        if math.isinf(times[first]):
+            raise RuntimeError(
+                "simulated instances hold chunks they can never run: a chunk needs more KV "
+                "than an instance has (raise kv_capacity_tokens or lower chunk_tokens)"
+            )
+        horizon = min((t for i, t in enumerate(times) if i != first), default=math.inf)
+        inst = busy[first]
+        return inst, inst.step(horizon)
+
+    def close(self) -> None:
+        pass
+
+
+def simulate(
+    groups: Sequence[SimGroup],
+    policy: RolloutPolicy,
+    profile: InstanceProfile,
+    instances: int,
+    max_tokens: int,
+    chunk_tokens: int = 8192,
+    placement: Placement | None = None,
+    acceptance=None,
+    pooled: bool = True,
+    on_sample_finished: Callable | None = None,
+) -> RolloutResult:
+    """One rollout iteration of ``groups`` under ``policy`` on ``instances`` modeled instances.
+
+    ``pooled``: a global KV pool (Seer) lets moved responses pull their context; without
+    one they recompute it. ``acceptance``: the speculative acceptance model (policies
+    with speculative decoding only; default: the one fitted on the Qwen3 trace).
+    """
+    max_prompt = max(g.prompt_len for g in groups)
+    world = SimWorld(
+        lengths={f"{g.group_id}/{i}": min(n, max_tokens) for g in groups for i, n in enumerate(g.lengths)},
+        max_tokens=max_tokens,
+        group_sizes={g.group_id: len(g.lengths) for g in groups},
+    )
+    speculation = _speculation(policy, acceptance, max(len(g.lengths) for g in groups))
+    sims = [
+        SimInstance(
+            i, profile, world, make_policy("fcfs"), speculation, max_model_len=max_prompt + max_tokens
+        )
+        for i in range(instances)
+    ]
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
+    rollout_groups = [
+        Group(g.group_id, TokenCount(g.prompt_len), params, len(g.lengths), order=k)
+        for k, g in enumerate(groups)
+    ]
+    pool = SimPool(sims, pooled)
+    rollout = Rollout(pool, policy, chunk_tokens, on_sample_finished, placement or SeerPlacement())
+    return rollout.run(rollout_groups)
+
+
+def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculation | None:
+    if policy.speculative is None:
+        return None
+    spec = SpeculativeConfig.parse(policy.speculative)
+    if spec.method != "group_suffix" or not spec.trees:
+        raise ValueError(
+            f"the simulator models grouped multi-path drafts (seer) only, not {spec.method!r} "
+            f"(multi_path={spec.multi_path})"
+        )
+    if acceptance is None:
+        from seer_engine.sim.acceptance import default_acceptance
+
+        acceptance = default_acceptance(samples)
+    return SimSpeculation(acceptance, spec.budget, spec.num_speculative_tokens)
+
+
+def true_lengths(groups: Sequence[SimGroup], max_tokens: int) -> dict[str, int]:
+    """What the oracle policy is handed (sample key -> output tokens)."""
+    return {f"{g.group_id}/{i}": min(n, max_tokens) for g in groups for i, n in enumerate(g.lengths)}
+
+
+def policy_for(name: str, groups: Sequence[SimGroup], max_tokens: int, starvation_s: float) -> RolloutPolicy:
+    return make_rollout_policy(name, true_lengths=true_lengths(groups, max_tokens), starvation_s=starvation_s)
+
+
+def synthetic_groups(
+    prompts: int, samples: int, max_tokens: int, prompt_len: int, seed: int
+) -> list[SimGroup]:
+    """The rollout issue's synthetic generator (fitted to the Qwen3 trace) at a setup's scale."""
+    from seer_engine.rollout.workload import synthetic_workload
+
+    return [
+        SimGroup(f"s{k}", prompt_len, g.lengths)
+        for k, g in enumerate(synthetic_workload(prompts, samples, max_tokens, seed=seed))
+    ]
+
+
+def trace_groups(trace: str, prompts: int, samples: int, max_tokens: int, seed: int) -> list[SimGroup]:
+    """Replay a trace's groups, cycled to ``prompts`` groups, with lengths scaled so the
+    trace's p99 lands on ``max_tokens`` (``scale_lengths``). Pass ``k`` of a trace group
+    takes the next ``samples`` of its responses (cyclically), shifted by ``seed``."""
+    from seer_engine.rollout.workload import load_trace, scale_lengths
+
+    source = load_trace(trace)
+    if any(g.num_samples < samples for g in source):
+        raise ValueError(f"trace {trace!r} has groups with fewer than {samples} responses")
+    scaled = scale_lengths([g.lengths for g in source], max_tokens)
+    groups = []
+    for k in range(prompts):
+        j = (k + seed) % len(source)
+        lengths = scaled[j]
+        start = (k // len(source) + seed) * samples
+        picked = [lengths[(start + i) % len(lengths)] for i in range(samples)]
+        groups.append(SimGroup(f"t{k}", len(source[j].prompt_token_ids), picked))
+    return groups

@@ -1,0 +1,187 @@
+"""The simulator's acceptance model: replay on hand-made groups with known answers (real C++
+tree), the table's interpolation and binning, and its file format."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from seer_engine.sim.acceptance import (
+    DEFAULT_ACCEPTANCE_PATH,
+    AcceptanceModel,
+    accepted_len,
+    default_acceptance,
+    fit_acceptance,
+    replay_group,
+)
+from seer_engine.spec_decode.draft import DraftTree
+
+PROMPT = list(range(1000, 1020))
+X = list(range(3000, 3200))  # 200 distinct tokens
+
+
+@dataclass
+class Group:
+    group_id: str
+    response_token_ids: list[list[int]]
+    prompt_token_ids: list[int] = field(default_factory=lambda: list(PROMPT))
+
+
+def late_copy() -> Group:
+    """Sibling 0 writes X and finishes at step 200; sibling 1 writes 250 unrelated tokens, then X:
+    from its second X token on it can accept all of X from sibling 0's finished sequence."""
+    return Group("late", [list(X), list(range(5000, 5250)) + X])
+
+
+def totals(records: list[tuple[float, int]], lo: float = 0.0, hi: float = 1.0) -> tuple[int, int]:
+    """(steps, accepted tokens) over the records with lo <= stage < hi."""
+    inside = [a for s, a in records if lo <= s < hi]
+    return len(inside), sum(inside)
+
+
+@pytest.mark.parametrize("budget, x_steps", [(1, 101), (4, 41), (16, 13)])
+def test_late_sibling_accepts_what_a_finished_sibling_wrote(budget, x_steps):
+    records = replay_group(late_copy(), budget, multi_path=True)
+    # Both siblings alone: 400 steps at stage 0, nothing in common, nothing accepted.
+    assert totals(records, 0.0, 0.5) == (400, 0)
+    # Sibling 1 after sibling 0 finished: 50 more unrelated tokens, then X: its first token
+    # has no match, every later step accepts min(budget, tokens left) of X: all of X but the
+    # bonus tokens, the last of which falls past the end.
+    steps, accepted = totals(records, 0.5, 1.0)
+    assert steps == 50 + x_steps
+    assert accepted == 201 - x_steps
+
+
+@pytest.mark.parametrize("multi_path", [True, False])
+def test_catching_up_with_a_sibling_ahead(multi_path):
+    """Identical text, sibling 1 starting 60 tokens later: it catches up on sibling 0's
+    frontier and then both finish together, so it accepts exactly those 60 tokens."""
+    group = Group("behind", [list(X), list(range(2000, 2060)) + X])
+    for budget in (1, 16):
+        records = replay_group(group, budget, multi_path)
+        assert totals(records) == (400, 60)
+        assert {s for s, _ in records} == {0.0}
+
+
+def test_distinct_random_responses_accept_almost_nothing():
+    rng = random.Random(0)
+    group = Group("random", [[rng.randrange(50_000) for _ in range(300)] for _ in range(4)])
+    model = fit_acceptance([group], budgets=(1, 16), stage_edges=(0.0, 1.0), progress=False)
+    assert model.accepted[0][0] < 0.02 and model.accepted[0][1] < 0.05
+    assert sum(model.measured["steps"][0]) >= 2 * 4 * 299
+
+
+def test_fit_is_monotone_in_budget_and_fills_empty_bins(capsys):
+    model = fit_acceptance(
+        [late_copy()], budgets=(1, 2, 4, 16), stage_edges=(0.0, 0.25, 0.5, 1.0), progress=True
+    )
+    assert "[acceptance] 1/1 groups" in capsys.readouterr().out
+    late = model.accepted[2]
+    assert list(late) == sorted(late) and late[-1] > 2 * late[0]
+    assert late[0] == pytest.approx(100 / 151)  # budget 1: see the test above
+    assert model.accepted[0] == (0.0, 0.0, 0.0, 0.0)
+    # Stage 0.25..0.5 never happens with two siblings: copied from the nearest bin (0).
+    assert model.measured["steps"][1] == [0, 0, 0, 0]
+    assert model.measured["filled_bins"] == {"1": "no steps; copied from bin 0"}
+    assert model.measured["overall_accepted_per_step"][0] == pytest.approx(100 / 551)
+
+
+def test_accepted_len_follows_the_matching_branch():
+    # root -> 5 -> 6 -> 7 and root -> 9 -> 8
+    tree = DraftTree([5, 9, 6, 8, 7], [-1, -1, 0, 1, 2], [0.5] * 5)
+    assert accepted_len(tree, [5, 6, 7, 1]) == 3
+    assert accepted_len(tree, [9, 8, 8]) == 2
+    assert accepted_len(tree, [9, 6]) == 1
+    assert accepted_len(tree, [1]) == 0
+    assert accepted_len(DraftTree(), [5]) == 0
+
+
+def table() -> AcceptanceModel:
+    return AcceptanceModel(
+        budgets=(1, 2, 4),
+        stage_edges=(0.0, 0.5, 1.0),
+        accepted=((0.4, 0.6, 1.0), (0.8, 1.2, 2.0)),
+    )
+
+
+def test_accepted_per_step_interpolates_and_clamps():
+    m = table()
+    assert m.accepted_per_step(0, 0.1) == 0.0
+    assert m.accepted_per_step(-3, 0.1) == 0.0
+    assert m.accepted_per_step(0.5, 0.1) == pytest.approx(0.2)  # from (0, 0) to the first point
+    assert m.accepted_per_step(1, 0.1) == pytest.approx(0.4)
+    assert m.accepted_per_step(3, 0.1) == pytest.approx(0.8)
+    assert m.accepted_per_step(4, 0.1) == pytest.approx(1.0)
+    assert m.accepted_per_step(64, 0.1) == pytest.approx(1.0)
+    # Stage bins: [0, 0.5) and [0.5, 1.0]; outside [0, 1] clamps.
+    assert m.accepted_per_step(2, 0.49) == pytest.approx(0.6)
+    assert m.accepted_per_step(2, 0.5) == pytest.approx(1.2)
+    assert m.accepted_per_step(2, 1.0) == pytest.approx(1.2)
+    assert m.accepted_per_step(2, 7.0) == pytest.approx(1.2)
+    assert m.accepted_per_step(2, -1.0) == pytest.approx(0.6)
+    assert [m.stage_bin(s) for s in (-1, 0, 0.3, 0.5, 0.99, 1, 2)] == [0, 0, 0, 1, 1, 1, 1]
+
+
+def test_per_token_rate_is_budget_one_clamped():
+    m = table()
+    assert m.per_token_rate(0.2) == pytest.approx(0.4)
+    high = AcceptanceModel((1, 2), (0.0, 1.0), ((1.3, 2.0),))
+    assert high.per_token_rate(0.5) == 0.999
+
+
+def test_save_load_round_trip(tmp_path):
+    m = AcceptanceModel((1, 2, 4), (0.0, 0.5, 1.0), ((0.4, 0.6, 1.0), (0.8, 1.2, 2.0)), "by hand", {"x": 1})
+    path = m.save(tmp_path / "sub" / "acc.json")
+    back = AcceptanceModel.load(path)
+    assert back == m
+    assert back.accepted_per_step(3, 0.7) == pytest.approx(1.6)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"budgets": [2, 1, 4]}, "budgets must increase"),
+        ({"budgets": [0, 1, 2]}, "positive integers"),
+        ({"stage_edges": [0.0, 1.0]}, "1 stage rows of 3 budgets"),
+        ({"stage_edges": [0.1, 0.5, 1.0]}, "from 0.0 to 1.0"),
+        ({"accepted": [[0.4, 0.6], [0.8, 1.2]]}, "2 stage rows of 3 budgets"),
+        ({"accepted": [[0.4, -0.6, 1.0], [0.8, 1.2, 2.0]]}, "finite and >= 0"),
+        ({"accepted": 3}, "number lists"),
+        ({"bogus": 1}, "unknown keys ['bogus']"),
+        ({"budgets": None}, "missing keys ['budgets']"),
+    ],
+)
+def test_bad_files_say_what_is_wrong(tmp_path, change, message):
+    data = json.loads(table().to_json())
+    data.update(change)
+    data = {k: v for k, v in data.items() if v is not None}
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="acceptance model") as err:
+        AcceptanceModel.load(path)
+    assert message in str(err.value)
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        AcceptanceModel.load(tmp_path / "nope.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="is not valid"):
+        AcceptanceModel.load(tmp_path / "broken.json")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        AcceptanceModel.load(tmp_path / "list.json")
+
+
+def test_committed_fit_loads_and_is_sane():
+    m = default_acceptance()
+    assert m is default_acceptance()
+    assert DEFAULT_ACCEPTANCE_PATH.is_file() and m.derivation
+    for row in m.accepted:
+        assert list(row) == sorted(row)  # more budget never accepts less, on average
+        assert 0.0 < row[0] < 1.0
+    # Late in a group the stragglers draft from finished siblings: acceptance goes up.
+    assert m.accepted_per_step(16, 0.9) > m.accepted_per_step(16, 0.0)
