@@ -92,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     from seer_engine.entrypoints.bench import add_cli as add_bench
     from seer_engine.entrypoints.openai.api_server import add_cli as add_serve
     from seer_engine.entrypoints.rollout_cli import add_cli as add_rollout
+    from seer_engine.entrypoints.simulate import add_cli as add_simulate
     from seer_engine.model_executor.tiny_model import add_cli as add_make_tiny_model
     from seer_engine.rollout.workload import add_cli as add_trace_stats
+    from seer_engine.sim.profiler import add_cli as add_profile
 
     parser = argparse.ArgumentParser(
         prog="seer_engine", description="LLM inference engine for RL rollouts (Seer)."
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollout(sub)
     add_bench(sub)
     add_trace_stats(sub)
+    add_simulate(sub)
+    add_profile(sub)
     return parser
 
 

@@ -178,3 +178,15 @@ def trace_groups(trace: str, prompts: int, samples: int, max_tokens: int, seed: 
         picked = [lengths[(start + i) % len(lengths)] for i in range(samples)]
         groups.append(SimGroup(f"t{k}", len(source[j].prompt_token_ids), picked))
     return groups
+
+
+def bench_groups(trace: str, spec: str, samples: int, max_tokens: int) -> list[SimGroup]:
+    """The workload ``bench rollout --trace T --groups SPEC --samples N`` replays: the
+    same groups, real prompt lengths, and each response's tokens plus its EOS."""
+    from seer_engine.rollout.workload import load_trace, select_groups
+
+    chosen = select_groups(load_trace(trace), spec, samples)
+    return [
+        SimGroup(f"t{g.group_id}", len(g.prompt_token_ids), [min(n + 1, max_tokens) for n in g.lengths])
+        for g in chosen
+    ]

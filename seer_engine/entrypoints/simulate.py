@@ -1,0 +1,184 @@
+"""``seer_engine simulate``: the paper's cluster setups (or a profiled machine) under
+every policy, in the discrete-event simulator (``seer_engine/sim``).
+
+Each iteration draws one workload (synthetic, or a trace's lengths) and runs every
+policy on it, so the figures compare side by side. ``--report DIR`` writes, per
+setup, the same ``report.json`` keys as ``bench rollout`` and a PNG of running
+requests (and KV use) per instance over time, one row per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from seer_engine.core.policies import ROLLOUT_POLICIES
+from seer_engine.rollout.placement import SeerPlacement
+from seer_engine.rollout.report import Progress, format_table, write_report
+from seer_engine.rollout.rollout import RolloutResult
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="cluster-scale rollout simulation of the scheduling policies")
+    p.add_argument("--setup", default="moonlight", help="comma-separated: moonlight, qwen2vl-72b, kimi-k2")
+    p.add_argument("--policy", default="baseline,divided,context,seer,oracle", help="comma-separated")
+    p.add_argument("--iterations", type=int, default=1, help="rollout iterations (a fresh workload each)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"
+    )
+    p.add_argument("--instances", type=int, default=None, help="override the setup's")
+    p.add_argument("--prompts", type=int, default=None, help="groups per iteration (override)")
+    p.add_argument("--samples", type=int, default=None, help="responses per prompt (override)")
+    p.add_argument("--max-tokens", type=int, default=None, help="override the setup's")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="override the setup's (paper: 8192)")
+    p.add_argument("--starvation-s", type=float, default=None, help="the Context Manager's starvation guard")
+    p.add_argument(
+        "--trace", default=None, help="replay this trace's lengths instead of the synthetic generator"
+    )
+    p.add_argument(
+        "--groups", default=None,
+        help="with --trace: exactly these trace groups ('8', '60:90') with unscaled lengths, as bench "
+        "rollout replays them (default: every group, cycled to --prompts, lengths scaled to --max-tokens)",
+    )  # fmt: skip
+    p.add_argument("--no-kv-pool", action="store_true", help="moved responses recompute (no global KV pool)")
+    p.add_argument("--migration-spread", type=int, default=32)
+    p.add_argument("--pool-pull-tokens", type=int, default=512)
+    p.add_argument("--report", default=None, help="write <setup>/report.json and report.png here")
+    p.set_defaults(func=run_simulate)
+
+
+def _setups(args: argparse.Namespace) -> list:
+    from seer_engine.sim.profile import InstanceProfile
+    from seer_engine.sim.setups import get_setup
+
+    names = [s.strip() for s in args.setup.split(",") if s.strip()]
+    profile = InstanceProfile.load(args.profile) if args.profile else None
+    overrides = {
+        "instances": args.instances, "prompts": args.prompts, "samples": args.samples,
+        "max_tokens": args.max_tokens, "chunk_tokens": args.chunk_tokens, "starvation_s": args.starvation_s,
+        "profile": profile,
+    }  # fmt: skip
+    for key in ("instances", "prompts", "samples", "max_tokens", "chunk_tokens"):
+        if overrides[key] is not None and overrides[key] < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
+    return [
+        dataclasses.replace(get_setup(n), **{k: v for k, v in overrides.items() if v is not None})
+        for n in names
+    ]
+
+
+def _workload(args: argparse.Namespace, setup, iteration: int):
+    from seer_engine.sim import simulator
+
+    seed = args.seed + iteration
+    if args.trace and args.groups:
+        return simulator.bench_groups(args.trace, args.groups, setup.samples, setup.max_tokens)
+    if args.trace:
+        return simulator.trace_groups(args.trace, setup.prompts, setup.samples, setup.max_tokens, seed)
+    return simulator.synthetic_groups(setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from seer_engine.sim.simulator import policy_for, simulate
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in ROLLOUT_POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policy {unknown[0]!r}; choose from {sorted(ROLLOUT_POLICIES)}")
+    if args.iterations < 1:
+        raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.groups and not args.trace:
+        raise ValueError("--groups selects trace groups: pass --trace too")
+    placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
+    for setup in _setups(args):
+        p = setup.profile
+        print(f"simulate {setup.name}: {setup.instances} instances x {p.kv_capacity_tokens:,} KV tokens, "
+              f"{setup.prompts} prompts x {setup.samples} responses, max {setup.max_tokens:,} tokens, "
+              f"chunk {setup.chunk_tokens:,}; step = {p.step.a_s * 1e3:.2f} ms + "
+              f"{p.step.b_s_per_token * 1e6:.2f} us/token + {p.step.c_s_per_kv_token * 1e9:.3f} ns/KV token",
+              flush=True)  # fmt: skip
+        runs: list[dict[str, RolloutResult]] = []
+        for it in range(args.iterations):
+            groups = _workload(args, setup, it)
+            total = sum(len(g.lengths) for g in groups)
+            results = {}
+            for name in policies:
+                label = f"{setup.name} iter {it + 1}/{args.iterations} {name}"
+                start = time.perf_counter()
+                results[name] = simulate(
+                    groups, policy_for(name, groups, setup.max_tokens, setup.starvation_s), p,
+                    setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
+                    pooled=not args.no_kv_pool, on_sample_finished=Progress(label, total),
+                )  # fmt: skip
+                m = results[name].metrics
+                print(f"[{label}] simulated {m.makespan_s:,.0f}s in {time.perf_counter() - start:.1f}s wall",
+                      flush=True)  # fmt: skip
+            runs.append(results)
+            print(format_table(results))
+        summary = _summary(runs)
+        print(_format_summary(setup.name, summary))
+        if args.report:
+            _write(Path(args.report) / setup.name, setup, runs, summary, args)
+    return 0
+
+
+def _summary(runs: list[dict[str, RolloutResult]]) -> dict[str, dict]:
+    """Per policy over the iterations: mean throughput, makespan, tail, and vs baseline."""
+    out = {}
+    for name in runs[0]:
+        ms = [r[name].metrics for r in runs]
+        row = {
+            "throughput_tokens_per_s": statistics.mean(m.throughput_tokens_per_s for m in ms),
+            "makespan_s": statistics.mean(m.makespan_s for m in ms),
+            "tail_s": statistics.mean(m.tail_s for m in ms),
+            "preemptions": statistics.mean(m.preemptions for m in ms),
+            "idle_fraction": statistics.mean(m.idle_fraction for m in ms),
+        }
+        if "baseline" in runs[0]:
+            base = [r["baseline"].metrics for r in runs]
+            row["throughput_x_baseline"] = statistics.mean(
+                m.throughput_tokens_per_s / b.throughput_tokens_per_s for m, b in zip(ms, base)
+            )
+            row["tail_reduction_vs_baseline"] = statistics.mean(
+                1 - m.tail_s / b.tail_s if b.tail_s else 0.0 for m, b in zip(ms, base)
+            )
+        out[name] = {k: round(v, 4) for k, v in row.items()}
+    return out
+
+
+def _format_summary(setup: str, summary: dict[str, dict]) -> str:
+    lines = [f"{setup}: mean over iterations", f"{'policy':>10} {'tokens/s':>11} {'makespan_s':>11} "
+             f"{'tail_s':>9} {'preempt':>8} {'idle':>6} {'x baseline':>11} {'tail vs base':>13}"]  # fmt: skip
+    for name, r in summary.items():
+        x = r.get("throughput_x_baseline")
+        tail = r.get("tail_reduction_vs_baseline")
+        lines.append(
+            f"{name:>10} {r['throughput_tokens_per_s']:>11,.0f} {r['makespan_s']:>11,.0f} "
+            f"{r['tail_s']:>9,.0f} {r['preemptions']:>8,.0f} {r['idle_fraction']:>6.1%} "
+            f"{'' if x is None else f'{x:.2f}x':>11} {'' if tail is None else f'{-tail:+.0%}':>13}"
+        )
+    return "\n".join(lines)
+
+
+def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict, args) -> None:
+    meta = {
+        "command": "seer_engine " + " ".join(sys.argv[1:]),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "setup": setup.name, "gpus": setup.gpus, "instances": setup.instances, "prompts": setup.prompts,
+        "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,
+        "starvation_s": setup.starvation_s, "iterations": args.iterations, "seed": args.seed,
+        "workload": args.trace or "synthetic", "kv_pool": not args.no_kv_pool,
+        "profile": dataclasses.asdict(setup.profile), "notes": setup.notes,
+    }  # fmt: skip
+    path = write_report(out, runs[0], meta)  # figures and per-policy keys: the first iteration
+    report = json.loads(path.read_text())
+    report["mean_over_iterations"] = summary
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
