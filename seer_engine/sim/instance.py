@@ -187,6 +187,7 @@ class SimInstance(EngineInstance):
         self._arrivals = 0
         self._undelivered: list[RequestOutput] = []  # chunks that ended while catching up to an arrival
         self._elapsed = 0.0  # step time since the last reply
+        self.peak_kv_tokens = 0.0  # the most KV its running rows ever held (tests check the capacity)
 
     # -- the instance interface ------------------------------------------------------
 
@@ -415,6 +416,8 @@ class SimInstance(EngineInstance):
             self.prompt_groups.add(req.group_id)
         for req, n in seg.prefill:
             req.computed += n
+        self._note_kv()
+        for req, _ in seg.prefill:
             if req.computed >= req.context - EPS:  # the prompt is in: the row samples a token
                 self.prefilling.remove(req)
                 req.generated += 1
@@ -447,6 +450,7 @@ class SimInstance(EngineInstance):
         st.draft_tokens_scheduled += steps * seg.rows * seg.drafted
         st.draft_tokens_accepted += steps * seg.rows * (seg.gain - 1)
         self.progress += steps * seg.gain
+        self._note_kv()
         outputs = []
         while self._ends and self._ends[0][0] <= self.progress + EPS:
             entry = heapq.heappop(self._ends)
@@ -461,6 +465,9 @@ class SimInstance(EngineInstance):
         else:
             self.world.on_response_end(req.group_id)
         return _output(req, req.finish_reason)
+
+    def _note_kv(self) -> None:
+        self.peak_kv_tokens = max(self.peak_kv_tokens, self._running_kv())
 
     def _take_elapsed(self) -> float:
         elapsed, self._elapsed = self._elapsed, 0.0

@@ -1,0 +1,169 @@
+"""The cluster simulator: conservation, KV capacity, determinism, and that what it
+schedules with is the engine's own code (Rollout, policies, Context Manager, budget)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import seer_engine.core.policies as engine_policies
+import seer_engine.rollout.rollout as engine_rollout
+from seer_engine.core.policies import ROLLOUT_POLICIES, ContextAwarePolicy
+from seer_engine.sim import simulator
+from seer_engine.sim.instance import SimInstance
+from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+from seer_engine.sim.simulator import SimGroup, policy_for, simulate, synthetic_groups
+from seer_engine.spec_decode.budget import AdaptiveBudget
+
+MAX_TOKENS = 4096
+POLICIES = ("baseline", "divided", "context", "seer", "oracle")
+
+
+def _profile(kv_tokens: int = 40_000, **kw) -> InstanceProfile:
+    # GPU-like: a step costs about the same for 1 or 64 rows, so drafts pay in the tail.
+    step = kw.pop("step", StepTimeModel(0.02, 2e-5, 2e-9))
+    return InstanceProfile("test", step, kv_capacity_tokens=kv_tokens, max_num_seqs=64,
+                           max_num_batched_tokens=4096, pool_bytes_per_s=1e10, kv_bytes_per_token=1000,
+                           **kw)  # fmt: skip
+
+
+def _groups(seed: int = 0) -> list[SimGroup]:
+    return synthetic_groups(12, 8, MAX_TOKENS, prompt_len=200, seed=seed)
+
+
+def _run(name: str, groups, profile=None, instances: int = 3, chunk: int = 1024):
+    return simulate(groups, policy_for(name, groups, MAX_TOKENS, 3600.0), profile or _profile(), instances,
+                    MAX_TOKENS, chunk)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_response_finishes_once_with_its_length_and_kv_stays_within_capacity(name, monkeypatch):
+    peaks: list[SimInstance] = []
+    real_init = SimInstance.__init__
+
+    def spy(self, *args, **kw):
+        real_init(self, *args, **kw)
+        peaks.append(self)
+
+    monkeypatch.setattr(SimInstance, "__init__", spy)
+    groups = _groups()
+    finished: list[str] = []
+    result = simulate(groups, policy_for(name, groups, MAX_TOKENS, 3600.0), _profile(), 3, MAX_TOKENS, 1024,
+                      on_sample_finished=lambda s: finished.append(s.key))  # fmt: skip
+    expected = simulator.true_lengths(groups, MAX_TOKENS)
+    assert sorted(finished) == sorted(expected), "every response finishes exactly once"
+    got = {s.key: s.num_generated for ss in result.samples.values() for s in ss}
+    assert got == expected
+    assert result.metrics.output_tokens == sum(expected.values())
+    assert all(0 < inst.peak_kv_tokens <= inst.capacity for inst in peaks)
+    if name != "baseline":
+        assert result.metrics.preemptions == 0, "divided rollout reserves KV per chunk: it never preempts"
+
+
+def test_baseline_preempts_when_kv_runs_out_and_divided_does_not():
+    groups = _groups()
+    tight = _profile(kv_tokens=12_000)
+    base, divided = _run("baseline", groups, tight), _run("divided", groups, tight)
+    assert base.metrics.preemptions > 0 and base.metrics.recomputed_tokens > 0
+    assert divided.metrics.preemptions == 0
+    assert divided.metrics.migrations > 0 and divided.metrics.pool_loads > 0, "full instances move responses"
+    assert base.metrics.output_tokens == divided.metrics.output_tokens
+
+
+def test_same_seed_same_rollout_other_seed_other_rollout():
+    a, b, c = _run("seer", _groups(1)), _run("seer", _groups(1)), _run("seer", _groups(2))
+    assert a.metrics == b.metrics
+    assert a.timelines == b.timelines
+    assert a.metrics.makespan_s != c.metrics.makespan_s
+
+
+def test_seer_drafts_from_the_acceptance_model_and_beats_context():
+    groups = _groups()
+    seer, context = _run("seer", groups), _run("context", groups)
+    m = seer.metrics
+    assert m.accepted_tokens_per_step > 0.3 and m.draft_tokens_verified > 0
+    assert m.accepted_tokens_per_step_thirds[2] > m.accepted_tokens_per_step_thirds[0], (
+        "the tail drafts deeper"
+    )
+    assert context.metrics.accepted_tokens_per_step == 0
+    assert m.throughput_tokens_per_s > 1.2 * context.metrics.throughput_tokens_per_s
+
+
+def test_a_chunk_larger_than_an_instance_is_a_clear_error():
+    groups = [SimGroup("g", 100, [3000])]
+    with pytest.raises(RuntimeError, match="more KV blocks than an instance has"):
+        simulate(groups, policy_for("divided", groups, 4096, 60.0), _profile(kv_tokens=1024), 1, 4096, 2048)
+
+
+def test_the_simulator_schedules_with_the_engines_own_classes():
+    # No second implementation: the names the simulator uses are the engine's objects.
+    assert simulator.Rollout is engine_rollout.Rollout
+    assert simulator.make_rollout_policy is engine_policies.make_rollout_policy
+    assert set(ROLLOUT_POLICIES.values()) >= {
+        type(policy_for(n, _groups(), MAX_TOKENS, 1.0)) for n in POLICIES
+    }
+    # ...and a policy handed in is the one that orders the buffer.
+    calls = []
+
+    class Counting(ContextAwarePolicy):
+        def priority(self, sample, now):
+            calls.append(sample.key)
+            return super().priority(sample, now)
+
+    groups = _groups()
+    result = simulate(groups, Counting(), _profile(), 3, MAX_TOKENS, 1024)
+    assert calls and result.metrics.policy == "context"
+
+
+def test_the_modeled_engines_use_the_engines_scheduling_and_budget_policies(monkeypatch):
+    seen = []
+    real_allocate = AdaptiveBudget.allocate
+
+    def allocate(self, requests, acceptance, max_nodes):
+        seen.append(len(requests))
+        return real_allocate(self, requests, acceptance, max_nodes)
+
+    monkeypatch.setattr(AdaptiveBudget, "allocate", allocate)
+    from seer_engine.sim import instance as sim_instance
+
+    sim_instance._allocate.cache_clear()
+    _run("seer", _groups(3))
+    assert seen, "seer's draft budgets come from the engine's AdaptiveBudget"
+    inst = SimInstance(0, _profile(), None, engine_policies.make_policy("fcfs"))
+    assert type(inst.scheduling) is engine_policies.FCFSPolicy
+
+
+def test_simulate_cli_writes_the_bench_report_keys_and_a_png(tmp_path, capsys):
+    from seer_engine.entrypoints.cli import main
+
+    assert main(["simulate", "--setup", "moonlight", "--prompts", "6", "--max-tokens", "8192",
+                 "--policy", "baseline,context,seer", "--report", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "mean over iterations" in out and "seer" in out
+    report = json.loads((tmp_path / "moonlight" / "report.json").read_text())
+    assert set(report["policies"]) == {"baseline", "context", "seer"}
+    assert {"throughput_tokens_per_s", "makespan_s", "tail_s", "preemptions", "idle_fraction"} <= set(
+        report["policies"]["seer"]
+    )
+    assert "vs_baseline" in report and report["meta"]["setup"] == "moonlight"
+    assert (tmp_path / "moonlight" / "report.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--setup", "gpt5"], "unknown setup 'gpt5'"),
+        (["--policy", "fastest"], "unknown policy 'fastest'"),
+        (["--iterations", "0"], "--iterations must be >= 1"),
+        (["--groups", "8"], "pass --trace too"),
+        (["--profile", "/nonexistent.json"], "not found"),
+    ],
+)
+def test_simulate_cli_names_bad_input(args, message, capsys):
+    from seer_engine.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
