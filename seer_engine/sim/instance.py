@@ -303,12 +303,13 @@ class SimInstance(EngineInstance):
                 return None
             return self._decode_segment(rows, gain, drafted)
         tokens = rows * (1 + drafted) + sum(n for _, n in prefill)
-        kv_read = self._decoding_context() + sum(r.computed + n for r, n in prefill)
+        m = self.profile.step
+        kv_read = self._decode_kv(drafted) + sum(m.kv_read(r.computed, n) for r, n in prefill)
         for req in admit:
             n = min(req.context - req.hit, max(budget, 0))
             prefill.append((req, n))
             tokens += n
-            kv_read += req.hit + n
+            kv_read += m.kv_read(req.hit, n)
             budget -= n
         seconds = self.profile.step.step_s(tokens, kv_read) + self._carried_s
         return Segment(1, seconds, self.clock + seconds, rows, gain, drafted, prefill, admit)
@@ -326,8 +327,20 @@ class SimInstance(EngineInstance):
 
     def _decode_seconds(self, seg: Segment, steps: int) -> float:
         m = self.profile.step
-        per_step = m.step_s(seg.rows * (1 + seg.drafted), self._decoding_context())
-        return steps * per_step + m.c_s_per_kv_token * seg.rows * seg.gain * steps * (steps - 1) / 2
+        rows, new = seg.rows, 1 + seg.drafted
+        # KV read by the decoding rows: linear in their total context, which grows by
+        # rows * gain per step; per query token it is read (1 + drafted) times.
+        per_context = new if m.kv_per_query else 1.0
+        first = m.step_s(rows * new, self._decode_kv(seg.drafted))
+        return steps * first + m.c_s_per_kv_token * per_context * rows * seg.gain * steps * (steps - 1) / 2
+
+    def _decode_kv(self, drafted: float) -> float:
+        """KV tokens the decoding rows read in one step (each schedules 1 + drafted tokens)."""
+        m = self.profile.step
+        rows, new = len(self.decoding), 1 + drafted
+        if m.kv_per_query:
+            return new * self._decoding_context() + rows * new * (new + 1) / 2
+        return self._decoding_context() + rows * new
 
     def _steps_within(self, seg: Segment, seconds: float) -> int:
         """Whole steps of a decode segment that end within ``seconds``."""
@@ -346,7 +359,12 @@ class SimInstance(EngineInstance):
             return 1.0, 0.0
         stage = sum(self.world.stage(r.group_id) for r in self.decoding.values()) / rows
         m = self.profile.step
-        cost = StepCostModel(m.a_s + m.c_s_per_kv_token * self._decoding_context(), m.b_s_per_token)
+        # The budget's line: what one more scheduled token costs (on a CPU it also
+        # attends its row's context), on top of the step without drafts.
+        per_token = m.b_s_per_token + (
+            m.c_s_per_kv_token * self._decoding_context() / rows if m.kv_per_query else 0
+        )
+        cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0)) - m.b_s_per_token * rows, per_token)
         drafted, accepted = self.speculation.rates(rows, stage, cost)
         return 1.0 + accepted, drafted
 

@@ -17,17 +17,29 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class StepTimeModel:
+    """``kv_per_query``: what "KV tokens read" counts. On a GPU, decode attention is
+    memory-bound and a row's KV is read once per step, however many tokens the row
+    schedules (False). On a CPU it is compute-bound: every scheduled token attends its
+    whole context (query-key pairs, True), so draft tokens and prompt chunks cost more."""
+
     a_s: float  # fixed seconds per step
     b_s_per_token: float  # seconds per scheduled token
     c_s_per_kv_token: float  # seconds per KV token read by the step's attention
+    kv_per_query: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < 0:
+            if f.name != "kv_per_query" and getattr(self, f.name) < 0:
                 raise ValueError(f"step-time model: {f.name} must be >= 0, got {getattr(self, f.name)}")
 
     def step_s(self, scheduled_tokens: float, kv_tokens_read: float) -> float:
         return self.a_s + self.b_s_per_token * scheduled_tokens + self.c_s_per_kv_token * kv_tokens_read
+
+    def kv_read(self, context: float, new_tokens: float) -> float:
+        """KV tokens a row reads when it computes ``new_tokens`` after ``context`` tokens."""
+        if self.kv_per_query:
+            return new_tokens * context + new_tokens * (new_tokens + 1) / 2
+        return context + new_tokens
 
 
 @dataclass(frozen=True)

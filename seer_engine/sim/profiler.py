@@ -75,24 +75,26 @@ class _Shape:
 
 
 @contextmanager
-def _recording(engine: LLMEngine) -> Iterator[list[_Shape | None]]:
+def _recording(engine: LLMEngine, kv_per_query: bool) -> Iterator[list[_Shape | None]]:
     """Wrap the engine's scheduler so every step's shape is appended to the yielded list.
 
     KV read by a row is everything it attends: its computed tokens (prefix hits
-    included, as set at admission) plus its new ones. A row is a prefill row while
+    included, as set at admission) plus its new ones, once per row or once per new
+    token (``StepTimeModel.kv_read``). A row is a prefill row while
     its computed tokens have not yet covered the prompt.
     """
     scheduler = engine.scheduler
     original = scheduler.schedule
     wrapped_already = "schedule" in vars(scheduler)
     shapes: list[_Shape | None] = []
+    counting = StepTimeModel(0.0, 0.0, 0.0, kv_per_query)  # only its KV-read rule
 
     def schedule() -> SchedulerOutput:
         out = original()
         if out.is_empty:
             shapes.append(None)
             return out
-        kv = sum(req.num_computed_tokens + n for req, n in out.scheduled)
+        kv = sum(counting.kv_read(req.num_computed_tokens, n) for req, n in out.scheduled)
         prefill = [req.num_computed_tokens < req.num_prompt_tokens for req, _ in out.scheduled]
         kind = "prefill" if all(prefill) else "mixed" if any(prefill) else "decode"
         shapes.append(_Shape(out.num_batched_tokens, kv, kind))
@@ -229,6 +231,7 @@ def measure_steps(
     prefill_tokens: Sequence[int] = (64, 256, 1024, 2048),
     repeats: int = 3,
     progress: Progress = print,
+    kv_per_query: bool = False,
 ) -> list[StepPoint]:
     """Time ``engine.step()`` over a grid of decode, mixed and prefill steps.
 
@@ -253,7 +256,7 @@ def measure_steps(
     engine.reset_prefix_cache()  # an earlier run's prompts must not be hits
     samples: dict[tuple, list[Sample]] = {}
     keys: dict[_Decode | int, list[tuple]] = {}
-    with _recording(engine) as shapes:
+    with _recording(engine, kv_per_query) as shapes:
         run = _Runner(engine, shapes)
         run.add(max(1, min(64, engine.max_model_len, kv.pool.num_blocks * kv.block_size) - 5), 4)  # warm-up
         while engine.has_unfinished_requests():
@@ -310,7 +313,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_step_time(points: Sequence[StepPoint]) -> StepTimeModel:
+def fit_step_time(points: Sequence[StepPoint], kv_per_query: bool = False) -> StepTimeModel:
     """Fit ``t = a + b * tokens + c * kv``, all coefficients >= 0, on relative error.
 
     Each row is divided by its measured seconds, so the fit minimises relative, not
@@ -331,7 +334,7 @@ def fit_step_time(points: Sequence[StepPoint]) -> StepTimeModel:
     # Scale the columns to comparable sizes before solving (tokens are ~1e3x seconds).
     scale = np.maximum(np.abs(a / y[:, None]).max(axis=0), 1e-30)
     coef = _nnls(a / y[:, None] / scale, np.ones(len(points))) / scale
-    return StepTimeModel(*(max(float(c), 0.0) for c in coef))
+    return StepTimeModel(*(max(float(c), 0.0) for c in coef), kv_per_query=kv_per_query)
 
 
 def fit_quality(model: StepTimeModel, points: Sequence[StepPoint]) -> dict[str, float]:
@@ -364,13 +367,15 @@ def profile_engine(
         f"KV blocks of {config.block_size}, {torch.get_num_threads()} torch threads"
         + (" (quick grid)" if quick else "")
     )
-    points = measure_steps(engine, progress=progress, **grid)
+    # A CPU's attention is compute-bound: count the query-key pairs (see StepTimeModel).
+    per_query = engine.device.type == "cpu"
+    points = measure_steps(engine, progress=progress, kv_per_query=per_query, **grid)
     if len(points) < 3:
         raise ValueError(
             f"only {len(points)} step shapes fit this engine (too few KV blocks, or too small a "
             "max_model_len or max_num_batched_tokens); a fit of three coefficients needs at least 3"
         )
-    model = fit_step_time(points)
+    model = fit_step_time(points, per_query)
     quality = fit_quality(model, points)
     elapsed = time.perf_counter() - start
     kinds = {k: sum(p.kind == k for p in points) for k in ("decode", "prefill", "mixed")}
