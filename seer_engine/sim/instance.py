@@ -311,7 +311,9 @@ class SimInstance(EngineInstance):
             tokens += n
             kv_read += m.kv_read(req.hit, n)
             budget -= n
-        seconds = self.profile.step.step_s(tokens, kv_read) + self._carried_s
+        ending = sum(r.computed + n >= r.context - EPS for r, n in prefill if r not in admit)
+        ending += sum(r.hit + n >= r.context - EPS for r, n in prefill if r in admit)
+        seconds = m.step_s(tokens, kv_read, rows * (1 + drafted) + ending) + self._carried_s
         return Segment(1, seconds, self.clock + seconds, rows, gain, drafted, prefill, admit)
 
     def _decode_segment(self, rows: int, gain: float, drafted: float) -> Segment:
@@ -331,7 +333,7 @@ class SimInstance(EngineInstance):
         # KV read by the decoding rows: linear in their total context, which grows by
         # rows * gain per step; per query token it is read (1 + drafted) times.
         per_context = new if m.kv_per_query else 1.0
-        first = m.step_s(rows * new, self._decode_kv(seg.drafted))
+        first = m.step_s(rows * new, self._decode_kv(seg.drafted), rows * new)
         return steps * first + m.c_s_per_kv_token * per_context * rows * seg.gain * steps * (steps - 1) / 2
 
     def _decode_kv(self, drafted: float) -> float:
@@ -364,7 +366,7 @@ class SimInstance(EngineInstance):
         per_token = m.b_s_per_token + (
             m.c_s_per_kv_token * self._decoding_context() / rows if m.kv_per_query else 0
         )
-        cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0)) - m.b_s_per_token * rows, per_token)
+        cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0), rows) - m.b_s_per_token * rows, per_token)
         drafted, accepted = self.speculation.rates(rows, stage, cost)
         return 1.0 + accepted, drafted
 

@@ -17,7 +17,15 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    """``kv_per_query``: what "KV tokens read" counts. On a GPU, decode attention is
+    """``t = a + b * scheduled_tokens + c * kv_tokens_read + d * logit_tokens``.
+
+    ``d`` prices the tokens whose logits are computed (the LM head over the
+    vocabulary, and sampling): a decode row's token and each draft node it verifies,
+    and a prompt's last token. Negligible next to ``a`` on a GPU (0 in the paper
+    setups); most of a decode token's cost for a small model with a large vocabulary
+    on a CPU, where other prompt tokens (no LM head) are far cheaper.
+
+    ``kv_per_query``: what "KV tokens read" counts. On a GPU, decode attention is
     memory-bound and a row's KV is read once per step, however many tokens the row
     schedules (False). On a CPU it is compute-bound: every scheduled token attends its
     whole context (query-key pairs, True), so draft tokens and prompt chunks cost more."""
@@ -26,14 +34,20 @@ class StepTimeModel:
     b_s_per_token: float  # seconds per scheduled token
     c_s_per_kv_token: float  # seconds per KV token read by the step's attention
     kv_per_query: bool = False
+    d_s_per_logit: float = 0.0  # seconds per token whose logits are computed
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name != "kv_per_query" and getattr(self, f.name) < 0:
                 raise ValueError(f"step-time model: {f.name} must be >= 0, got {getattr(self, f.name)}")
 
-    def step_s(self, scheduled_tokens: float, kv_tokens_read: float) -> float:
-        return self.a_s + self.b_s_per_token * scheduled_tokens + self.c_s_per_kv_token * kv_tokens_read
+    def step_s(self, scheduled_tokens: float, kv_tokens_read: float, logit_tokens: float = 0.0) -> float:
+        return (
+            self.a_s
+            + self.b_s_per_token * scheduled_tokens
+            + self.c_s_per_kv_token * kv_tokens_read
+            + self.d_s_per_logit * logit_tokens
+        )
 
     def kv_read(self, context: float, new_tokens: float) -> float:
         """KV tokens a row reads when it computes ``new_tokens`` after ``context`` tokens."""

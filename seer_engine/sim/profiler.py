@@ -65,6 +65,7 @@ class StepPoint:
     seconds: float
     kind: str  # "decode" | "prefill" | "mixed"
     spread: float = 0.0  # second-fastest over fastest time, minus 1: how noisy the timing was
+    logit_tokens: int = 0  # tokens whose logits were computed (decode rows, prompts that ended)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class _Shape:
     scheduled_tokens: int
     kv_tokens_read: int
     kind: str
+    logit_tokens: int
 
 
 @contextmanager
@@ -97,7 +99,8 @@ def _recording(engine: LLMEngine, kv_per_query: bool) -> Iterator[list[_Shape | 
         kv = sum(counting.kv_read(req.num_computed_tokens, n) for req, n in out.scheduled)
         prefill = [req.num_computed_tokens < req.num_prompt_tokens for req, _ in out.scheduled]
         kind = "prefill" if all(prefill) else "mixed" if any(prefill) else "decode"
-        shapes.append(_Shape(out.num_batched_tokens, kv, kind))
+        logits = sum(req.num_computed_tokens + n >= req.num_tokens for req, n in out.scheduled)
+        shapes.append(_Shape(out.num_batched_tokens, kv, kind, logits))
         return out
 
     scheduler.schedule = schedule
@@ -182,7 +185,7 @@ def _fastest(steps: list[Sample]) -> StepPoint:
     kv = round(statistics.fmean(s.kv_tokens_read for s, _ in steps))
     times = sorted(t for _, t in steps)
     spread = times[1] / times[0] - 1 if len(times) > 1 else float("inf")
-    return StepPoint(shape.scheduled_tokens, kv, times[0], shape.kind, round(spread, 4))
+    return StepPoint(shape.scheduled_tokens, kv, times[0], shape.kind, round(spread, 4), shape.logit_tokens)
 
 
 def _settled(steps: list[Sample]) -> bool:
@@ -297,7 +300,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
     The constrained optimum is the plain least-squares fit on its own support, and
     every non-negative subset fit is feasible, so the best non-negative subset fit is
-    the exact optimum. With three columns that is seven small solves.
+    the exact optimum. With four columns that is fifteen small solves.
     """
     k = a.shape[1]
     best, best_cost = np.zeros(k), float(y @ y)
@@ -314,7 +317,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_step_time(points: Sequence[StepPoint], kv_per_query: bool = False) -> StepTimeModel:
-    """Fit ``t = a + b * tokens + c * kv``, all coefficients >= 0, on relative error.
+    """Fit ``t = a + b * tokens + c * kv + d * logit tokens``, all >= 0, on relative error.
 
     Each row is divided by its measured seconds, so the fit minimises relative, not
     absolute, error. Step times span two orders of magnitude (a one-token decode vs a
@@ -330,17 +333,18 @@ def fit_step_time(points: Sequence[StepPoint], kv_per_query: bool = False) -> St
     if bad:
         raise ValueError(f"step times must be positive, got {bad[0]}")
     y = np.array([p.seconds for p in points])
-    a = np.array([[1.0, p.scheduled_tokens, p.kv_tokens_read] for p in points])
+    a = np.array([[1.0, p.scheduled_tokens, p.kv_tokens_read, p.logit_tokens] for p in points])
     # Scale the columns to comparable sizes before solving (tokens are ~1e3x seconds).
     scale = np.maximum(np.abs(a / y[:, None]).max(axis=0), 1e-30)
     coef = _nnls(a / y[:, None] / scale, np.ones(len(points))) / scale
-    return StepTimeModel(*(max(float(c), 0.0) for c in coef), kv_per_query=kv_per_query)
+    a_s, b, c, d = (max(float(x), 0.0) for x in coef)
+    return StepTimeModel(a_s, b, c, kv_per_query, d)
 
 
 def fit_quality(model: StepTimeModel, points: Sequence[StepPoint]) -> dict[str, float]:
     """R^2 on seconds, and median / max relative error of the predictions."""
     y = np.array([p.seconds for p in points])
-    pred = np.array([model.step_s(p.scheduled_tokens, p.kv_tokens_read) for p in points])
+    pred = np.array([model.step_s(p.scheduled_tokens, p.kv_tokens_read, p.logit_tokens) for p in points])
     rel = np.abs(pred - y) / y
     total = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - float(np.sum((y - pred) ** 2)) / total if total > 0 else 1.0
