@@ -38,7 +38,7 @@ def late_copy() -> Group:
 
 def totals(records: list[tuple[float, int]], lo: float = 0.0, hi: float = 1.0) -> tuple[int, int]:
     """(steps, accepted tokens) over the records with lo <= stage < hi."""
-    inside = [a for s, a in records if lo <= s < hi]
+    inside = [a for s, a, _ in records if lo <= s < hi]
     return len(inside), sum(inside)
 
 
@@ -63,7 +63,7 @@ def test_catching_up_with_a_sibling_ahead(multi_path):
     for budget in (1, 16):
         records = replay_group(group, budget, multi_path)
         assert totals(records) == (400, 60)
-        assert {s for s, _ in records} == {0.0}
+        assert {s for s, *_ in records} == {0.0}
 
 
 def test_distinct_random_responses_accept_almost_nothing():
@@ -133,7 +133,14 @@ def test_per_token_rate_is_budget_one_clamped():
 
 
 def test_save_load_round_trip(tmp_path):
-    m = AcceptanceModel((1, 2, 4), (0.0, 0.5, 1.0), ((0.4, 0.6, 1.0), (0.8, 1.2, 2.0)), "by hand", {"x": 1})
+    m = AcceptanceModel(
+        (1, 2, 4),
+        (0.0, 0.5, 1.0),
+        ((0.4, 0.6, 1.0), (0.8, 1.2, 2.0)),
+        ((1, 2, 3), (1, 2, 4)),
+        "by hand",
+        {"x": 1},
+    )
     path = m.save(tmp_path / "sub" / "acc.json")
     back = AcceptanceModel.load(path)
     assert back == m

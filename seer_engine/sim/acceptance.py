@@ -82,6 +82,10 @@ class AcceptanceModel:
     budgets: tuple[int, ...]
     stage_edges: tuple[float, ...]
     accepted: tuple[tuple[float, ...], ...]  # [stage bin][budget index]
+    # Mean draft nodes per request-step, same shape: the tree often has less to offer
+    # than the budget allows, and only drafted nodes are verified (and paid for).
+    # Empty: every budget is drafted in full.
+    drafted: tuple[tuple[float, ...], ...] = ()
     derivation: str = ""  # how the table was fitted (command, groups, samples, multi_path)
     measured: dict = field(default_factory=dict)  # trace, steps per bin, fit seconds, date
 
@@ -117,15 +121,28 @@ class AcceptanceModel:
         object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "stage_edges", edges)
         object.__setattr__(self, "accepted", table)
+        drafted = tuple(tuple(float(v) for v in row) for row in self.drafted)
+        if drafted and [len(r) for r in drafted] != [len(r) for r in table]:
+            raise ValueError("acceptance model: drafted must have the shape of accepted")
+        object.__setattr__(self, "drafted", drafted)
 
     def stage_bin(self, stage: float) -> int:
         return _stage_bin(self.stage_edges, stage)
 
     def accepted_per_step(self, budget: float, stage: float) -> float:
         """Piecewise linear in budget through (0, 0) and the table points, flat past the last."""
+        return self._interpolate(self.accepted, budget, stage)
+
+    def drafted_per_step(self, budget: float, stage: float) -> float:
+        """Draft nodes a request verifies per step with this budget (at most the budget)."""
+        if not self.drafted:
+            return max(0.0, budget)
+        return min(max(0.0, budget), self._interpolate(self.drafted, budget, stage))
+
+    def _interpolate(self, table, budget: float, stage: float) -> float:
         if budget <= 0:
             return 0.0
-        row = self.accepted[self.stage_bin(stage)]
+        row = table[self.stage_bin(stage)]
         budgets = self.budgets
         if budget >= budgets[-1]:
             return row[-1]
@@ -212,9 +229,9 @@ def replay_group(
     multi_path: bool = True,
     max_depth: int = DEFAULT_MAX_DEPTH,
     min_prob: float = DEFAULT_MIN_PROB,
-) -> list[tuple[float, int]]:
-    """Speculative decoding of one group in lock-step engine steps; ``(stage, accepted)`` per
-    live sibling and step.
+) -> list[tuple[float, int, int]]:
+    """Speculative decoding of one group in lock-step engine steps; ``(stage, accepted,
+    drafted nodes)`` per live sibling and step.
 
     Each step every live sibling drafts from the tree as it stands at the step's start
     (as ``SuffixProposer.propose`` does: a context tail while its output is short, its
@@ -233,7 +250,7 @@ def replay_group(
     size = len(responses)
     pos = [0] * size
     live = [k for k, r in enumerate(responses) if r]
-    records: list[tuple[float, int]] = []
+    records: list[tuple[float, int, int]] = []
     while live:
         stage = (size - len(live)) / size
         drafts = []
@@ -250,7 +267,7 @@ def replay_group(
             new = min(len(r), p + accepted + 1)
             trees.append(gid, k, r[p:new])
             pos[k] = new
-            records.append((stage, accepted))
+            records.append((stage, accepted, len(draft)))
         live = [k for k in live if pos[k] < len(responses[k])]
     trees.free(gid)
     return records
@@ -274,14 +291,16 @@ def fit_acceptance(
     AcceptanceModel(budgets, edges, tuple((0.0,) * len(budgets) for _ in edges[1:]))  # validate early
     bins = len(edges) - 1
     sums = [[0] * len(budgets) for _ in range(bins)]
+    nodes = [[0] * len(budgets) for _ in range(bins)]
     steps = [[0] * len(budgets) for _ in range(bins)]
     start = time.perf_counter()
     every = max(1, len(groups) // 10)
     for gi, group in enumerate(groups, 1):
         for bi, budget in enumerate(budgets):
-            for stage, accepted in replay_group(group, budget, multi_path, max_depth, min_prob):
+            for stage, accepted, drafted in replay_group(group, budget, multi_path, max_depth, min_prob):
                 row = _stage_bin(edges, stage)
                 sums[row][bi] += accepted
+                nodes[row][bi] += drafted
                 steps[row][bi] += 1
         if progress and (gi % every == 0 or gi == len(groups)):
             overall = sum(s[-1] for s in sums) / max(1, sum(n[-1] for n in steps))
@@ -293,12 +312,14 @@ def fit_acceptance(
     if not any(steps[b][0] for b in range(bins)):
         raise ValueError("fit_acceptance: the groups produced no steps (empty responses?)")
     table = [[0.0] * len(budgets) for _ in range(bins)]
+    drafted_table = [[0.0] * len(budgets) for _ in range(bins)]
     filled: dict[str, str] = {}
     for i in range(len(budgets)):
         have = [b for b in range(bins) if steps[b][i]]
         for b in range(bins):
             src = min(have, key=lambda h: (abs(h - b), h))
             table[b][i] = sums[src][i] / steps[src][i]
+            drafted_table[b][i] = nodes[src][i] / steps[src][i]
             if src != b:
                 filled.setdefault(str(b), f"no steps; copied from bin {src}")
     totals = [sum(steps[b][i] for b in range(bins)) for i in range(len(budgets))]
@@ -316,7 +337,9 @@ def fit_acceptance(
         "fit_seconds": round(time.perf_counter() - start, 1),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
-    return AcceptanceModel(budgets, edges, tuple(map(tuple, table)), measured=measured)
+    return AcceptanceModel(
+        budgets, edges, tuple(map(tuple, table)), tuple(map(tuple, drafted_table)), measured=measured
+    )
 
 
 # --------------------------------------------------------------------------- CLI
@@ -362,13 +385,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "per group and budget a fresh tree holding the prompt; every step each live response drafts "
         "(context tail, or its stored sequence once it has max_depth // 2 tokens), accepts the longest "
         "draft path matching its real continuation and advances by that + 1 bonus token. Stage = fraction "
-        "of the group's responses finished at the step's start; values are mean accepted draft tokens per "
-        "request-step."
+        "of the group's responses finished at the step's start; values are mean accepted draft tokens "
+        "(accepted) and draft nodes (drafted) per request-step."
     )
     model = AcceptanceModel(
         model.budgets,
         model.stage_edges,
         model.accepted,
+        model.drafted,
         derivation,
         {"trace": Path(args.trace).name, "command": command, **model.measured},
     )

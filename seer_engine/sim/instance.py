@@ -90,7 +90,7 @@ class SimSpeculation:
         ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
         nodes = _allocate(self.budget, rows, rate, ratio, self.max_nodes)
         accepted = sum(self.acceptance.accepted_per_step(n, stage) * k for n, k in nodes) / rows
-        drafted = sum(n * k for n, k in nodes) / rows
+        drafted = sum(self.acceptance.drafted_per_step(n, stage) * k for n, k in nodes) / rows
         return drafted, min(accepted, drafted)
 
 
@@ -179,6 +179,8 @@ class SimInstance(EngineInstance):
         self.cache: OrderedDict[str, int] = OrderedDict()  # response key -> context tokens, LRU first
         self.cached_tokens = 0
         self.prompt_groups: set[str] = set()  # groups whose prompt is in the prefix cache
+        self._group_rows: dict[str, int] = {}  # group -> its rows running here
+        self._shared_prompt = 0  # prompt tokens counted once per group, not once per row
         self._stats = SchedulerStats()
         self._connector = ConnectorStats()
         self._loads: list[tuple[str, int, LoadResult]] = []
@@ -220,11 +222,16 @@ class SimInstance(EngineInstance):
         self._segment = None
         wanted = set(request_ids)
         outputs = []
-        for req in [r for r in self.waiting + self.prefilling if r.request_id in wanted]:
-            (self.waiting if req in self.waiting else self.prefilling).remove(req)
+        for req in [r for r in self.waiting if r.request_id in wanted]:
+            self.waiting.remove(req)
+            outputs.append(_output(req, "abort"))
+        for req in [r for r in self.prefilling if r.request_id in wanted]:
+            self.prefilling.remove(req)
+            self._leave(req)
             outputs.append(_output(req, "abort"))
         for rid in wanted & set(self.decoding):
             req = self._stop_decoding(rid)
+            self._leave(req)
             outputs.append(_output(req, "abort"))
         return outputs
 
@@ -381,14 +388,22 @@ class SimInstance(EngineInstance):
         for req in self.waiting:
             if budget <= 0 or seats <= 0:
                 break
+            req.hit = self._hit(req)
             n = min(req.context - req.hit, budget)
-            if req.hit + n > free:
+            shared = req.prompt_len if req.group_id in self._group_rows and req.hit >= req.prompt_len else 0
+            if req.hit + n - shared > free:
                 break
             admit.append(req)
-            free -= req.hit + n
+            free -= req.hit + n - shared
             budget -= n
             seats -= 1
         return admit
+
+    def _hit(self, req: SimRequest) -> int:
+        """Context tokens a waiting chunk finds in place: what it arrived with, or what
+        the prefix cache kept of it since it was preempted."""
+        cached = min(self.cache.get(req.key, 0), int(req.context) - 1)
+        return max(req.hit, cached)
 
     def _preempt_until_growth_fits(self) -> None:
         """The engine preempts its policy's victim when the next step's tokens have no KV."""
@@ -405,6 +420,8 @@ class SimInstance(EngineInstance):
             else:
                 self.prefilling.remove(victim)
                 victim.lost = victim.computed
+            self._leave(victim)
+            self._cache(victim.key, int(victim.lost))  # its blocks stay in the prefix cache
             victim.hit = 0
             victim.computed = 0.0
             self.waiting.append(victim)
@@ -430,9 +447,12 @@ class SimInstance(EngineInstance):
         st.scheduled_tokens += seg.rows * (1 + seg.drafted) + sum(n for _, n in seg.prefill)
         for req in seg.admit:
             self.waiting.remove(req)
+            if req.key in self.cache:  # a preempted row finds what was not evicted
+                self._uncache(req.key)
             self._stats.recomputed_tokens += max(0, int(req.lost - req.hit))
             req.computed = req.hit
             self.prefilling.append(req)
+            self._join(req)
             self.prompt_groups.add(req.group_id)
         for req, n in seg.prefill:
             req.computed += n
@@ -479,6 +499,7 @@ class SimInstance(EngineInstance):
         return outputs
 
     def _end_chunk(self, req: SimRequest) -> RequestOutput:
+        self._leave(req)
         req.generated = req.end
         if req.finish_reason == "length" and req.end < self.world.lengths[req.key]:
             self._cache(req.key, int(req.context))  # the next chunk may resume here
@@ -524,7 +545,19 @@ class SimInstance(EngineInstance):
         return self._context_base + len(self.decoding) * self.progress
 
     def _running_kv(self) -> float:
-        return self._decoding_context() + sum(r.computed for r in self.prefilling)
+        return self._decoding_context() + sum(r.computed for r in self.prefilling) - self._shared_prompt
+
+    def _join(self, req: SimRequest) -> None:
+        """A row starts running; siblings running here share its prompt's KV blocks."""
+        rows = self._group_rows.get(req.group_id, 0)
+        self._shared_prompt += req.prompt_len if rows else 0
+        self._group_rows[req.group_id] = rows + 1
+
+    def _leave(self, req: SimRequest) -> None:
+        rows = self._group_rows.pop(req.group_id) - 1
+        if rows:
+            self._shared_prompt -= req.prompt_len
+            self._group_rows[req.group_id] = rows
 
     def _cache(self, key: str, tokens: int) -> None:
         self.cache[key] = tokens

@@ -188,6 +188,34 @@ def _fastest(steps: list[Sample]) -> StepPoint:
     return StepPoint(shape.scheduled_tokens, kv, times[0], shape.kind, round(spread, 4), shape.logit_tokens)
 
 
+@contextmanager
+def recording_steps(engine: LLMEngine, kv_per_query: bool) -> Iterator[list[StepPoint]]:
+    """Every step ``engine`` takes inside the block, timed and shaped: a rollout's own
+    steps, so ``fit_step_time`` on them prices exactly the work that rollout did."""
+    step = engine.step
+    points: list[StepPoint] = []
+    with _recording(engine, kv_per_query) as shapes:
+
+        def timed_step():
+            start = time.perf_counter()
+            outputs = step()
+            seconds = time.perf_counter() - start
+            shape = shapes[-1] if shapes else None
+            shapes.clear()
+            if shape is not None:
+                points.append(
+                    StepPoint(shape.scheduled_tokens, shape.kv_tokens_read, seconds, shape.kind, 0.0,
+                              shape.logit_tokens)
+                )  # fmt: skip
+            return outputs
+
+        engine.step = timed_step
+        try:
+            yield points
+        finally:
+            del engine.step  # the class's method shows again
+
+
 def _settled(steps: list[Sample]) -> bool:
     return _fastest(steps).spread <= SETTLED
 
