@@ -167,3 +167,29 @@ def test_simulate_cli_names_bad_input(args, message, capsys):
         main(["simulate", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_context_managers_batch_order_is_its_one_by_one_order():
+    groups = _groups()
+    policy = policy_for("context", groups, MAX_TOKENS, 50.0)
+    rollout = simulator.Rollout(
+        simulator.SimPool([SimInstance(0, _profile(), None, None)], True), policy, 1024
+    )
+    samples = rollout.start(
+        [
+            simulator.Group(
+                g.group_id,
+                simulator.TokenCount(g.prompt_len),
+                simulator.SamplingParams(max_tokens=MAX_TOKENS),
+                len(g.lengths),
+            )
+            for g in groups
+        ]
+    )
+    flat = [s for ss in samples.values() for s in ss]
+    for k, s in enumerate(flat):  # probes half done, some groups with finished responses, some starving
+        s.output_token_ids = simulator.TokenCount(k % 7 * 100)
+        s.enqueued_at = -100.0 if k % 11 == 0 else 0.0
+        if k % 5 == 0 and s.sample_index:
+            policy.context.on_finished(s)
+    assert policy.order(flat, now=0.0) == sorted(flat, key=lambda s: policy.priority(s, 0.0))

@@ -49,6 +49,25 @@ class ContextManager:
     def has_finished_sample(self, group_id: str) -> bool:
         return bool(self._groups[group_id].finished_lengths)
 
+    def priorities(self, samples: list[RolloutSample], now: float) -> list[tuple]:
+        """``priority`` of many samples: one pass over the group states (a dispatch
+        orders thousands of buffered samples in the simulator)."""
+        keys = []
+        states, starvation = self._groups, self.starvation_s
+        for sample in samples:
+            waited = now - sample.enqueued_at
+            if waited > starvation:
+                keys.append((0, -waited))
+                continue
+            group = sample.group
+            done = states[group.group_id].finished_lengths
+            if sample.sample_index == PROBE_INDEX and not done:
+                keys.append((1, len(sample.output_token_ids), group.order))
+            else:
+                estimate = max(done) if done else states[group.group_id].max_tokens
+                keys.append((2, -estimate, group.order, sample.sample_index))
+        return keys
+
     def priority(self, sample: RolloutSample, now: float) -> tuple:
         """Smaller runs first: starving requests, then probes, then longest-first."""
         waited = now - sample.enqueued_at

@@ -27,6 +27,7 @@ from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceDied, StepReply
 from seer_engine.rollout.placement import Placement, SeerPlacement
+from seer_engine.rollout.request_buffer import RequestBuffer
 from seer_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Rollout:
         self.placement = placement or SeerPlacement()
         self.kv_connector = pool.kv_pool.connector  # this process's handle: frees finished entries
         self.pooled = self.kv_connector.name != "recompute"
-        self.buffer: list[RolloutSample] = []
+        self.buffer = RequestBuffer(lambda s: self._blocks_for(self.pool.instances[0], s))
         self.now = 0.0  # the time of the latest event (the clock of the last instance stepped)
         self.migrations = 0
         self.migrated_tokens = 0  # context tokens recomputed because a response moved
@@ -128,7 +129,6 @@ class Rollout:
         self._live: dict[str, RolloutSample] = {}  # key -> unfinished sample
         self._live_per_group: dict[str, int] = {}
         self._finished_groups: list[str] = []  # groups whose last live response finished
-        self._need: dict[RolloutSample, int] = {}  # buffered sample -> KV blocks of its next chunk
 
     # -- the offline loop ------------------------------------------------------------
 
@@ -190,7 +190,7 @@ class Rollout:
                 raise RuntimeError("every engine instance of the rollout is gone")
             self._submit_or_recover(alive[sample.group.order % len(alive)], sample, sample.max_tokens, False)
         else:
-            self.buffer.append(sample)
+            self.buffer.add(sample)
 
     def step(self) -> list[RolloutSample]:
         """Dispatch what fits, then step the instance with the earliest clock.
@@ -238,7 +238,8 @@ class Rollout:
         aborted = []
         wanted = set(keys)
         buffered = {s.key for s in self.buffer if s.key in wanted}
-        self.buffer = [s for s in self.buffer if s.key not in buffered]
+        for sample in [s for s in self.buffer if s.key in buffered]:
+            self.buffer.remove(sample)
         for key in keys:
             sample = self._live.get(key)
             if sample is None:
@@ -269,25 +270,19 @@ class Rollout:
         return inst.blocks_needed(len(sample.group.prompt_token_ids) + self._chunk_limit(sample))
 
     def _dispatch(self, now: float) -> None:
-        """Send buffered samples, in policy order, to instances with room for a whole chunk.
-
-        Only samples whose chunk fits the roomiest instance are ordered and placed, so a
-        long buffer that mostly waits for KV costs little per step (the simulator's
-        buffers are thousands long)."""
+        """Send buffered samples, in policy order, to instances with room for a whole
+        chunk (only those that fit the roomiest instance are ordered at all)."""
         room = self._room()
         if room is None or not self.buffer:
             return
-        fits = [s for s in self.buffer if self._blocks_needed(s) <= room]
-        fits.sort(key=lambda s: self.policy.priority(s, now))
-        for sample in fits:
+        for sample in self.policy.order(self.buffer.fitting(room), now):
             if room is None:
                 return
-            if self._blocks_needed(sample) > room:
+            if self.buffer.need(sample) > room:
                 continue
             inst = self._place(sample)
             if inst is not None:
                 self.buffer.remove(sample)  # a lost instance puts its samples back
-                del self._need[sample]
                 self._submit_or_recover(inst, sample, self._chunk_limit(sample), reserve=True)
                 room = self._room()
 
@@ -299,14 +294,6 @@ class Rollout:
             if len(inst.in_flight) < inst.info.max_num_seqs
         ]
         return max(free) if free else None
-
-    def _blocks_needed(self, sample: RolloutSample) -> int:
-        """KV blocks of the sample's next chunk (every instance has the same block size);
-        kept while it waits in the buffer, where it cannot change."""
-        need = self._need.get(sample)
-        if need is None:
-            need = self._need[sample] = self._blocks_for(self.pool.instances[0], sample)
-        return need
 
     def _place(self, sample: RolloutSample) -> EngineInstance | None:
         """An instance with room for the sample's whole chunk, chosen by the placement
@@ -436,7 +423,7 @@ class Rollout:
         )
         if chunk_end:  # the instance saved its KV to the pool, if there is one
             sample.enqueued_at = self.now
-            self.buffer.append(sample)
+            self.buffer.add(sample)
             return
         self._finish(sample, result.finish_reason, result.stop_reason, record=True)
 
@@ -445,7 +432,6 @@ class Rollout:
         if self.pooled:
             self.kv_connector.free(sample.key)
         self._chunk_start.pop(sample.key, None)
-        self._need.pop(sample, None)
         sample.finish_reason = reason
         sample.stop_reason = stop_reason
         sample.finished_at = self.now

@@ -366,7 +366,9 @@ class SimInstance(EngineInstance):
         """(tokens gained, draft nodes) per decoding row and step."""
         if self.speculation is None or not rows:
             return 1.0, 0.0
-        stage = sum(self.world.stage(r.group_id) for r in self.decoding.values()) / rows
+        stage = sum(n * self.world.stage(g) for g, n in self._group_rows.items()) / sum(
+            self._group_rows.values()
+        )
         m = self.profile.step
         # The budget's line: what one more scheduled token costs (on a CPU it also
         # attends its row's context), on top of the step without drafts.
