@@ -29,11 +29,12 @@ import sys
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from seer_engine.sim.profile import SavedAsJson
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.draft import DraftTree
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTrees
@@ -76,7 +77,7 @@ def _stage_bin(edges: Sequence[float], stage: float) -> int:
 
 
 @dataclass(frozen=True)
-class AcceptanceModel:
+class AcceptanceModel(SavedAsJson):
     """Mean accepted draft tokens per request-step, per stage bin (rows) and budget (columns)."""
 
     budgets: tuple[int, ...]
@@ -153,15 +154,6 @@ class AcceptanceModel:
     def per_token_rate(self, stage: float) -> float:
         """Acceptance probability of a single draft token (what budget 1 accepts per step)."""
         return min(0.999, max(0.0, self.accepted_per_step(1, stage)))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
-
-    def save(self, path: str | os.PathLike) -> Path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(self.to_json())
-        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> AcceptanceModel:

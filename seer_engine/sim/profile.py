@@ -15,6 +15,19 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 
+class SavedAsJson:
+    """A dataclass written as a small JSON file (profiles, acceptance models)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(self.to_json())
+        return out
+
+
 @dataclass(frozen=True)
 class StepTimeModel:
     """``t = a + b * scheduled_tokens + c * kv_tokens_read + d * logit_tokens``.
@@ -57,7 +70,7 @@ class StepTimeModel:
 
 
 @dataclass(frozen=True)
-class InstanceProfile:
+class InstanceProfile(SavedAsJson):
     """One inference instance (a TP/EP group of GPUs, or one CPU engine)."""
 
     name: str
@@ -88,15 +101,6 @@ class InstanceProfile:
         if not self.pool_bytes_per_s or not self.kv_bytes_per_token:
             return 0.0
         return tokens * self.kv_bytes_per_token / self.pool_bytes_per_s
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
-
-    def save(self, path: str | os.PathLike) -> Path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(self.to_json())
-        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> InstanceProfile:
