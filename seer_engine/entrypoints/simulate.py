@@ -101,9 +101,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         p = setup.profile
         print(f"simulate {setup.name}: {setup.instances} instances x {p.kv_capacity_tokens:,} KV tokens, "
               f"{setup.prompts} prompts x {setup.samples} responses, max {setup.max_tokens:,} tokens, "
-              f"chunk {setup.chunk_tokens:,}; step = {p.step.a_s * 1e3:.2f} ms + "
-              f"{p.step.b_s_per_token * 1e6:.2f} us/token + {p.step.c_s_per_kv_token * 1e9:.3f} ns/KV token",
-              flush=True)  # fmt: skip
+              f"chunk {setup.chunk_tokens:,}; step = {p.step.describe()}", flush=True)  # fmt: skip
         runs: list[dict[str, RolloutResult]] = []
         for it in range(args.iterations):
             groups = _workload(args, setup, it)

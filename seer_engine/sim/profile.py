@@ -62,6 +62,13 @@ class StepTimeModel:
             + self.d_s_per_logit * logit_tokens
         )
 
+    def describe(self) -> str:
+        kv = "query-key pair" if self.kv_per_query else "KV token"
+        return (
+            f"{self.a_s * 1e3:.3g} ms + {self.b_s_per_token * 1e6:.3g} us/token + "
+            f"{self.c_s_per_kv_token * 1e9:.3g} ns/{kv} + {self.d_s_per_logit * 1e6:.3g} us/logit token"
+        )
+
     def kv_read(self, context: float, new_tokens: float) -> float:
         """KV tokens a row reads when it computes ``new_tokens`` after ``context`` tokens."""
         if self.kv_per_query:

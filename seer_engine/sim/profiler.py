@@ -465,8 +465,7 @@ def run_profile(args: argparse.Namespace) -> int:
     profile = profile_engine(EngineConfig.from_cli_args(args), args.name, args.quick)
     step, m = profile.step, profile.measured
     print(
-        f"t = {step.a_s * 1e3:.4g} ms + {step.b_s_per_token * 1e6:.4g} us/token + "
-        f"{step.c_s_per_kv_token * 1e9:.4g} ns/KV token  (R^2 {m['r2']:.3f}, relative error median "
+        f"t = {step.describe()}  (R^2 {m['r2']:.3f}, relative error median "
         f"{m['median_rel_error']:.1%}, max {m['max_rel_error']:.1%}, {len(m['points'])} points, "
         f"{m['elapsed_s']:.1f}s)"
     )
