@@ -77,13 +77,17 @@ class SimSpeculation:
     """Grouped speculative decoding as the engine's budget policy sizes it and the
     acceptance model (fitted by trace replay) rewards it."""
 
-    def __init__(self, acceptance, budget: str, max_nodes: int) -> None:
+    def __init__(self, acceptance, budget: str, max_nodes: int, pinned: StepCostModel | None = None) -> None:
+        """``pinned``: the budget's step cost when the speculative config pins one
+        (``step_cost``), as the engine then uses; else the modeled step's own."""
         self.acceptance = acceptance
         self.budget = budget
         self.max_nodes = max_nodes
+        self.pinned = pinned
 
     def rates(self, rows: int, stage: float, step: StepCostModel) -> tuple[float, float]:
         """(draft nodes, accepted tokens) per row and step for ``rows`` decoding rows."""
+        step = self.pinned or step
         rate = round(self.acceptance.per_token_rate(stage), 3)
         # The fixed cost moves with the batch's KV; two significant digits of its ratio
         # to the per-token cost decide the budget just as well and keep the cache small.

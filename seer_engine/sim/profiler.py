@@ -99,7 +99,8 @@ def _recording(engine: LLMEngine, kv_per_query: bool) -> Iterator[list[_Shape | 
         kv = sum(counting.kv_read(req.num_computed_tokens, n) for req, n in out.scheduled)
         prefill = [req.num_computed_tokens < req.num_prompt_tokens for req, _ in out.scheduled]
         kind = "prefill" if all(prefill) else "mixed" if any(prefill) else "decode"
-        logits = sum(req.num_computed_tokens + n >= req.num_tokens for req, n in out.scheduled)
+        # A row reaching its last token computes logits for it and for each draft node.
+        logits = sum(max(0, req.num_computed_tokens + n - req.num_tokens + 1) for req, n in out.scheduled)
         shapes.append(_Shape(out.num_batched_tokens, kv, kind, logits))
         return out
 

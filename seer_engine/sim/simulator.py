@@ -24,6 +24,7 @@ from seer_engine.rollout.rollout import Rollout, RolloutResult
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.instance import SimInstance, SimSpeculation, SimWorld, TokenCount
 from seer_engine.sim.profile import InstanceProfile
+from seer_engine.spec_decode.budget import StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
 
 
@@ -136,7 +137,8 @@ def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculat
         from seer_engine.sim.acceptance import default_acceptance
 
         acceptance = default_acceptance(samples)
-    return SimSpeculation(acceptance, spec.budget, spec.num_speculative_tokens)
+    pinned = StepCostModel(*spec.step_cost) if spec.step_cost else None
+    return SimSpeculation(acceptance, spec.budget, spec.num_speculative_tokens, pinned)
 
 
 def true_lengths(groups: Sequence[SimGroup], max_tokens: int) -> dict[str, int]:
