@@ -128,8 +128,7 @@ class SimRequest:
     computed: float = 0.0  # context tokens whose KV is in place (prefill rows)
     lost: float = 0.0  # computed tokens a preemption dropped
     progress_start: float = 0.0
-    priority: int = 0  # the engine's scheduling policies read these two
-    loaded: int = 0  # tokens pulled from the pool at admission
+    priority: int = 0  # the engine's scheduling policies read this and arrival_order
 
     @property
     def context(self) -> float:
