@@ -158,6 +158,7 @@ def test_simulate_cli_writes_the_bench_report_keys_and_a_png(tmp_path, capsys):
         (["--iterations", "0"], "--iterations must be >= 1"),
         (["--groups", "8"], "pass --trace too"),
         (["--profile", "/nonexistent.json"], "not found"),
+        (["--trace", "/nonexistent.jsonl.gz"], "trace '/nonexistent.jsonl.gz' not found"),
     ],
 )
 def test_simulate_cli_names_bad_input(args, message, capsys):

@@ -96,6 +96,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
+    if args.trace:
+        from seer_engine.rollout.workload import resolve_trace_path
+
+        try:
+            args.trace = str(resolve_trace_path(args.trace))
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     for setup in _setups(args):
         p = setup.profile
