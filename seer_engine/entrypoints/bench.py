@@ -17,15 +17,13 @@ import time
 from pathlib import Path
 
 from seer_engine.core.policies import ROLLOUT_POLICIES, make_rollout_policy
-from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig
-from seer_engine.rollout.replay import TraceReplay
+from seer_engine.rollout.replay import ReplayWorkload
 from seer_engine.rollout.report import Progress, format_table, write_report
 from seer_engine.rollout.rollout import Rollout
-from seer_engine.sampling_params import SamplingParams
 
 
 def add_cli(subparsers) -> None:
@@ -95,17 +93,8 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         model=model, num_kv_blocks=args.kv_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, num_threads=args.num_threads, max_model_len=max_len,
     )  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    groups, responses = [], {}
-    for order, tg in enumerate(trace):
-        if len(tg.response_token_ids) < args.samples:
-            raise ValueError(f"trace group {tg.group_id} has only {len(tg.response_token_ids)} responses")
-        gid = f"t{tg.group_id}"
-        groups.append(Group(gid, list(tg.prompt_token_ids), params, args.samples, order=order))
-        for j, tokens in enumerate(tg.response_token_ids[: args.samples]):
-            responses[f"{gid}/{j}"] = list(tokens)
-    eos = min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids)
-    replay = TraceReplay(responses, eos)
+    workload = ReplayWorkload(trace, args.samples, args.max_tokens)
+    replay = workload.replay(min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids))
     cluster = RolloutConfig(
         instances=args.instances,
         distributed_backend=args.distributed_backend,
@@ -115,9 +104,9 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         migration_spread=args.migration_spread,
         pool_pull_tokens=args.pool_pull_tokens,
     )
-    true_lengths = {k: min(len(v) + 1, args.max_tokens) for k, v in responses.items()}
-    total = len(responses)
-    print(f"bench rollout: {len(groups)} groups x {args.samples} samples = {total} responses, "
+    true_lengths = workload.true_lengths
+    total = len(true_lengths)
+    print(f"bench rollout: {len(workload.prompts)} groups x {args.samples} samples = {total} responses, "
           f"{sum(true_lengths.values())} output tokens to replay, {args.instances} instances, "
           f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}, backend "
           f"{cluster.distributed_backend}, KV pool {cluster.kv_connector}", flush=True)  # fmt: skip
@@ -125,14 +114,13 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     for name in policies:
         policy = _bench_policy(name, true_lengths, args.starvation_s)
         progress = Progress(name, total)
-        fresh = [Group(g.group_id, g.prompt_token_ids, g.sampling_params, g.n, order=g.order) for g in groups]
         with cluster.make_pool(cfg, policy, replay) as pool:
             pool.reset_clocks()
             start = time.perf_counter()
             rollout = Rollout(
                 pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement()
             )
-            results[name] = rollout.run(fresh)
+            results[name] = rollout.run(workload.groups())
         print(f"[{name}] done in {time.perf_counter() - start:.1f}s wall", flush=True)
     print(format_table(results))
     if args.report:
@@ -140,7 +128,8 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
             "command": "seer_engine " + " ".join(sys.argv[1:]),
             "date": dt.datetime.now().isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
-            "model": model, "groups": len(groups), "samples": args.samples, "instances": args.instances,
+            "model": model, "groups": len(workload.prompts), "samples": args.samples,
+            "instances": args.instances,
             "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
             "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
         }  # fmt: skip

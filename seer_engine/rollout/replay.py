@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from seer_engine.core.request import Request
+from seer_engine.core.request import Group, Request
 from seer_engine.rollout.rollout import sample_key_of
+from seer_engine.sampling_params import SamplingParams
 
 
 class TraceReplay:
@@ -22,3 +23,32 @@ class TraceReplay:
         tokens = self._responses[sample_key_of(request.request_id)]
         position = request.num_output_tokens + offset
         return tokens[position] if position < len(tokens) else self._eos
+
+
+class ReplayWorkload:
+    """Trace groups as a rollout replays them: groups ``t<id>`` of ``samples`` responses
+    each, the responses for ``TraceReplay``, and the true lengths (the trace's tokens
+    plus EOS, capped at ``max_tokens``) that only the oracle policy is handed."""
+
+    def __init__(self, trace_groups: Sequence, samples: int, max_tokens: int) -> None:
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.samples = samples
+        self.prompts: list[tuple[str, list[int]]] = []
+        self.responses: dict[str, list[int]] = {}
+        for tg in trace_groups:
+            if len(tg.response_token_ids) < samples:
+                raise ValueError(f"trace group {tg.group_id} has only {len(tg.response_token_ids)} responses")
+            gid = f"t{tg.group_id}"
+            self.prompts.append((gid, list(tg.prompt_token_ids)))
+            for j, tokens in enumerate(tg.response_token_ids[:samples]):
+                self.responses[f"{gid}/{j}"] = list(tokens)
+        self.true_lengths = {k: min(len(v) + 1, max_tokens) for k, v in self.responses.items()}
+
+    def groups(self) -> list[Group]:
+        """Fresh groups (a rollout sets their order), in trace order."""
+        return [
+            Group(gid, ids, self.params, self.samples, order=k) for k, (gid, ids) in enumerate(self.prompts)
+        ]
+
+    def replay(self, eos_token_id: int) -> TraceReplay:
+        return TraceReplay(self.responses, eos_token_id)

@@ -238,8 +238,9 @@ class Rollout:
         aborted = []
         wanted = set(keys)
         buffered = {s.key for s in self.buffer if s.key in wanted}
-        for sample in [s for s in self.buffer if s.key in buffered]:
-            self.buffer.remove(sample)
+        for sample in self.buffer:
+            if sample.key in buffered:
+                self.buffer.remove(sample)
         for key in keys:
             sample = self._live.get(key)
             if sample is None:

@@ -22,15 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seer_engine.core.policies import RolloutPolicy, make_rollout_policy
-from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.replay import TraceReplay
+from seer_engine.rollout.replay import ReplayWorkload
 from seer_engine.rollout.rollout import Rollout, RolloutMetrics
 from seer_engine.rollout.workload import load_trace, select_groups
-from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 from seer_engine.sim.profiler import StepPoint, fit_step_time, recording_steps
 from seer_engine.sim.simulator import bench_groups, policy_for, simulate
@@ -101,23 +99,19 @@ def real_rollouts(
     ``clock``: charge each step what this model says its shape costs instead of its
     wall time. The engines still run for real and decide everything as before; only
     the instance clocks become free of the machine's noise."""
-    trace = select_groups(load_trace(w.trace), w.groups, w.samples)
+    trace = select_groups(load_trace(w.trace), w.groups)
     max_len = max(len(g.prompt_token_ids) for g in trace) + w.max_tokens + 1
     cfg = EngineConfig(model=str(model), num_kv_blocks=w.kv_blocks, block_size=w.block_size,
                        max_num_seqs=w.max_num_seqs, num_threads=1, max_model_len=max_len)  # fmt: skip
-    responses = {f"t{g.group_id}/{j}": list(r) for g in trace for j, r in enumerate(g.response_token_ids)}
-    replay = TraceReplay(responses, min(ModelConfig.from_pretrained(Path(model)).eos_token_ids))
-    lengths = {k: min(len(v) + 1, w.max_tokens) for k, v in responses.items()}
-    params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens)
+    workload = ReplayWorkload(trace, w.samples, w.max_tokens)
+    replay = workload.replay(min(ModelConfig.from_pretrained(Path(model)).eos_token_ids))
     metrics, points = {}, []
     for name in policies:
         runs = []
         for _ in range(repeats):
             policy = pin_step_cost(
-                make_rollout_policy(name, true_lengths=lengths, starvation_s=w.starvation_s), w
+                make_rollout_policy(name, true_lengths=workload.true_lengths, starvation_s=w.starvation_s), w
             )
-            groups = [Group(f"t{g.group_id}", list(g.prompt_token_ids), params, w.samples, order=k)
-                      for k, g in enumerate(trace)]  # fmt: skip
             with EnginePool.for_policy(cfg, policy, w.instances, replay) as pool, ExitStack() as stack:
                 steps = [
                     stack.enter_context(recording_steps(inst.engine, kv_per_query=True)) for inst in pool
@@ -125,7 +119,9 @@ def real_rollouts(
                 if clock is not None:
                     for inst, recorded in zip(pool, steps):
                         stack.enter_context(_modeled_clock(inst, recorded, clock))
-                result = Rollout(pool, policy, w.chunk_tokens, placement=SeerPlacement()).run(groups)
+                result = Rollout(pool, policy, w.chunk_tokens, placement=SeerPlacement()).run(
+                    workload.groups()
+                )
             runs.append((result.metrics, [p for s in steps for p in s]))
         metrics[name], fastest_steps = min(runs, key=lambda r: r[0].makespan_s)
         points += fastest_steps

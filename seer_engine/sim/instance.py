@@ -31,7 +31,7 @@ from seer_engine.kv_connector.base import ConnectorStats, LoadResult
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceInfo, StepReply
 from seer_engine.sim.profile import InstanceProfile
-from seer_engine.spec_decode.budget import AdaptiveBudget, BudgetPolicy, StepCostModel
+from seer_engine.spec_decode.budget import StepCostModel, make_budget
 
 EPS = 1e-9
 
@@ -103,9 +103,7 @@ def _allocate(
     budget: str, rows: int, rate: float, ratio: float, max_nodes: int
 ) -> tuple[tuple[int, int], ...]:
     """The engine's budget policy over ``rows`` alike rows: (nodes, how many rows) pairs."""
-    policy: BudgetPolicy = AdaptiveBudget(StepCostModel(ratio, 1.0)) if budget == "adaptive" else None
-    if policy is None:
-        return ((max_nodes, rows),)
+    policy = make_budget(budget, StepCostModel(ratio, 1.0))
     counts: dict[int, int] = {}
     for n in policy.allocate([None] * rows, lambda _: rate, max_nodes):
         counts[n] = counts.get(n, 0) + 1
@@ -257,10 +255,6 @@ class SimInstance(EngineInstance):
     def next_event_at(self) -> float:
         seg = self._plan()
         return seg.end if seg is not None else math.inf
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.in_flight)
 
     def step(self, horizon: float = math.inf) -> StepReply:
         """Run segments until a chunk ends (or the next one would pass ``horizon``, when

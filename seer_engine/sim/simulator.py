@@ -103,7 +103,7 @@ def simulate(
     """
     max_prompt = max(g.prompt_len for g in groups)
     world = SimWorld(
-        lengths={f"{g.group_id}/{i}": min(n, max_tokens) for g in groups for i, n in enumerate(g.lengths)},
+        lengths=true_lengths(groups, max_tokens),
         max_tokens=max_tokens,
         group_sizes={g.group_id: len(g.lengths) for g in groups},
     )
