@@ -4,12 +4,12 @@ so responses move), its single-instance reference, and greedy decoding on one en
 
 from __future__ import annotations
 
-from seer_engine.core.policies import make_rollout_policy
-from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
-from seer_engine.rollout.engine_pool import EnginePool
-from seer_engine.rollout.rollout import Rollout
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
+from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -22,7 +22,7 @@ def pool_groups(temperature: float = 1.0) -> list[Group]:
     independent of chunking and placement."""
     params = SamplingParams(temperature=temperature, seed=7, max_tokens=48, ignore_eos=True)
     prompts = [[(3 * i + j) % 30 + 2 for i in range(20 + 9 * j)] for j in range(3)]
-    return [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
+    return [Group(f"g{j}", p, params, 4, params.max_tokens) for j, p in enumerate(prompts)]
 
 
 def pool_config(model, kv_blocks: int, **kw) -> EngineConfig:
@@ -36,8 +36,8 @@ def outputs_of(samples: dict) -> dict[str, list[list[int]]]:
 
 def reference_outputs(model, temperature: float = 1.0) -> dict[str, list[list[int]]]:
     """The workload on one in-process instance, whole responses (no chunks, no moves)."""
-    with EnginePool(pool_config(model, 64), 1) as pool:
-        rollout = Rollout(pool, make_rollout_policy("context"), chunk_tokens=10_000)
+    with EnginePool.start(pool_config(model, 64), 1) as pool:
+        rollout = Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=10_000)
         result = rollout.run(pool_groups(temperature))
     return outputs_of(result.samples)
 

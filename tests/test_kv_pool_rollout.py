@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from pool_workload import BLOCK, outputs_of, pool_config, pool_groups, reference_outputs
 
-from seer_engine.core.policies import make_rollout_policy
 from seer_engine.kv_connector.factory import kv_pool_for
-from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.rollout import Rollout
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,10 @@ def reference(model):
 
 def _pooled_rollout(model, backend: str, kv: str = "local", kv_blocks: int = 10):
     cfg = pool_config(model, kv_blocks)
-    pool = EnginePool(cfg, 2, backend=backend, kv_pool=kv_pool_for(kv, cfg, capacity_gib=0.05))
+    pool = EnginePool.start(cfg, 2, backend=backend, kv_pool=kv_pool_for(kv, cfg, capacity_gib=0.05))
     # (mooncake: a master on 127.0.0.1 started here, stopped when the pool closes)
     placement = SeerPlacement(spread_threshold=32, pull_threshold_tokens=0)
-    return pool, Rollout(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement)
+    return pool, Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement)
 
 
 @pytest.mark.parametrize("backend,kv", [("inproc", "local"), ("mp", "local"), ("mp", "mooncake")])
@@ -86,8 +86,8 @@ def test_draft_server_keeps_instance_processes_drafting_from_siblings(model):
     so their drafts are accepted), outputs do not change."""
     spec = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
     cfg = pool_config(model, 64, speculative_config=spec)
-    with EnginePool(cfg, 2, backend="mp") as pool:
-        result = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8).run(pool_groups(0.0))
+    with EnginePool.start(cfg, 2, backend="mp") as pool:
+        result = Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=8).run(pool_groups(0.0))
         served = pool.draft_server.stats.served_tokens
         assert pool.draft_server.num_groups == 0, "finished groups leave the draft server"
     assert outputs_of(result.samples) == reference_outputs(model, 0.0)
@@ -97,10 +97,10 @@ def test_draft_server_keeps_instance_processes_drafting_from_siblings(model):
 def test_an_abort_racing_the_step_that_ended_the_chunk_gets_its_tokens(model):
     """The instance process ends a chunk, then an abort arrives before the buffer has
     read that step's reply: the abort still answers with the chunk's tokens."""
-    from seer_engine.rollout.instance import ChunkRequest
+    from seer_engine.rollout.types import ChunkRequest
     from seer_engine.sampling_params import SamplingParams
 
-    with EnginePool(pool_config(model, 16), 1, backend="mp") as pool:
+    with EnginePool.start(pool_config(model, 16), 1, backend="mp") as pool:
         inst = pool.instances[0]
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         inst.submit(ChunkRequest("g/0#0", [5, 6, 7], params, "g", "g/0", []))

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from pool_workload import BLOCK, outputs_of, pool_config, pool_groups, reference_outputs
 
-from seer_engine.core.policies import make_rollout_policy
 from seer_engine.kv_connector.factory import kv_pool_for
-from seer_engine.rollout.engine_pool import EnginePool
-from seer_engine.rollout.instance import ChunkRequest, InstanceDied
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.instances.ray import RayInstance
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.ray_instance import RayInstance
-from seer_engine.rollout.rollout import Rollout
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
+from seer_engine.rollout.types import ChunkRequest, InstanceDied
 from seer_engine.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")  # CI installs it; elsewhere the module is skipped
@@ -41,13 +41,15 @@ def reference(model):
 def ray_pool(cluster, model):
     """Two actors over the local pool, shared by the tests (the last one kills an actor)."""
     cfg = pool_config(model, 10)
-    with EnginePool(cfg, 2, backend="ray", kv_pool=kv_pool_for("local", cfg, capacity_gib=0.05)) as pool:
+    with EnginePool.start(
+        cfg, 2, backend="ray", kv_pool=kv_pool_for("local", cfg, capacity_gib=0.05)
+    ) as pool:
         yield pool
 
 
-def _rollout(pool: EnginePool) -> Rollout:
+def _rollout(pool: EnginePool) -> Dispatcher:
     placement = SeerPlacement(spread_threshold=32, pull_threshold_tokens=0)
-    return Rollout(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement)
+    return Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement)
 
 
 def test_actors_migrate_through_the_local_pool_and_keep_outputs(ray_pool, reference):

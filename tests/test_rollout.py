@@ -5,28 +5,28 @@ from __future__ import annotations
 
 import pytest
 
-from seer_engine.core.context_manager import ContextManager
-from seer_engine.core.policies import make_rollout_policy
-from seer_engine.core.request import Group, RolloutSample
 from seer_engine.engine.config import EngineConfig
-from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.context_manager import ContextManager
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
 from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.report import REPORT_KEYS
-from seer_engine.rollout.rollout import Rollout
+from seer_engine.rollout.types import Group, RolloutSample
 from seer_engine.sampling_params import SamplingParams
 
 
 def _groups(max_tokens: int = 40, temperature: float = 0.0) -> list[Group]:
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=11)
     prompts = [list(range(10, 10 + n)) for n in (7, 23, 40)]
-    return [Group(f"g{i}", p, params, n=4) for i, p in enumerate(prompts)]
+    return [Group(f"g{i}", p, params, 4, max_tokens) for i, p in enumerate(prompts)]
 
 
 def _run(model, policy: str, instances: int, chunk: int, kv_blocks: int = 64, **kw):
     cfg = EngineConfig(model=str(model), num_kv_blocks=kv_blocks, max_num_seqs=8)
-    pool = EnginePool(cfg, instances)
+    pool = EnginePool.start(cfg, instances)
     true = {f"g{i}/{j}": 40 for i in range(3) for j in range(4)}
-    rollout = Rollout(pool, make_rollout_policy(policy, true_lengths=true), chunk_tokens=chunk)
+    rollout = Dispatcher(pool, make_rollout_policy(policy, true_lengths=true), chunk_tokens=chunk)
     return rollout, rollout.run(kw.get("groups") or _groups())
 
 
@@ -69,7 +69,7 @@ def test_every_sample_once_and_same_greedy_outputs(model, reference, policy, ins
     for inst in rollout.pool:
         kv = inst.engine.kv_manager
         assert kv.num_free_blocks == kv.pool.num_blocks
-        assert inst.reserved_blocks == 0
+        assert inst.books.reserved_blocks == 0
 
 
 def test_baseline_preempts_where_divided_does_not(model):
@@ -101,7 +101,7 @@ def _sample(group: Group, index: int, generated: int = 0, enqueued: float = 0.0)
 def test_context_manager_order():
     ctx = ContextManager(starvation_s=100.0)
     params = SamplingParams(max_tokens=1000)
-    groups = [Group(f"g{i}", [1], params, n=3, order=i) for i in range(4)]
+    groups = [Group(f"g{i}", [1], params, 3, 1000, order=i) for i in range(4)]
     for g in groups:
         ctx.register(g, 1000)
     # g1 and g2 each have a finished response: 300 and 700 tokens.
@@ -133,8 +133,8 @@ def test_policies_cannot_see_trace_lengths(model):
             f"g{g}/{j}": list(range(100, 100 + lengths[(g + j) % 4])) for g in range(3) for j in range(4)
         }
         cfg = EngineConfig(model=str(model), num_kv_blocks=24, max_num_seqs=8)
-        pool = EnginePool(cfg, 2, token_source=TraceReplay(responses, eos_token_id=0))
-        rollout = Rollout(pool, make_rollout_policy("context"), chunk_tokens=8)
+        pool = EnginePool.start(cfg, 2, token_source=TraceReplay(responses, eos_token_id=0))
+        rollout = Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=8)
         first_finish = []
         rollout.on_sample_finished = lambda s, log=first_finish, r=rollout: log.append(len(r.dispatch_log))
         result = rollout.run(groups)
@@ -142,7 +142,7 @@ def test_policies_cannot_see_trace_lengths(model):
             for s in samples:
                 assert s.output_token_ids == responses[s.key] + [0], "replay emits the trace then EOS"
                 assert s.finish_reason == "stop"
-        logs.append(rollout.dispatch_log[: first_finish[0]])
+        logs.append(list(rollout.dispatch_log)[: first_finish[0]])
     n = min(len(logs[0]), len(logs[1]))
     assert n >= 4 and logs[0][:n] == logs[1][:n]
     policy = make_rollout_policy("context")

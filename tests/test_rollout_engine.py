@@ -9,8 +9,8 @@ import pytest
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.outputs import RequestOutput
+from seer_engine.rollout.backend import RolloutBackend
 from seer_engine.rollout.config import RolloutConfig
-from seer_engine.rollout.rollout_engine import RolloutEngine
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -31,7 +31,7 @@ def _rollout_engine(model, instances: int = 2, chunk: int = 8, backend: str = "i
     rollout = RolloutConfig(
         rollout_mode=True, instances=instances, chunk_tokens=chunk, distributed_backend=backend, **moves
     )
-    return RolloutEngine(_config(model, **kw), rollout)
+    return RolloutBackend(_config(model, **kw), rollout)
 
 
 def _drain(engine) -> dict[str, RequestOutput]:
@@ -43,11 +43,11 @@ def _drain(engine) -> dict[str, RequestOutput]:
     return done
 
 
-def _assert_idle(engine: RolloutEngine) -> None:
-    assert not engine.rollout.buffer and engine.rollout.num_live == 0
+def _assert_idle(engine: RolloutBackend) -> None:
+    assert not engine.dispatcher.buffer and engine.dispatcher.num_live == 0
     for inst in engine.pool:
-        assert inst.reserved_blocks == 0 and not inst.in_flight
-    for snap in engine.pool.call_all("snapshot"):
+        assert inst.books.reserved_blocks == 0 and not inst.books.in_flight
+    for snap in [inst.call("stats") for inst in engine.pool.alive]:
         assert snap.kv_used_blocks == 0 and snap.running == snap.waiting == 0
     store = getattr(engine.pool.kv_pool.connector, "store", None)
     if store is not None:
@@ -73,7 +73,7 @@ def test_requests_sharing_a_prompt_form_one_group(model):
     done = _drain(engine)
     assert sorted(done) == ["a0", "a1", "a2", "a3", "b", "c", "d"]
     assert all(len(c.token_ids) == 20 for out in done.values() for c in out.outputs)
-    assert engine.rollout.policy.context._groups == {}, "finished groups are forgotten"
+    assert engine.dispatcher.policy.context._groups == {}, "finished groups are forgotten"
     again = engine.add_request("a-next", [5, 6, 7, 8], p)  # next iteration: a fresh group
     assert again[0].group is not first_group and again[0].sample_index == 0
     _drain(engine)
@@ -106,7 +106,7 @@ def test_same_outputs_as_the_plain_engine(model, backend):
             if a.logprobs is not None:
                 assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]
                 assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
-    assert len(rollout.rollout.dispatch_log) > sum(p.n for _, _, p in requests), "responses ran in chunks"
+    assert len(rollout.dispatcher.dispatch_log) > sum(p.n for _, _, p in requests), "responses ran in chunks"
     _assert_idle(rollout)
     if backend == "mp":  # chunk ends went to the shared-memory pool (moves: test_kv_pool_rollout)
         assert sum(inst.connector_stats.saved_blocks for inst in rollout.pool) > 0
@@ -119,7 +119,7 @@ def test_context_policy_runs_one_probe_per_group_first(model):
     for g in range(3):
         engine.add_request(f"g{g}", [20 + g] * (3 + g), p.clone(n=4))
     _drain(engine)
-    log = [key for key, _ in engine.rollout.dispatch_log]
+    log = [key for key, _ in engine.dispatcher.dispatch_log]
     first = log[:3]
     assert all(key.endswith("/0") for key in first) and len({k.split("/")[0] for k in first}) == 3
     _assert_idle(engine)
@@ -151,7 +151,7 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
     engine.sleep()
     assert engine.is_sleeping and all(i.engine.is_sleeping for i in engine.pool)
     engine.wake_up()
-    assert engine.snapshot().kv_total_blocks == 128
+    assert engine.stats().kv_total_blocks == 128
     for bad, needle in (
         (dict(instances=0), "--instances"),
         (dict(chunk_tokens=0), "--chunk-tokens"),

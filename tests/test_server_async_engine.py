@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from seer_engine.engine.async_engine import AsyncEngine, EngineClient, EngineDeadError
+from seer_engine.engine.async_engine import AsyncEngine
+from seer_engine.engine.client import EngineClient, EngineDeadError
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
@@ -16,7 +17,7 @@ LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 
 def _start(model, **overrides) -> AsyncEngine:
     config = EngineConfig(model=str(model), num_kv_blocks=16, max_model_len=320, num_threads=1, **overrides)
-    return AsyncEngine.from_config(config, model_name="m").start(timeout=60)
+    return AsyncEngine.for_engine(config, model_name="m").start(timeout=60)
 
 
 def test_protocol_and_basic_generation(tiny_model):
@@ -37,7 +38,7 @@ def test_protocol_and_basic_generation(tiny_model):
                 await engine.generate("dup", [1], LONG)
             await first.aclose()  # closing the stream aborts the request
             stats = await engine.stats()
-            assert stats.num_requests_running + stats.num_requests_waiting == 0
+            assert stats.engine.running + stats.engine.waiting == 0
 
         asyncio.run(run())
     finally:
@@ -69,7 +70,7 @@ def test_engine_failure_reaches_waiting_callers(tiny_model, monkeypatch):
             await engine.generate("late", [1], LONG)
         with pytest.raises(EngineDeadError):
             await engine.pause("keep")
-        assert (await engine.stats()).kv_cache_total_blocks == 16  # last snapshot still readable
+        assert (await engine.stats()).engine.kv_total_blocks == 16  # last snapshot still readable
 
     asyncio.run(asyncio.wait_for(run(), 30))
     engine.shutdown()
@@ -91,7 +92,7 @@ def test_shutdown_releases_waiters(tiny_model):
 
 
 def test_start_reports_a_bad_model(tmp_path):
-    engine = AsyncEngine.from_config(EngineConfig(model=str(tmp_path)))
+    engine = AsyncEngine.for_engine(EngineConfig(model=str(tmp_path)))
     with pytest.raises(ValueError, match="config.json"):
         engine.start(timeout=60)
     with pytest.raises(EngineDeadError):

@@ -8,8 +8,9 @@ import json
 import pytest
 
 import seer_engine.core.policies as engine_policies
-import seer_engine.rollout.rollout as engine_rollout
-from seer_engine.core.policies import ROLLOUT_POLICIES, ContextAwarePolicy
+import seer_engine.rollout.dispatcher as engine_dispatcher
+import seer_engine.rollout.policies as rollout_policies
+from seer_engine.rollout.policies import ROLLOUT_POLICIES, ContextAwarePolicy
 from seer_engine.sim import simulator
 from seer_engine.sim.instance import SimInstance
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
@@ -98,8 +99,8 @@ def test_a_chunk_larger_than_an_instance_is_a_clear_error():
 
 def test_the_simulator_schedules_with_the_engines_own_classes():
     # No second implementation: the names the simulator uses are the engine's objects.
-    assert simulator.Rollout is engine_rollout.Rollout
-    assert simulator.make_rollout_policy is engine_policies.make_rollout_policy
+    assert simulator.Dispatcher is engine_dispatcher.Dispatcher
+    assert simulator.make_rollout_policy is rollout_policies.make_rollout_policy
     assert set(ROLLOUT_POLICIES.values()) >= {
         type(policy_for(n, _groups(), MAX_TOKENS, 1.0)) for n in POLICIES
     }
@@ -173,7 +174,7 @@ def test_simulate_cli_names_bad_input(args, message, capsys):
 def test_the_context_managers_batch_order_is_its_one_by_one_order():
     groups = _groups()
     policy = policy_for("context", groups, MAX_TOKENS, 50.0)
-    rollout = simulator.Rollout(
+    rollout = simulator.Dispatcher(
         simulator.SimPool([SimInstance(0, _profile(), None, None)], True), policy, 1024
     )
     samples = rollout.start(
@@ -183,6 +184,7 @@ def test_the_context_managers_batch_order_is_its_one_by_one_order():
                 simulator.TokenCount(g.prompt_len),
                 simulator.SamplingParams(max_tokens=MAX_TOKENS),
                 len(g.lengths),
+                MAX_TOKENS,
             )
             for g in groups
         ]

@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from seer_engine.core.policies import make_rollout_policy
-from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
-from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
 from seer_engine.rollout.replay import TraceReplay
-from seer_engine.rollout.rollout import Rollout
+from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.spec_decode.budget import AdaptiveBudget, FixedBudget, StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
@@ -182,12 +182,12 @@ def test_seer_rollout_across_instances_and_chunks(model):
     prompts = [[(3 * i + j) % 30 + 2 for i in range(12 + 5 * j)] for j in range(3)]
 
     def run(policy: str, instances: int, chunk: int):
-        groups = [Group(f"g{j}", p, params, n=4) for j, p in enumerate(prompts)]
+        groups = [Group(f"g{j}", p, params, 4, params.max_tokens) for j, p in enumerate(prompts)]
         spec = {"method": "group_suffix", "step_cost": STEP_COST} if policy == "seer" else None
         cfg = EngineConfig(model=str(model), num_kv_blocks=9, max_num_seqs=3, speculative_config=spec)
         pol = make_rollout_policy(policy)
-        pool = EnginePool.for_policy(cfg, pol, instances)
-        rollout = Rollout(pool, pol, chunk_tokens=chunk)
+        pool = EnginePool.start(cfg, instances, policy=pol)
+        rollout = Dispatcher(pool, pol, chunk_tokens=chunk)
         result = rollout.run(groups)
         outs = {k: [s.output_token_ids for s in v] for k, v in result.samples.items()}
         return outs, pool, rollout

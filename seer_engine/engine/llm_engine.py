@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -17,7 +17,8 @@ from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
-from seer_engine.engine.request_checker import RequestChecker
+from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
+from seer_engine.engine.stats import EngineStats
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
     ModelRunner,
@@ -71,26 +72,6 @@ def child_seed(base_seed: int, index: int) -> int:
 
 
 @dataclass
-class EngineSnapshot:
-    """Counters of one engine (or the sum over a rollout pool's instances)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_used_blocks: int = 0
-    kv_total_blocks: int = 0
-    preemptions: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    sampled_rows: int = 0  # request-steps that emitted tokens; < generated_tokens with drafts
-    draft_tokens_verified: int = 0
-    draft_tokens_accepted: int = 0
-    drafter_s: float = 0.0
-
-    def __add__(self, other: EngineSnapshot) -> EngineSnapshot:
-        return EngineSnapshot(*(a + b for a, b in zip(astuple(self), astuple(other))))
-
-
-@dataclass
 class _Parent:
     """A user request; its n samples run as separate scheduler requests."""
 
@@ -119,7 +100,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(path)
-        self.detokenizer = Detokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer_path = Path(config.tokenizer or path)
+        self.detokenizer = Detokenizer.from_pretrained(self.tokenizer_path)
         self.device = resolve_device(config.device)
         self.dtype = self.model_config.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
         self.vocab_size = self.model_config.vocab_size
@@ -133,7 +115,7 @@ class LLMEngine:
             self.model_config, self.dtype, self.device, config.block_size, num_blocks, backend
         )
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.checker = RequestChecker(
+        self.input_processor = InputProcessor(
             self.detokenizer, self.vocab_size, self.max_model_len, num_blocks, config.block_size
         )
         sched_cfg = SchedulerConfig(
@@ -209,8 +191,12 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        return self.checker.encode_prompt(prompt)
+    def make_input_processor(self) -> InputProcessor:
+        """The same checks with a tokenizer of its own, for a thread other than the
+        one that steps this engine (HF fast tokenizers must not be shared)."""
+        p = self.input_processor
+        tokenizer = Detokenizer.from_pretrained(self.tokenizer_path)
+        return InputProcessor(tokenizer, p.vocab_size, p.max_model_len, p.num_kv_blocks, p.block_size)
 
     def add_request(
         self,
@@ -220,36 +206,47 @@ class LLMEngine:
         priority: int = 0,
         group_id: str | None = None,
         stream: bool = False,
-        prior_output_token_ids: Sequence[int] = (),
+    ) -> list[Request]:
+        """Check and queue a request (n samples); returns the scheduler requests it became."""
+        checked = self.input_processor.process(prompt, params)
+        return self.add_checked(request_id, checked, priority, group_id, stream)
+
+    def add_checked(
+        self,
+        request_id: str,
+        checked: CheckedRequest,
+        priority: int = 0,
+        group_id: str | None = None,
+        stream: bool = False,
         sequence_id: str | None = None,
     ) -> list[Request]:
-        """Queue a request (n samples); returns the scheduler requests it became.
+        """Queue a request that passed the input processor.
 
-        ``prior_output_token_ids`` resumes a sample that already generated tokens (the
-        next chunk of a divided rollout): they count towards max_tokens, min_tokens, stop
-        strings and sampling positions, and their KV is recomputed or taken from the
-        prefix cache like any other context. Logprobs cover only new tokens.
-        ``sequence_id`` names the response the request continues (drafters keep their
-        per-response state under it); it defaults to the request's own id.
+        ``checked.prior_output_token_ids`` resumes a sample that already generated
+        tokens (the next chunk of a divided rollout): they count towards max_tokens,
+        min_tokens, stop strings and sampling positions, and their KV is recomputed or
+        taken from the prefix cache like any other context. Logprobs cover only new
+        tokens. ``sequence_id`` names the response the request continues (drafters keep
+        their per-response state under it); it defaults to the request's own id.
         """
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, ids, prior, max_tokens = self.check_request(prompt, params, prior_output_token_ids)
+        params, ids = checked.params, checked.prompt_token_ids
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        parent = _Parent(request_id, text, ids, params, stream=stream)
+        parent = _Parent(request_id, checked.prompt, ids, params, stream=stream)
         for i in range(params.n):
             child = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}-{i}",
                 prompt_token_ids=ids,
                 sampling_params=params,
-                max_tokens=max_tokens,
+                max_tokens=checked.max_tokens,
                 seed=child_seed(base_seed, i),
                 eos_token_ids=self.eos_token_ids,
-                prompt=text,
+                prompt=checked.prompt,
                 priority=priority,
                 group_id=group_id if group_id is not None else request_id,
                 sample_index=i,
-                output_token_ids=list(prior),
+                output_token_ids=list(checked.prior_output_token_ids),
                 sequence_id=None
                 if sequence_id is None
                 else (sequence_id if params.n == 1 else f"{sequence_id}-{i}"),
@@ -413,7 +410,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
         )
 
-    # -- serving primitives: request checks, RL weight sync, memory release ------------
+    # -- serving primitives: stats, RL weight sync, memory release -----------------------
     #
     # Used by the server (AsyncEngine). Between rollouts an RL trainer loads new
     # weights and wants the accelerator memory back while it trains; these calls do
@@ -424,31 +421,23 @@ class LLMEngine:
         "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
     )  # fmt: skip
 
-    def validate_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """add_request's checks without queuing anything (see RequestChecker)."""
-        return self.checker.validate_request(prompt, params)
-
-    def check_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
-    ) -> tuple[str | None, list[int], list[int], int]:
-        """Every check a new request passes: (prompt text, prompt ids, prior output, max_tokens)."""
-        return self.checker.check_request(prompt, params, prior_output_token_ids)
-
-    def snapshot(self) -> EngineSnapshot:
-        """Load and counters for /metrics (requests counted per sample)."""
-        sched = self.scheduler
-        kv = self.kv_manager.stats()
-        return EngineSnapshot(
+    def stats(self) -> EngineStats:
+        """Load and counters (requests counted per sample)."""
+        sched, kv = self.scheduler, self.kv_manager.stats()
+        s = sched.stats
+        return EngineStats(
             running=sched.num_running,
             waiting=sched.num_waiting,
             kv_used_blocks=kv.num_blocks - kv.num_free_blocks,
             kv_total_blocks=kv.num_blocks,
-            preemptions=sched.stats.preemptions,
-            generated_tokens=sched.stats.generated_tokens,
-            steps=sched.stats.steps,
-            sampled_rows=sched.stats.sampled_rows,
-            draft_tokens_verified=sched.stats.draft_tokens_scheduled,
-            draft_tokens_accepted=sched.stats.draft_tokens_accepted,
+            steps=s.steps,
+            preemptions=s.preemptions,
+            recomputed_tokens=s.recomputed_tokens,
+            scheduled_tokens=s.scheduled_tokens,
+            generated_tokens=s.generated_tokens,
+            sampled_rows=s.sampled_rows,
+            draft_tokens_verified=s.draft_tokens_scheduled,
+            draft_tokens_accepted=s.draft_tokens_accepted,
             drafter_s=self.drafter.stats.observe_s + self.drafter.stats.propose_s if self.drafter else 0.0,
         )
 

@@ -16,14 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from seer_engine.core.policies import ROLLOUT_POLICIES, make_rollout_policy
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import ROLLOUT_POLICIES, make_rollout_policy
 from seer_engine.rollout.replay import ReplayWorkload
 from seer_engine.rollout.report import Progress, format_table, write_report
-from seer_engine.rollout.rollout import Rollout
 
 
 def add_cli(subparsers) -> None:
@@ -117,10 +117,10 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         with cluster.make_pool(cfg, policy, replay) as pool:
             pool.reset_clocks()
             start = time.perf_counter()
-            rollout = Rollout(
+            dispatcher = Dispatcher(
                 pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement()
             )
-            results[name] = rollout.run(workload.groups())
+            results[name] = dispatcher.run(workload.groups())
         print(f"[{name}] done in {time.perf_counter() - start:.1f}s wall", flush=True)
     print(format_table(results))
     if args.report:

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from seer_engine.core.policies import make_rollout_policy
-from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.rollout.config import RolloutConfig
-from seer_engine.rollout.rollout import Rollout
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 _SAMPLING_FIELDS = {
@@ -40,7 +41,7 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run_rollout)
 
 
-def read_groups(path: Path, n: int, defaults: dict, encode) -> list[Group]:
+def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -> list[Group]:
     groups = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -56,15 +57,16 @@ def read_groups(path: Path, n: int, defaults: dict, encode) -> list[Group]:
             if unknown:
                 raise InvalidRequestError(f"{path}:{lineno}: unknown fields {sorted(unknown)}")
             fields = {**defaults, **{k: v for k, v in item.items() if k in _SAMPLING_FIELDS}}
-            try:
-                params = SamplingParams(**fields)
-                text, ids = encode(item["prompt"])
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"{path}:{lineno}: {e}") from e
             samples = item.get("n", n)
             if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
                 raise InvalidRequestError(f"{path}:{lineno}: n must be an integer >= 1, got {samples!r}")
-            groups.append(Group(f"g{len(groups)}", ids, params, samples, prompt=text))
+            try:
+                checked = processor.process(item["prompt"], SamplingParams(**fields))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"{path}:{lineno}: {e}") from e
+            gid = f"g{len(groups)}"
+            groups.append(Group(gid, checked.prompt_token_ids, checked.params, samples, checked.max_tokens,
+                                prompt=checked.prompt))  # fmt: skip
     if not groups:
         raise InvalidRequestError(f"{path} holds no prompts")
     return groups
@@ -78,18 +80,18 @@ def run_rollout(args: argparse.Namespace) -> int:
     policy = make_rollout_policy(rollout_config.policy, starvation_s=rollout_config.starvation_s)
     with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy) as pool:
         defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-        groups = read_groups(path, args.n, defaults, pool.front.encode_prompt)
+        groups = read_groups(path, args.n, defaults, pool.make_input_processor())
         name = rollout_config.policy
         total = sum(g.n for g in groups)
         with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
-            rollout = Rollout(
+            dispatcher = Dispatcher(
                 pool,
                 policy,
                 rollout_config.chunk_tokens,
                 on_sample_finished=lambda s: bar.update(),
                 placement=rollout_config.placement(),
             )
-            result = rollout.run(groups)
+            result = dispatcher.run(groups)
     with open(args.output, "w") as out:
         for g in groups:
             samples = result.samples[g.group_id]

@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from seer_engine.core.policies import ROLLOUT_POLICIES
+from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
+from seer_engine.rollout.policies import ROLLOUT_POLICIES
 from seer_engine.rollout.report import Progress, format_table, write_report
-from seer_engine.rollout.rollout import RolloutResult
 
 
 def add_cli(subparsers) -> None:

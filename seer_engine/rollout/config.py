@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from seer_engine.core.policies import ROLLOUT_POLICIES
-from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import TokenSource
+from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS, kv_pool_for
 from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREAD_THRESHOLD, SeerPlacement
+from seer_engine.rollout.policies import ROLLOUT_POLICIES, RolloutPolicy
+from seer_engine.rollout.pool import BACKENDS, EnginePool
 
 SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle")  # oracle needs a trace
 
@@ -33,8 +36,6 @@ class RolloutConfig:
     pool_pull_tokens: int = SEER_PULL_THRESHOLD_TOKENS
 
     def __post_init__(self) -> None:
-        from seer_engine.rollout.engine_pool import BACKENDS
-
         if self.distributed_backend is None:
             self.distributed_backend = "mp" if self.instances > 1 else "inproc"
         if self.distributed_backend not in BACKENDS:
@@ -154,18 +155,17 @@ class RolloutConfig:
     def placement(self) -> SeerPlacement:
         return SeerPlacement(self.migration_spread, self.pool_pull_tokens)
 
-    def make_pool(self, config, policy, token_source=None):
+    def make_pool(
+        self,
+        config: EngineConfig,
+        policy: RolloutPolicy,
+        token_source: TokenSource | None = None,
+        timeline_points: int | None = None,
+    ) -> EnginePool:
         """The engine pool (with its KV pool) this configuration describes."""
-        from seer_engine.kv_connector.factory import kv_pool_for
-        from seer_engine.rollout.engine_pool import EnginePool
-
         kv_pool = kv_pool_for(
             self.kv_connector, config, mooncake_master=self.mooncake_master, capacity_gib=self.kv_pool_gib
         )
-        try:
-            return EnginePool.for_policy(
-                config, policy, self.instances, token_source, self.distributed_backend, kv_pool
-            )
-        except BaseException:
-            kv_pool.close()
-            raise
+        return EnginePool.start(
+            config, self.instances, token_source, self.distributed_backend, kv_pool, policy, timeline_points
+        )

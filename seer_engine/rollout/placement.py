@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from seer_engine.rollout.instance import EngineInstance
+from seer_engine.rollout.instances.base import InstanceHandle
 
 SEER_SPREAD_THRESHOLD = 32
 SEER_PULL_THRESHOLD_TOKENS = 512
@@ -24,10 +24,10 @@ class Placement:
 
     def choose(
         self,
-        candidates: Sequence[EngineInstance],
-        prefix_tokens: Callable[[EngineInstance], int],
+        candidates: Sequence[InstanceHandle],
+        prefix_tokens: Callable[[InstanceHandle], int],
         loads: Sequence[int],
-    ) -> EngineInstance:
+    ) -> InstanceHandle:
         """One of ``candidates`` (instances with room for the chunk). ``prefix_tokens``:
         how much of the response's context an instance holds; ``loads``: chunks in
         flight on every live instance."""
@@ -53,10 +53,10 @@ class SeerPlacement(Placement):
 
     def choose(self, candidates, prefix_tokens, loads):
         if loads and max(loads) - min(loads) > self.spread_threshold:
-            return min(candidates, key=lambda i: (len(i.in_flight), -i.free_reservable_blocks, i.index))
+            return min(candidates, key=lambda i: (len(i.books.in_flight), -i.books.free_blocks, i.index))
         return max(
             candidates,
-            key=lambda i: (prefix_tokens(i), -len(i.in_flight), i.free_reservable_blocks, -i.index),
+            key=lambda i: (prefix_tokens(i), -len(i.books.in_flight), i.books.free_blocks, -i.index),
         )
 
     def should_pull(self, missing_tokens: int) -> bool:

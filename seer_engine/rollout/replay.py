@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from seer_engine.core.request import Group, Request
-from seer_engine.rollout.rollout import sample_key_of
+from seer_engine.core.request import Request
+from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 
 
@@ -20,7 +20,7 @@ class TraceReplay:
 
     def next_token(self, request: Request, sampled: int, offset: int = 0) -> int:
         """The trace's token ``offset`` places after this response's next one (EOS past its end)."""
-        tokens = self._responses[sample_key_of(request.request_id)]
+        tokens = self._responses[request.sequence_id]
         position = request.num_output_tokens + offset
         return tokens[position] if position < len(tokens) else self._eos
 
@@ -47,7 +47,8 @@ class ReplayWorkload:
     def groups(self) -> list[Group]:
         """Fresh groups (a rollout sets their order), in trace order."""
         return [
-            Group(gid, ids, self.params, self.samples, order=k) for k, (gid, ids) in enumerate(self.prompts)
+            Group(gid, ids, self.params, self.samples, self.params.max_tokens, order=k)
+            for k, (gid, ids) in enumerate(self.prompts)
         ]
 
     def replay(self, eos_token_id: int) -> TraceReplay:

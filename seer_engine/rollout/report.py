@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from seer_engine.rollout.rollout import RolloutResult
+from seer_engine.rollout.metrics import RolloutResult
 
 REPORT_KEYS = (
     "throughput_tokens_per_s",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator
 
-from seer_engine.core.request import RolloutSample
+from seer_engine.rollout.types import RolloutSample
 
 
 class RequestBuffer:

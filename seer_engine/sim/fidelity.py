@@ -21,13 +21,14 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from seer_engine.core.policies import RolloutPolicy, make_rollout_policy
 from seer_engine.engine.config import EngineConfig
 from seer_engine.model_executor.model_config import ModelConfig
-from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.metrics import RolloutMetrics
 from seer_engine.rollout.placement import SeerPlacement
+from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
 from seer_engine.rollout.replay import ReplayWorkload
-from seer_engine.rollout.rollout import Rollout, RolloutMetrics
 from seer_engine.rollout.workload import load_trace, select_groups
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 from seer_engine.sim.profiler import StepPoint, fit_step_time, recording_steps
@@ -112,14 +113,14 @@ def real_rollouts(
             policy = pin_step_cost(
                 make_rollout_policy(name, true_lengths=workload.true_lengths, starvation_s=w.starvation_s), w
             )
-            with EnginePool.for_policy(cfg, policy, w.instances, replay) as pool, ExitStack() as stack:
+            with EnginePool.start(cfg, w.instances, replay, policy=policy) as pool, ExitStack() as stack:
                 steps = [
                     stack.enter_context(recording_steps(inst.engine, kv_per_query=True)) for inst in pool
                 ]
                 if clock is not None:
                     for inst, recorded in zip(pool, steps):
                         stack.enter_context(_modeled_clock(inst, recorded, clock))
-                result = Rollout(pool, policy, w.chunk_tokens, placement=SeerPlacement()).run(
+                result = Dispatcher(pool, policy, w.chunk_tokens, placement=SeerPlacement()).run(
                     workload.groups()
                 )
             runs.append((result.metrics, [p for s in steps for p in s]))

@@ -1,8 +1,8 @@
 """A modeled engine instance: continuous batching on a step-time model, no forward passes.
 
-It speaks the Request Buffer's instance interface (``EngineInstance``: submit, abort,
-step replies with the chunks that ended), so the simulator runs the engine's own
-``Rollout``, policies, Context Manager and placement over it. Only the engine below
+It speaks the dispatcher's instance interface (``InstanceHandle``: submit, abort, step
+replies with the chunks that ended), so the simulator runs the engine's own
+dispatcher, policies, Context Manager and placement over it. Only the engine below
 that line is modeled, after the real scheduler: each step runs the decode rows, then
 prefill chunks within ``max_num_batched_tokens``, then admits waiting chunks in the
 engine's scheduling-policy order while sequences and KV allow; when KV runs out the
@@ -27,9 +27,12 @@ from functools import lru_cache
 
 from seer_engine.core.policies import SchedulingPolicy
 from seer_engine.core.scheduler import SchedulerStats
+from seer_engine.engine.stats import EngineStats
 from seer_engine.kv_connector.base import ConnectorStats, LoadResult
 from seer_engine.outputs import CompletionOutput, RequestOutput
-from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceInfo, StepReply
+from seer_engine.rollout.books import InstanceBooks
+from seer_engine.rollout.instances.base import InstanceHandle
+from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.spec_decode.budget import StepCostModel, make_budget
 
@@ -151,7 +154,7 @@ class Segment:
         return bool(self.prefill or self.admit)
 
 
-class SimInstance(EngineInstance):
+class SimInstance(InstanceHandle):
     backend = "sim"
 
     def __init__(
@@ -163,9 +166,9 @@ class SimInstance(EngineInstance):
         speculation: SimSpeculation | None = None,
         max_model_len: int = 1 << 30,
     ) -> None:
-        super().__init__(
-            index, InstanceInfo(profile.num_blocks, profile.block_size, profile.max_num_seqs, max_model_len)
-        )
+        super().__init__(index)
+        self.info = InstanceInfo(profile.num_blocks, profile.block_size, profile.max_num_seqs, max_model_len)
+        self.books = InstanceBooks(self.info)
         self.profile = profile
         self.world = world
         self.scheduling = scheduling
@@ -191,6 +194,15 @@ class SimInstance(EngineInstance):
         self._undelivered: list[RequestOutput] = []  # chunks that ended while catching up to an arrival
         self._elapsed = 0.0  # step time since the last reply
         self.peak_kv_tokens = 0.0  # the most KV its running rows ever held (tests check the capacity)
+
+    @property
+    def clock(self) -> float:
+        """The time its modeled work has reached (kept in the dispatcher's books)."""
+        return self.books.clock
+
+    @clock.setter
+    def clock(self, t: float) -> None:
+        self.books.clock = t
 
     # -- the instance interface ------------------------------------------------------
 
@@ -269,19 +281,24 @@ class SimInstance(EngineInstance):
             if outputs or nxt is None or nxt.end > horizon:
                 break
         loads, self._loads = self._loads, []
-        reply = StepReply(
-            outputs=outputs,
-            elapsed_s=self._take_elapsed(),
+        return StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads)
+
+    def _engine_stats(self) -> EngineStats:
+        st = self._stats
+        return EngineStats(
             running=len(self.decoding) + len(self.prefilling),
             waiting=len(self.waiting),
-            kv_usage=min(1.0, self._running_kv() / self.capacity),
-            stats=self._stats,
-            drafter=None,
-            connector=self._connector,
-            loads=loads,
+            kv_used_blocks=min(self._running_kv(), self.capacity) / self.profile.block_size,
+            kv_total_blocks=self.profile.num_blocks,
+            steps=st.steps,
+            preemptions=st.preemptions,
+            recomputed_tokens=st.recomputed_tokens,
+            scheduled_tokens=st.scheduled_tokens,
+            generated_tokens=st.generated_tokens,
+            sampled_rows=st.sampled_rows,
+            draft_tokens_verified=st.draft_tokens_scheduled,
+            draft_tokens_accepted=st.draft_tokens_accepted,
         )
-        self.record(reply, self.clock)
-        return reply
 
     # -- planning ------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
-"""The cluster simulator: the engine's own Rollout over modeled instances.
+"""The cluster simulator: the engine's own dispatcher over modeled instances.
 
-``simulate`` builds N ``SimInstance``s, hands them to the same ``Rollout`` (Request
+``simulate`` builds N ``SimInstance``s, hands them to the same ``Dispatcher`` (Request
 Buffer, rollout policy, Context Manager, placement) that drives real engines, and
 returns the same ``RolloutResult``. Nothing about scheduling is re-implemented here:
 the policy classes are imported from ``core`` and ``rollout``; the modeled engines
@@ -14,13 +14,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from seer_engine.core.policies import RolloutPolicy, make_policy, make_rollout_policy
-from seer_engine.core.request import Group
-from seer_engine.kv_connector.base import KVConnector
-from seer_engine.kv_connector.factory import KVPool
-from seer_engine.rollout.engine_pool import EnginePool
+from seer_engine.core.policies import make_policy
+from seer_engine.kv_connector.base import KVConnector, RecomputeConnector
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import Placement, SeerPlacement
-from seer_engine.rollout.rollout import Rollout, RolloutResult
+from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
+from seer_engine.rollout.types import Group, StepReply
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.instance import SimInstance, SimSpeculation, SimWorld, TokenCount
 from seer_engine.sim.profile import InstanceProfile
@@ -47,25 +47,26 @@ class ModeledPool(KVConnector):
         pass
 
 
-class SimPool(EnginePool):
-    """An engine pool of modeled instances: the next event is the earliest one of any instance."""
+class SimPool:
+    """Modeled instances as the dispatcher's instance pool (``InstancePool``): the next
+    event is the earliest one of any instance."""
+
+    backend = "sim"
 
     def __init__(self, instances: Sequence[SimInstance], pooled: bool) -> None:
-        self.config = None
-        self.backend = "sim"
-        self.kv_pool = KVPool(ModeledPool(), None) if pooled else KVPool.recompute()
-        self.proposer = None
-        self.draft_server = None
-        self._finished_groups = {}
         self.instances = list(instances)
-        self._t0 = 0.0
+        self.kv_connector = ModeledPool() if pooled else RecomputeConnector()
+
+    @property
+    def alive(self) -> list[SimInstance]:
+        return [inst for inst in self.instances if inst.alive]
 
     @property
     def max_model_len(self) -> int:
         return self.instances[0].info.max_model_len
 
-    def advance(self):
-        busy = [inst for inst in self.instances if inst.alive and inst.has_work]
+    def advance(self) -> tuple[SimInstance, StepReply] | None:
+        busy = [inst for inst in self.instances if inst.alive and inst.books.has_work]
         if not busy:
             return None
         times = [inst.next_event_at() for inst in busy]
@@ -77,7 +78,18 @@ class SimPool(EnginePool):
             )
         horizon = min((t for i, t in enumerate(times) if i != first), default=math.inf)
         inst = busy[first]
-        return inst, inst.step(horizon)
+        reply = inst.step(horizon)
+        inst.books.record(reply, inst.clock)
+        return inst, reply
+
+    def accepts_at(self, inst: SimInstance, t: float) -> bool:
+        return True  # a modeled instance catches up to the arrival (``wait_until``)
+
+    def wait_until(self, inst: SimInstance, t: float) -> None:
+        inst.wait_until(t)
+
+    def finish_group(self, group_id: str) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -116,12 +128,12 @@ def simulate(
     ]
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
     rollout_groups = [
-        Group(g.group_id, TokenCount(g.prompt_len), params, len(g.lengths), order=k)
+        Group(g.group_id, TokenCount(g.prompt_len), params, len(g.lengths), max_tokens, order=k)
         for k, g in enumerate(groups)
     ]
     pool = SimPool(sims, pooled)
-    rollout = Rollout(pool, policy, chunk_tokens, on_sample_finished, placement or SeerPlacement())
-    return rollout.run(rollout_groups)
+    dispatcher = Dispatcher(pool, policy, chunk_tokens, on_sample_finished, placement or SeerPlacement())
+    return dispatcher.run(rollout_groups)
 
 
 def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculation | None:

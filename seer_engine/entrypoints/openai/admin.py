@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from seer_engine.engine.async_engine import EngineClient, EngineDeadError, EngineStats
+from seer_engine.engine.client import EngineClient, EngineDeadError, ServerStats
 from seer_engine.entrypoints.openai.errors import APIError, error_response
 from seer_engine.entrypoints.openai.protocol import (
     ERROR_RESPONSES,
@@ -22,41 +22,51 @@ from seer_engine.entrypoints.openai.protocol import (
 )
 
 # (name, type, help, value) for every exported figure
-_METRICS: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
-    ("num_requests_running", "gauge", "Samples running in the engine.", lambda s: s.num_requests_running),
-    ("num_requests_waiting", "gauge", "Samples waiting for admission.", lambda s: s.num_requests_waiting),
+_METRICS: list[tuple[str, str, str, Callable[[ServerStats], float]]] = [
+    ("num_requests_running", "gauge", "Samples running in the engine.", lambda s: s.engine.running),
+    ("num_requests_waiting", "gauge", "Samples waiting for admission.", lambda s: s.engine.waiting),
     ("num_requests_held", "gauge", "Samples held while paused or asleep.", lambda s: s.num_requests_held),
-    ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).", lambda s: s.kv_cache_usage),
-    ("kv_cache_free_blocks", "gauge", "Free KV blocks.", lambda s: s.kv_cache_free_blocks),
-    ("kv_cache_total_blocks", "gauge", "KV blocks in the pool.", lambda s: s.kv_cache_total_blocks),
-    ("num_preemptions_total", "counter", "Preemptions since start.", lambda s: s.num_preemptions),
-    ("generation_tokens_total", "counter", "Generated tokens since start.", lambda s: s.generated_tokens),
-    ("engine_steps_total", "counter", "Engine steps since start.", lambda s: s.num_steps),
+    ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).", lambda s: s.engine.kv_usage),
+    (
+        "kv_cache_free_blocks",
+        "gauge",
+        "Free KV blocks.",
+        lambda s: s.engine.kv_total_blocks - s.engine.kv_used_blocks,
+    ),
+    ("kv_cache_total_blocks", "gauge", "KV blocks in the pool.", lambda s: s.engine.kv_total_blocks),
+    ("num_preemptions_total", "counter", "Preemptions since start.", lambda s: s.engine.preemptions),
+    (
+        "generation_tokens_total",
+        "counter",
+        "Generated tokens since start.",
+        lambda s: s.engine.generated_tokens,
+    ),
+    ("engine_steps_total", "counter", "Engine steps since start.", lambda s: s.engine.steps),
     ("generation_tokens_per_second", "gauge", "Recent generation throughput.", lambda s: s.tokens_per_second),
     (
         "accepted_tokens_per_step",
         "gauge",
         "Draft tokens accepted per request per step (0 without speculative decoding).",
-        lambda s: s.accepted_tokens_per_step,
+        lambda s: s.engine.accepted_tokens_per_step,
     ),
     (
         "spec_decode_draft_tokens_total",
         "counter",
         "Draft tokens verified since start.",
-        lambda s: s.draft_tokens_verified,
+        lambda s: s.engine.draft_tokens_verified,
     ),
     (
         "spec_decode_accepted_tokens_total",
         "counter",
         "Draft tokens accepted since start.",
-        lambda s: s.draft_tokens_accepted,
+        lambda s: s.engine.draft_tokens_accepted,
     ),
     ("paused", "gauge", "1 while generation is paused.", lambda s: float(s.paused is not None)),
     ("sleeping", "gauge", "1 while the engine sleeps.", lambda s: float(s.sleeping)),
 ]
 
 
-def render_metrics(stats: EngineStats, model_name: str, prefix: str = "seer_engine") -> str:
+def render_metrics(stats: ServerStats, model_name: str, prefix: str = "seer_engine") -> str:
     """Prometheus text exposition format (version 0.0.4)."""
     label = '{model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
     lines = []

@@ -23,8 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from seer_engine.engine.async_engine import AsyncEngine, EngineClient
+from seer_engine.engine.async_engine import AsyncEngine
+from seer_engine.engine.client import EngineClient
 from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.entrypoints.openai.admin import admin_router
 from seer_engine.entrypoints.openai.batch import BatchManager, BatchStore, batches_router
 from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers
@@ -34,6 +36,7 @@ from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatComplet
 from seer_engine.entrypoints.openai.serving_base import RequestRegistry
 from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from seer_engine.rollout.backend import RolloutBackend
 from seer_engine.rollout.config import RolloutConfig
 
 logger = logging.getLogger("seer_engine.serve")
@@ -63,10 +66,12 @@ def build_engine_client(config: EngineConfig, settings: ServerSettings) -> Engin
     """The one place where the backend is chosen: one engine on a background thread,
     or in rollout mode (or with several instances) the rollout backend: an engine
     pool behind the Request Buffer with a rollout policy, driven the same way."""
-    engine = AsyncEngine.from_config(
-        config, model_name=settings.served_model_names[0], rollout=settings.rollout
-    )
-    return engine.start()
+    name = settings.served_model_names[0]
+    if not settings.rollout.needs_pool:
+        return AsyncEngine.for_engine(config, model_name=name).start()
+    tokenizer = str(config.tokenizer or resolve_model_path(config.model))
+    rollout = settings.rollout
+    return AsyncEngine(lambda: RolloutBackend(config, rollout), name, tokenizer_path=tokenizer).start()
 
 
 # ---------------------------------------------------------------------------------- app

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from seer_engine.engine.async_engine import EngineBusyError, EngineDeadError
+from seer_engine.engine.client import EngineBusyError, EngineDeadError
 from seer_engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)

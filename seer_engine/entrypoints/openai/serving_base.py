@@ -13,7 +13,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from seer_engine.engine.async_engine import EngineClient
+from seer_engine.engine.client import EngineClient
 from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
 from seer_engine.entrypoints.openai.protocol import _SamplingFields
 from seer_engine.outputs import RequestOutput, SampleLogprobs

@@ -1,16 +1,15 @@
-"""Rollout mode behind the engine surface the server drives.
+"""The server's rollout backend: user requests in, a dispatcher over an instance pool.
 
-``RolloutEngine`` offers what ``AsyncEngine`` calls on an ``LLMEngine`` (add, step,
-abort, sleep, weight updates, a snapshot) over an engine pool and a ``Rollout``, so
-the server has one code path for both modes. User requests become responses in the
-Request Buffer: requests that share a prompt (or name the same ``group_id``) while
-their group is live join that group, so the Context Manager learns a group's length
-from siblings that arrived as separate requests (veRL and slime send n=1 requests).
-A finished group is forgotten: the next iteration's identical prompt, on new
-weights, starts a new group.
+``RolloutBackend`` offers what ``AsyncEngine`` drives on an ``LLMEngine`` (add, step,
+abort, sleep, weight updates, stats), so the server has one code path for both
+modes. User requests become responses in the Request Buffer: requests that share a
+prompt (or name the same ``group_id``) while their group is live join that group, so
+the Context Manager learns a group's length from siblings that arrived as separate
+requests (veRL and slime send n=1 requests). A finished group is forgotten: the next
+iteration's identical prompt, on new weights, starts a new group.
 
-Per-response seeds follow the plain engine's rule (request seed + index), so seeded
-requests give the same tokens with or without rollout mode.
+Per-response seeds follow the plain engine's rule (``child_seed``), so seeded requests
+give the same tokens with or without rollout mode.
 """
 
 from __future__ import annotations
@@ -21,15 +20,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from seer_engine.core.policies import make_rollout_policy
-from seer_engine.core.request import Group, RolloutSample
+from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
-from seer_engine.engine.detokenizer import Detokenizer
-from seer_engine.engine.llm_engine import EngineSnapshot, child_seed
+from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
+from seer_engine.engine.stats import EngineStats, total
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.rollout.config import RolloutConfig
-from seer_engine.rollout.rollout import Rollout
-from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.types import Group, RolloutSample
+from seer_engine.sampling_params import InvalidRequestError
+
+SERVER_LOG_LIMIT = 10_000  # dispatches and steps per instance kept for inspection
 
 
 @dataclass(eq=False)
@@ -67,34 +69,37 @@ def _completion(index: int, sample: RolloutSample) -> CompletionOutput:
     )
 
 
-class RolloutEngine:
+class RolloutBackend:
     def __init__(self, config: EngineConfig, rollout: RolloutConfig) -> None:
         policy = make_rollout_policy(rollout.policy, starvation_s=rollout.starvation_s)
-        self.pool = rollout.make_pool(config, policy)
-        self.config = self.pool.config
-        self.rollout = Rollout(self.pool, policy, rollout.chunk_tokens, placement=rollout.placement())
-        front = self.pool.front
-        self.max_model_len = front.max_model_len
-        self.vocab_size = front.vocab_size
-        self.detokenizer: Detokenizer = front.detokenizer
+        self.pool = rollout.make_pool(config, policy, timeline_points=SERVER_LOG_LIMIT)
+        self.dispatcher = Dispatcher(
+            self.pool,
+            policy,
+            rollout.chunk_tokens,
+            placement=rollout.placement(),
+            on_group_finished=self._group_finished,
+            log_limit=SERVER_LOG_LIMIT,
+        )
+        self.max_model_len = self.pool.max_model_len
+        self.vocab_size = self.pool.instances[0].info.vocab_size
         self._sleeping = False
         self._requests: dict[str, _UserRequest] = {}
         self._owner: dict[str, _UserRequest] = {}  # sample key -> its user request
-        self._groups: dict[tuple, Group] = {}  # live groups by prompt (or by the caller's group_id)
-        self._group_keys: dict[str, tuple] = {}  # group id -> its key in _groups
+        self._live_groups: dict[tuple, Group] = {}  # by prompt (or by the caller's group_id)
+        self._join_keys: dict[str, tuple] = {}  # live group id -> its key in _live_groups
         self._group_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
+    def make_input_processor(self) -> InputProcessor:
+        return self.pool.make_input_processor()
+
     # -- requests ------------------------------------------------------------------------
 
-    def validate_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        return self.pool.front.validate_request(prompt, params)
-
-    def add_request(
+    def add_checked(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
+        checked: CheckedRequest,
         priority: int = 0,
         group_id: str | None = None,
         stream: bool = False,
@@ -103,39 +108,39 @@ class RolloutEngine:
         rollout policy's business here, so it is not used)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, ids, _, max_tokens = self.pool.front.check_request(prompt, params)
-        group = self._group_for(ids, text, params, group_id)
+        params = checked.params
+        group = self._group_for(checked, group_id)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         samples = [
-            RolloutSample(
-                group, group.n + i, child_seed(base_seed, i), max_tokens, params=params, stream=stream
-            )
+            RolloutSample(group, group.n + i, child_seed(base_seed, i), checked.max_tokens, params, stream)
             for i in range(params.n)
         ]
         group.n += params.n
-        self.rollout.add_samples(samples)
-        request = _UserRequest(request_id, text, ids, samples, stream)
+        self.dispatcher.add_samples(samples)
+        request = _UserRequest(request_id, checked.prompt, checked.prompt_token_ids, samples, stream)
         self._requests[request_id] = request
         for s in samples:
             self._owner[s.key] = request
         return samples
 
-    def _group_for(
-        self, ids: list[int], text: str | None, params: SamplingParams, group_id: str | None
-    ) -> Group:
+    def _group_for(self, checked: CheckedRequest, group_id: str | None) -> Group:
+        ids = checked.prompt_token_ids
         key = ("group_id", group_id) if group_id is not None else ("prompt", tuple(ids))
-        group = self._groups.get(key)
-        if group is not None and self.rollout.is_group_live(group.group_id):
-            if group.prompt_token_ids != ids:
+        group = self._live_groups.get(key)
+        if group is not None:
+            if list(group.prompt_token_ids) != ids:
                 raise InvalidRequestError(
                     f"group_id {group_id!r} is already used by a request with a different prompt"
                 )
             return group
         n = next(self._group_ids)
-        group = Group(f"grp{n}", ids, params, n=0, prompt=text, order=n)
-        self._groups[key] = group
-        self._group_keys[group.group_id] = key
+        group = Group(f"grp{n}", ids, checked.params, 0, checked.max_tokens, prompt=checked.prompt, order=n)
+        self._live_groups[key] = group
+        self._join_keys[group.group_id] = key
         return group
+
+    def _group_finished(self, group: Group) -> None:
+        del self._live_groups[self._join_keys.pop(group.group_id)]
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort user requests; unfinished responses keep their tokens, finish_reason "abort"."""
@@ -145,9 +150,8 @@ class RolloutEngine:
             request = self._requests.get(rid)
             if request is None:
                 continue
-            self.rollout.abort([s.key for s in request.samples if not s.finished])
+            self.dispatcher.abort([s.key for s in request.samples if not s.finished])
             outputs.append(self._retire(request))
-        self._forget_finished_groups()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -160,10 +164,10 @@ class RolloutEngine:
     # -- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step of the instance whose clock is earliest; returns finished user
-        requests and the progress of streaming ones."""
+        """One dispatcher step; returns finished user requests and the progress of
+        streaming ones."""
         touched: dict[str, _UserRequest] = {}
-        for sample in self.rollout.step():
+        for sample in self.dispatcher.step():
             request = self._owner[sample.key]
             touched[request.request_id] = request
         outputs = []
@@ -172,7 +176,6 @@ class RolloutEngine:
                 outputs.append(self._retire(request))
             elif request.stream:
                 outputs.append(request.output())
-        self._forget_finished_groups()
         return outputs
 
     def _retire(self, request: _UserRequest) -> RequestOutput:
@@ -181,13 +184,10 @@ class RolloutEngine:
             self._owner.pop(s.key, None)
         return request.output()
 
-    def _forget_finished_groups(self) -> None:
-        for gid in self.rollout.forget_finished_groups():
-            key = self._group_keys.pop(gid, None)
-            if key is not None and self._groups.get(key) is not None and self._groups[key].group_id == gid:
-                del self._groups[key]
-
     # -- serving primitives, on every instance -----------------------------------------------
+
+    def _call_all(self, method: str, *args) -> list:
+        return [inst.call(method, *args) for inst in self.pool.alive]
 
     @property
     def is_sleeping(self) -> bool:
@@ -199,27 +199,26 @@ class RolloutEngine:
                 f"cannot sleep with {self.num_unfinished_requests} requests in flight; abort them "
                 "or wait for them to finish first"
             )
-        self.pool.call_all("sleep")
+        self._call_all("sleep")
         self._sleeping = True
 
     def wake_up(self) -> None:
-        self.pool.call_all("wake_up")
+        self._call_all("wake_up")
         self._sleeping = False
 
     def update_weights(self, path: str | Path) -> None:
-        self.pool.call_all("update_weights", str(path))
+        self._call_all("update_weights", str(path))
 
     def reset_prefix_cache(self) -> None:
-        self.pool.call_all("reset_prefix_cache")
+        self._call_all("reset_prefix_cache")
 
     def close(self) -> None:
         """Stop the instances (processes) and release the KV pool."""
         self.pool.close()
 
-    def snapshot(self) -> EngineSnapshot:
-        """The sum over instances; responses waiting in the Request Buffer count as waiting."""
-        total = EngineSnapshot()
-        for snap in self.pool.call_all("snapshot"):
-            total = total + snap
-        total.waiting += len(self.rollout.buffer)
-        return total
+    def stats(self) -> EngineStats:
+        """The sum over instances, as of their last replies (asking them would wait on
+        their steps); responses waiting in the Request Buffer count as waiting."""
+        stats = total([inst.books.stats for inst in self.pool.alive])
+        stats.waiting += len(self.dispatcher.buffer)
+        return stats

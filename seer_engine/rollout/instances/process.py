@@ -1,8 +1,8 @@
 """An engine instance in a process of its own (``--distributed-backend mp``).
 
 The worker process runs an ``InstanceWorker`` and answers messages in order: submit,
-abort, step, call. The Request Buffer never waits on a step: it sends ``step`` to
-every busy instance and takes whichever reply comes first, so instances compute in
+abort, step, call. The dispatcher never waits on a step: it sends ``step`` to every
+busy instance and takes whichever reply comes first, so instances compute in
 parallel. A call that needs an answer (abort, a serving primitive) reads the replies
 queued before it and keeps any step reply among them for the next poll. A process
 that dies surfaces as ``InstanceDied`` on the next message, and its chunks go back to
@@ -21,7 +21,9 @@ from typing import Any
 
 from seer_engine.engine.config import EngineConfig
 from seer_engine.outputs import RequestOutput
-from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceDied, InstanceWorker, StepReply
+from seer_engine.rollout.instances.base import InstanceHandle
+from seer_engine.rollout.instances.worker import build_worker
+from seer_engine.rollout.types import ChunkRequest, InstanceDied, StepReply
 
 READY_TIMEOUT_S = 600.0  # loading a large model may take minutes
 
@@ -31,25 +33,14 @@ def worker_threads(num_instances: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_instances)
 
 
-def build_worker(index: int, config: EngineConfig, token_source, kv_spec, replica_spec) -> InstanceWorker:
-    """The engine side of an instance, built inside its process (or Ray actor)."""
-    from seer_engine.engine.llm_engine import LLMEngine
-
-    replica = replica_spec.open() if replica_spec is not None else None
-    engine = LLMEngine(config, proposer=replica)
-    engine.token_source = token_source
-    return InstanceWorker(engine, kv_spec.open(), replica)
-
-
-def _worker_main(
-    conn: Connection, index: int, config: EngineConfig, token_source, kv_spec, replica_spec
-) -> None:
+def _worker_main(conn: Connection, config: EngineConfig, token_source, kv_spec, replica_spec) -> None:
     try:
         if config.num_threads:
             import torch
 
             torch.set_num_threads(config.num_threads)
-        worker = build_worker(index, config, token_source, kv_spec, replica_spec)
+        replica = replica_spec.open() if replica_spec is not None else None
+        worker = build_worker(config, token_source, kv_spec.open(), replica)
         conn.send(("ready", worker.info))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -82,17 +73,18 @@ def _portable(error: Exception) -> Exception | None:
     return error
 
 
-class ProcessInstance(EngineInstance):
+class ProcessInstance(InstanceHandle):
     backend = "mp"
 
     def __init__(
         self, index: int, config: EngineConfig, token_source=None, kv_spec=None, replica_spec=None
     ) -> None:
+        super().__init__(index)
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_worker_main,
-            args=(child, index, config, token_source, kv_spec, replica_spec),
+            args=(child, config, token_source, kv_spec, replica_spec),
             name=f"seer-instance-{index}",
             daemon=True,
         )
@@ -100,24 +92,22 @@ class ProcessInstance(EngineInstance):
         child.close()
         self._pending: deque[str] = deque()  # ops sent whose replies are not read yet
         self._replies: deque[StepReply] = deque()
-        self.stepping = False
-        self._index = index
 
     def wait_ready(self) -> None:
         """Block until the worker has built its engine (raises with its traceback if not)."""
         if not self._conn.poll(READY_TIMEOUT_S):
             self.close()
-            raise RuntimeError(f"engine instance {self._index} did not start in {READY_TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"engine instance {self.index} did not start in {READY_TIMEOUT_S:.0f} s")
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError):
             raise RuntimeError(
-                f"engine instance {self._index} exited while starting (exit code {self.process.exitcode})"
+                f"engine instance {self.index} exited while starting (exit code {self.process.exitcode})"
             ) from None
         if status != "ready":
             self.close()
-            raise RuntimeError(f"engine instance {self._index} failed to start:\n{value}")
-        super().__init__(self._index, value)
+            raise RuntimeError(f"engine instance {self.index} failed to start:\n{value}")
+        self.info = value
 
     # -- messages ----------------------------------------------------------------------
 
@@ -165,7 +155,8 @@ class ProcessInstance(EngineInstance):
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         self._send("abort", request_ids)
-        return self._answer("abort")
+        outputs, self.books.stats = self._answer("abort")
+        return outputs
 
     def call(self, method: str, *args: Any) -> Any:
         self._send("call", method, *args)
@@ -191,8 +182,8 @@ class ProcessInstance(EngineInstance):
         return self._replies.popleft() if self._replies else None
 
     @staticmethod
-    def wait_any(instances: Sequence[ProcessInstance], timeout: float) -> None:
-        wait([i._conn for i in instances], timeout=timeout)
+    def wait_any(handles: Sequence[ProcessInstance], timeout: float) -> None:
+        wait([i._conn for i in handles], timeout=timeout)
 
     def close(self) -> None:
         if self.process.is_alive():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from seer_engine.core.request import Group, RolloutSample
+from seer_engine.rollout.types import Group, RolloutSample
 
 PROBE_INDEX = 0  # the sample of each group that runs as its probe
 

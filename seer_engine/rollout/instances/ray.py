@@ -27,9 +27,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.stats import EngineStats
 from seer_engine.outputs import RequestOutput
-from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceDied, InstanceInfo, StepReply
-from seer_engine.rollout.process_instance import READY_TIMEOUT_S, build_worker
+from seer_engine.rollout.instances.base import InstanceHandle
+from seer_engine.rollout.instances.process import READY_TIMEOUT_S
+from seer_engine.rollout.instances.worker import build_worker
+from seer_engine.rollout.types import ChunkRequest, InstanceDied, InstanceInfo, StepReply
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ class _InstanceActor:
     """The actor's body (``ray.remote`` is applied when an instance starts, so importing
     this module does not need ray). Methods run one at a time, in call order."""
 
-    def __init__(self, index: int, config: EngineConfig, token_source, kv_spec, replica_spec) -> None:
+    def __init__(self, config: EngineConfig, token_source, kv_spec, replica_spec) -> None:
         import ray
         import torch
 
@@ -107,7 +110,8 @@ class _InstanceActor:
             config = dataclasses.replace(config, device="cuda")  # Ray shows the actor only its GPU
         threads = config.num_threads or int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(max(1, threads))
-        self.worker = build_worker(index, config, token_source, kv_spec, replica_spec)
+        replica = replica_spec.open() if replica_spec is not None else None
+        self.worker = build_worker(config, token_source, kv_spec.open(), replica)
 
     def info(self) -> InstanceInfo:
         return self.worker.info
@@ -115,7 +119,7 @@ class _InstanceActor:
     def submit(self, chunk: ChunkRequest) -> None:
         self.worker.submit(chunk)
 
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: list[str]) -> tuple[list[RequestOutput], EngineStats]:
         return self.worker.abort(request_ids)
 
     def step(self, draft_updates: list | None, finished_groups: list[str] | None) -> StepReply:
@@ -128,17 +132,15 @@ class _InstanceActor:
         self.worker.connector.close()
 
 
-class RayInstance(EngineInstance):
+class RayInstance(InstanceHandle):
     backend = "ray"
 
     def __init__(
         self, index: int, config: EngineConfig, token_source=None, kv_spec=None, replica_spec=None
     ) -> None:
+        super().__init__(index)
         ray = ensure_ray()
         self._ray = ray
-        self.index = index
-        self.alive = True
-        self.stepping = False
         self._step_ref = None  # the step in flight
         self._submits: list = []  # refs of submits not yet seen to succeed
         self._cpus = config.num_threads or 1
@@ -149,7 +151,7 @@ class RayInstance(EngineInstance):
             num_gpus=self._gpus,
             max_restarts=0,  # a restarted actor would have lost its chunks anyway
             scheduling_strategy="SPREAD",
-        ).remote(index, config, token_source, kv_spec, replica_spec)
+        ).remote(config, token_source, kv_spec, replica_spec)
         self._ready_ref = self.actor.info.remote()
 
     def wait_ready(self) -> None:
@@ -167,7 +169,7 @@ class RayInstance(EngineInstance):
             self.close()
             raise RuntimeError(f"engine instance {self.index} failed to start:\n{_text(e)}") from None
         self._ready_ref = None
-        super().__init__(self.index, info)
+        self.info = info
 
     # -- calls on the actor --------------------------------------------------------------
 
@@ -217,7 +219,7 @@ class RayInstance(EngineInstance):
         self._submits.append(self._remote("submit", chunk))
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        outputs = self._get(self._remote("abort", request_ids), "abort")
+        outputs, self.books.stats = self._get(self._remote("abort", request_ids), "abort")
         self._check_submits()  # all done by now (they ran before the abort)
         return outputs
 
@@ -244,10 +246,10 @@ class RayInstance(EngineInstance):
         return self._get(ref, "step")
 
     @staticmethod
-    def wait_any(instances: Sequence[RayInstance], timeout: float) -> None:
-        refs = [inst._step_ref for inst in instances if inst._step_ref is not None]
+    def wait_any(handles: Sequence[RayInstance], timeout: float) -> None:
+        refs = [inst._step_ref for inst in handles if inst._step_ref is not None]
         if refs:
-            instances[0]._ray.wait(refs, num_returns=1, timeout=timeout)
+            handles[0]._ray.wait(refs, num_returns=1, timeout=timeout)
 
     def close(self) -> None:
         """Detach the actor from the KV pool, then kill it; never raises (idempotent)."""

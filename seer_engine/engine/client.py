@@ -1,0 +1,102 @@
+"""What the OpenAI server codes against: ``EngineClient``, its errors and its stats.
+
+One implementation, ``AsyncEngine``, drives a plain ``LLMEngine`` or the rollout
+backend (several instances behind the Request Buffer) on a thread of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.engine.stats import EngineStats
+from seer_engine.outputs import RequestOutput
+from seer_engine.sampling_params import SamplingParams
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down or crashed); no request can be served."""
+
+
+class EngineBusyError(RuntimeError):
+    """The command conflicts with the engine's state (e.g. sleep with requests in flight)."""
+
+
+@dataclass
+class ServerStats:
+    """What /metrics shows: the engine's stats and the server's own state."""
+
+    engine: EngineStats = field(default_factory=EngineStats)
+    num_requests_held: int = 0  # samples accepted while paused or asleep, admitted on resume/wake-up
+    tokens_per_second: float = 0.0  # over the last few seconds
+    paused: str | None = None  # the pause mode, None when running
+    sleeping: bool = False
+    weight_version: str = "default"
+    instance_failures: int = 0  # rollout instances lost (their responses finished elsewhere)
+    degraded: str | None = None  # why the server serves with less than it started with
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def detokenizer(self) -> Detokenizer:
+        """A tokenizer for the caller's thread (chat templates, echo)."""
+        ...
+
+    @property
+    def weight_version(self) -> str: ...
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        stream: bool = False,
+        group_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request; raises ``InvalidRequestError`` at once if refused.
+
+        The returned iterator yields progress outputs (``finished=False``) when
+        ``stream`` and always ends with the finished output. Closing it early
+        aborts the request.
+        """
+        ...
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """Abort requests (all when None); their callers get partial outputs with
+        finish_reason "abort". Returns how many requests were aborted."""
+        ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None: ...
+
+    async def sleep(self) -> None: ...
+
+    async def wake_up(self) -> None: ...
+
+    async def flush_cache(self) -> None: ...
+
+    async def stats(self) -> ServerStats: ...
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` when the backend can no longer serve."""
+        ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,101 @@
+"""The one place a request is checked and its prompt tokenized.
+
+Every front end (the offline ``LLM``, the server, a rollout over instance
+processes) turns a prompt and its sampling parameters into a ``CheckedRequest``
+here, once; engines and the Request Buffer take that as given and never tokenize or
+check again. The server runs this off the engine thread, so one huge prompt delays
+no other request, and bounds a text prompt by its length in characters before it
+spends any time tokenizing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+# A token is rarely longer than this many characters; a text prompt longer than
+# max_model_len times this cannot fit and is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed every check: engines take it as it is."""
+
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never None, never beyond the model's context
+    prior_output_token_ids: list[int] = field(default_factory=list)  # a resumed response's tokens
+
+
+@dataclass
+class InputProcessor:
+    tokenizer: Detokenizer
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int  # of one instance: a request must fit one instance's cache
+    block_size: int
+
+    def process(
+        self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
+    ) -> CheckedRequest:
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        prior = list(prior_output_token_ids)
+        if prior:
+            self._check_ids(prior, "prior output")
+            if params.n != 1:
+                raise InvalidRequestError("prior_output_token_ids needs n == 1")
+        if len(ids) + len(prior) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids) + len(prior)} tokens but max_model_len is {self.max_model_len} "
+                "(at least one output token must fit)"
+            )
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(f"stop token id {t} is out of the vocabulary")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if len(prior) >= max_tokens:
+            raise InvalidRequestError(f"max_tokens ({max_tokens}) leaves no room after the prior output")
+        needed = -(-(len(ids) + max_tokens) // self.block_size)
+        if needed > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs {needed} KV blocks "
+                f"but the cache has {self.num_kv_blocks}; lower max_tokens or shorten the prompt"
+            )
+        return CheckedRequest(text, ids, params, max_tokens, prior)
+
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a text or token-id prompt, within the model's length."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+            if len(prompt) > limit:
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt)} characters; a prompt that fits max_model_len "
+                    f"({self.max_model_len} tokens) has at most {limit}"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        self._check_ids(ids, "prompt")
+        return None, ids
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"{what} has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                "(at least one output token must fit)"
+            )
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"{what} token id {t!r} is out of the vocabulary (valid ids: 0..{self.vocab_size - 1})"
+                )

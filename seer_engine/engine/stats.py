@@ -1,0 +1,47 @@
+"""One stats record per engine, one name per counter.
+
+``EngineStats`` is what an engine reports (load gauges and cumulative counters); a
+rollout sums it over its instances, the server publishes it under /metrics, and
+rollout reports total it per policy. The scheduler keeps the counters it owns in
+``SchedulerStats`` under the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineStats:
+    running: int = 0  # samples running in the engine
+    waiting: int = 0  # samples waiting for admission
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens computed again because preemption dropped their KV
+    scheduled_tokens: int = 0
+    generated_tokens: int = 0
+    sampled_rows: int = 0  # request-steps that emitted tokens; < generated_tokens with drafts
+    draft_tokens_verified: int = 0
+    draft_tokens_accepted: int = 0  # accepted draft tokens that were emitted
+    drafter_s: float = 0.0  # CPU time feeding and querying the draft proposer
+
+    def __add__(self, other: EngineStats) -> EngineStats:
+        return EngineStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+    @property
+    def accepted_tokens_per_step(self) -> float:
+        """Draft tokens accepted per request-step (0 without speculative decoding)."""
+        return self.draft_tokens_accepted / self.sampled_rows if self.sampled_rows else 0.0
+
+
+def total(stats: list[EngineStats]) -> EngineStats:
+    out = EngineStats()
+    for s in stats:
+        out = out + s
+    return out

@@ -1,0 +1,299 @@
+"""The N engine instances of one rollout, the KV pool they share, and their drafts.
+
+Backends (``--distributed-backend``):
+
+- ``inproc``: instances in this process step one at a time, the one with the earliest
+  clock first; each clock advances by its own measured step time, so the makespan,
+  idle time and tail are those of N instances side by side on one machine.
+- ``mp``: an instance per process (the default for ``--instances N``); they compute in
+  parallel and the clock is the wall clock.
+- ``ray``: an instance per Ray actor, placed by Ray across nodes.
+
+With speculative decoding, in-process instances share one proposer; instances in
+processes or actors keep replicas of the group suffix trees that a ``DraftServer``
+here keeps in sync (Seer's distributed grouped draft server): each step sends an
+instance the siblings' new tokens of the groups it runs and brings back its own.
+
+``InstancePool`` is what the dispatcher drives; ``EnginePool`` (real engines) and the
+simulator's pool both implement it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.engine.input_processor import InputProcessor
+from seer_engine.engine.llm_engine import TokenSource, resolve_model_path
+from seer_engine.kv_connector.base import KVConnector
+from seer_engine.kv_connector.factory import KVPool
+from seer_engine.rollout.books import InstanceBooks
+from seer_engine.rollout.instances.base import InstanceHandle
+from seer_engine.rollout.instances.local import LocalInstance
+from seer_engine.rollout.instances.worker import build_worker
+from seer_engine.rollout.policies import RolloutPolicy
+from seer_engine.rollout.types import StepReply
+from seer_engine.spec_decode.draft_server import DraftServer
+from seer_engine.spec_decode.proposers import Proposer, make_proposer
+
+BACKENDS = ("inproc", "mp", "ray")
+
+
+class InstancePool(Protocol):
+    """What the dispatcher needs of the instances it places chunks on."""
+
+    backend: str
+    instances: list[InstanceHandle]
+    kv_connector: KVConnector  # this process's handle on the KV pool (frees finished entries)
+
+    @property
+    def alive(self) -> list[InstanceHandle]: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def advance(self) -> tuple[InstanceHandle, StepReply] | None:
+        """The next step reply of a busy instance (None when none has work); raises
+        ``InstanceDied`` for a lost one."""
+        ...
+
+    def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
+        """May a chunk that entered the buffer at ``t`` start on ``inst`` now?"""
+        ...
+
+    def wait_until(self, inst: InstanceHandle, t: float) -> None:
+        """``inst`` is about to get a chunk that arrived at ``t``."""
+        ...
+
+    def finish_group(self, group_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SimulatedClock:
+    """In-process instances: one steps at a time, the earliest clock first, and each
+    clock advances by its own step's duration. An instance must not run work in its
+    own past, and an idle one waits for the work it gets."""
+
+    def to_start(self, busy: Sequence[InstanceHandle]) -> list[InstanceHandle]:
+        return [min(busy, key=lambda i: i.books.clock)]
+
+    def after(self, inst: InstanceHandle, reply: StepReply) -> float:
+        return inst.books.clock + reply.elapsed_s
+
+    def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
+        return not (inst.books.has_work and inst.books.clock < t)
+
+    def wait_until(self, inst: InstanceHandle, t: float) -> None:
+        if not inst.books.has_work:
+            inst.books.clock = max(inst.books.clock, t)
+
+    def reset(self) -> None:
+        pass
+
+
+class WallClock:
+    """Instances that run for real side by side: all busy ones step at once and the
+    clock is the wall clock since the pool started."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def to_start(self, busy: Sequence[InstanceHandle]) -> list[InstanceHandle]:
+        return list(busy)
+
+    def after(self, inst: InstanceHandle, reply: StepReply) -> float:
+        return time.perf_counter() - self._t0
+
+    def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
+        return True
+
+    def wait_until(self, inst: InstanceHandle, t: float) -> None:
+        pass
+
+    def reset(self) -> None:
+        self._t0 = time.perf_counter()
+
+
+class EnginePool:
+    def __init__(
+        self,
+        config: EngineConfig,
+        instances: list[InstanceHandle],
+        kv_pool: KVPool,
+        clock: SimulatedClock | WallClock,
+        backend: str,
+        draft_server: DraftServer | None = None,
+        proposer: Proposer | None = None,
+        timeline_points: int | None = None,
+    ) -> None:
+        """Use ``EnginePool.start`` to build one; this only puts the parts together."""
+        self.config = config  # the instances' own (with the policy's speculative decoding)
+        self.instances = instances
+        self.kv_pool = kv_pool
+        self.kv_connector = kv_pool.connector
+        self.clock = clock
+        self.backend = backend
+        self.draft_server = draft_server
+        self.proposer = proposer  # the draft source in-process instances share
+        self._finished_groups: dict[int, list[str]] = {i.index: [] for i in instances}
+        for inst in instances:
+            inst.books = InstanceBooks(inst.info, timeline_points)
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig,
+        num_instances: int,
+        token_source: TokenSource | None = None,
+        backend: str = "inproc",
+        kv_pool: KVPool | None = None,
+        policy: RolloutPolicy | None = None,
+        timeline_points: int | None = None,
+    ) -> EnginePool:
+        """Start ``num_instances`` engines on ``backend``, with the speculative decoding
+        ``policy`` asks for (``seer``: grouped suffix trees) unless the config names one.
+        On failure everything started is stopped again."""
+        if num_instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {num_instances}")
+        if backend not in BACKENDS:
+            raise ValueError(f"--distributed-backend must be one of {list(BACKENDS)}, got {backend!r}")
+        if policy is not None and policy.speculative is not None and config.speculative_config is None:
+            config = dataclasses.replace(config, speculative_config=policy.speculative)
+        kv_pool = kv_pool or KVPool.recompute()
+        instances: list[InstanceHandle] = []
+        draft_server = proposer = None
+        try:
+            if backend == "inproc":
+                spec = config.speculative_config
+                proposer = make_proposer(spec) if spec is not None else None
+                for i in range(num_instances):
+                    worker = build_worker(config, token_source, kv_pool.connector, proposer=proposer)
+                    instances.append(LocalInstance(i, worker))
+                clock: SimulatedClock | WallClock = SimulatedClock()
+            else:
+                draft_server = _start_remote(config, num_instances, token_source, backend, kv_pool, instances)
+                clock = WallClock()
+        except BaseException:
+            for inst in instances:
+                inst.close()
+            kv_pool.close()
+            raise
+        return cls(config, instances, kv_pool, clock, backend, draft_server, proposer, timeline_points)
+
+    # -- stepping ------------------------------------------------------------------------
+
+    def advance(self) -> tuple[InstanceHandle, StepReply] | None:
+        busy = [inst for inst in self.instances if inst.alive and inst.books.has_work]
+        if not busy:
+            return None
+        for inst in self.clock.to_start(busy):
+            if not inst.stepping:
+                inst.start_step(*self._draft_traffic(inst))
+        stepping = [inst for inst in busy if inst.stepping]
+        while True:
+            for inst in stepping:
+                reply = inst.poll_reply()
+                if reply is not None:
+                    inst.books.record(reply, self.clock.after(inst, reply))
+                    if self.draft_server is not None:
+                        self.draft_server.publish(inst.index, reply.draft_updates)
+                    return inst, reply
+            type(stepping[0]).wait_any(stepping, timeout=1.0)
+
+    def _draft_traffic(self, inst: InstanceHandle) -> tuple[list | None, list[str] | None]:
+        """The draft-server messages riding on an instance's next step."""
+        finished = self._finished_groups.get(inst.index) or None
+        self._finished_groups[inst.index] = []
+        if self.draft_server is None:
+            return None, finished
+        return self.draft_server.updates_for(inst.index, inst.books.group_ids()), finished
+
+    def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
+        return self.clock.accepts_at(inst, t)
+
+    def wait_until(self, inst: InstanceHandle, t: float) -> None:
+        self.clock.wait_until(inst, t)
+
+    def finish_group(self, group_id: str) -> None:
+        """Every response of the group is done: free its drafts."""
+        if self.proposer is not None:
+            self.proposer.finish_group(group_id)
+        if self.draft_server is not None:
+            self.draft_server.finish_group(group_id)
+            for pending in self._finished_groups.values():
+                pending.append(group_id)
+
+    # -- the instances -------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[InstanceHandle]:
+        return iter(self.instances)
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    @property
+    def alive(self) -> list[InstanceHandle]:
+        return [inst for inst in self.instances if inst.alive]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.instances[0].info.max_model_len
+
+    def make_input_processor(self) -> InputProcessor:
+        """Request checks and a tokenizer of this process's own (the engines may be
+        elsewhere): a request must fit one instance."""
+        first = self.instances[0].info
+        path = self.config.tokenizer or resolve_model_path(self.config.model)
+        return InputProcessor(
+            Detokenizer.from_pretrained(path), first.vocab_size, first.max_model_len, first.num_blocks,
+            first.block_size,
+        )  # fmt: skip
+
+    def reset_clocks(self) -> None:
+        self.clock.reset()
+        for inst in self.instances:
+            inst.books.reset_clock()
+
+    def close(self) -> None:
+        """Stop instance processes and release the KV pool (idempotent)."""
+        for inst in self.instances:
+            inst.close()
+        self.kv_pool.close()
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _start_remote(
+    config: EngineConfig,
+    n: int,
+    token_source: TokenSource | None,
+    backend: str,
+    kv_pool: KVPool,
+    out: list[InstanceHandle],
+) -> DraftServer | None:
+    """Start ``n`` instance processes or Ray actors into ``out``; returns the draft
+    server that keeps their suffix trees in sync (None without grouped drafts)."""
+    from seer_engine.spec_decode.draft_server import ReplicaSpec
+
+    replica = ReplicaSpec.of(config.speculative_config)
+    if backend == "mp":
+        from seer_engine.rollout.instances.process import ProcessInstance as Remote
+        from seer_engine.rollout.instances.process import worker_threads as threads
+    else:
+        from seer_engine.rollout.instances.ray import RayInstance as Remote
+        from seer_engine.rollout.instances.ray import actor_threads as threads
+    config = dataclasses.replace(config, num_threads=config.num_threads or threads(n))
+    for i in range(n):
+        out.append(Remote(i, config, token_source, kv_pool.spec, replica))
+    for inst in out:
+        inst.wait_ready()
+    return DraftServer() if replica is not None else None
