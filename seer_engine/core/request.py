@@ -7,8 +7,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.sampling_params import SamplingParams
-from seer_engine.spec_decode.draft import DraftTree
 
 
 class RequestStatus(enum.Enum):

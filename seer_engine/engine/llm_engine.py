@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from seer_engine.core.draft import Acceptance, accept
 from seer_engine.core.kv_cache_manager import KVCacheManager
 from seer_engine.core.policies import SchedulingPolicy, make_policy
 from seer_engine.core.request import Request, RequestStatus
@@ -29,7 +30,6 @@ from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 from seer_engine.spec_decode.budget import AdaptiveBudget, StepCostModel, make_budget
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import Acceptance, accept
 from seer_engine.spec_decode.drafter import Drafter
 from seer_engine.spec_decode.proposers import Proposer, make_proposer
 

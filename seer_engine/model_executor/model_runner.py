@@ -3,7 +3,7 @@
 Only rows whose chunk reaches the end of their request's tokens produce logits;
 mid-prompt chunks of a chunked prefill only fill the KV cache. A request with a
 draft samples at its last token and at every draft node; which of those tokens are
-kept is decided by ``spec_decode.draft.accept``.
+kept is decided by ``core.draft.accept``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
 from seer_engine.model_executor.attention import AttentionMetadata, get_attention_backend
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.model_executor.sampler import Sampler, SamplingRow
 from seer_engine.model_executor.weight_loader import load_model
+from seer_engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -30,7 +32,7 @@ class ScheduledChunk:
 @dataclass
 class StepResult:
     """Tokens sampled this step at every row that samples, by request id: one row, or
-    with a draft the root row and one per draft node (see spec_decode.draft). Logprobs
+    with a draft the root row and one per draft node (see core.draft). Logprobs
     per row where asked for."""
 
     sampled: dict[str, list[int]]
@@ -194,9 +196,6 @@ class ModelRunner:
         """(scheduled tokens, seconds) of decode-shaped steps with path drafts, for the
         draft budget's cost model. Dummy requests write into the first KV blocks, so
         call it before serving (the cache is empty then)."""
-        from seer_engine.sampling_params import SamplingParams
-        from seer_engine.spec_decode.draft import DraftTree
-
         points: list[tuple[int, float]] = []
         params = SamplingParams(temperature=0.0, max_tokens=1)
         for draft_len in draft_lens:
