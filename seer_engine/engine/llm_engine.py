@@ -16,6 +16,7 @@ from seer_engine.core.kv_cache_manager import KVCacheManager
 from seer_engine.core.policies import SchedulingPolicy, make_policy
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig
+from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.request_checker import RequestChecker
@@ -34,8 +35,6 @@ from seer_engine.spec_decode.drafter import Drafter
 from seer_engine.spec_decode.proposers import Proposer, make_proposer
 
 logger = logging.getLogger(__name__)
-
-_SEED_MASK = (1 << 63) - 1
 
 
 def resolve_model_path(model: str) -> Path:
@@ -63,11 +62,6 @@ class TokenSource(Protocol):
     a draft token is accepted iff it equals the source's token there."""
 
     def next_token(self, request: Request, sampled: int, offset: int = 0) -> int: ...
-
-
-def child_seed(base_seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a request seeded with ``base_seed``."""
-    return (base_seed + index * 0x9E3779B97F4A7C15) & _SEED_MASK
 
 
 @dataclass

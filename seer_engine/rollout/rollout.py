@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from seer_engine.core.policies import RolloutPolicy
 from seer_engine.core.request import Group, RolloutSample
+from seer_engine.core.seeds import sample_seed
 from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.instance import ChunkRequest, EngineInstance, InstanceDied, StepReply
@@ -31,15 +32,6 @@ from seer_engine.rollout.request_buffer import RequestBuffer
 from seer_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_SEED_MASK = (1 << 63) - 1
-
-
-def sample_seed(group: Group, index: int) -> int:
-    """Per-response seed of an offline rollout: the same whatever policy, chunking or
-    instance runs it."""
-    base = group.sampling_params.seed if group.sampling_params.seed is not None else group.order
-    return (base * 1_000_003 + index * 0x9E3779B97F4A7C15) & _SEED_MASK
 
 
 def chunk_request_id(sample: RolloutSample, running: bool = False) -> str:
@@ -150,7 +142,10 @@ class Rollout:
     def new_samples(self, group: Group) -> list[RolloutSample]:
         """The group's n responses with per-response seeds (independent of policy and chunking)."""
         max_tokens = self.resolve_max_tokens(group.prompt_token_ids, group.sampling_params)
-        return [RolloutSample(group, i, sample_seed(group, i), max_tokens) for i in range(group.n)]
+        seed = group.sampling_params.seed
+        return [
+            RolloutSample(group, i, sample_seed(seed, group.order, i), max_tokens) for i in range(group.n)
+        ]
 
     def resolve_max_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         room = self.pool.max_model_len - len(prompt_token_ids)

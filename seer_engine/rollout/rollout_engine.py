@@ -23,9 +23,10 @@ from pathlib import Path
 
 from seer_engine.core.policies import make_rollout_policy
 from seer_engine.core.request import Group, RolloutSample
+from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
-from seer_engine.engine.llm_engine import EngineSnapshot, child_seed
+from seer_engine.engine.llm_engine import EngineSnapshot
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.rollout import Rollout
