@@ -42,7 +42,7 @@ class Request:
     """One sequence being generated.
 
     The scheduling rule is uniform: ``num_computed_tokens`` chases ``num_tokens``
-    (prompt + output so far). A prefill chunk, a prefix-cache hit, a decode step and
+    (prompt + output so far). A prefill span, a prefix-cache hit, a decode step and
     recomputation after preemption all just move ``num_computed_tokens`` forward.
     """
 

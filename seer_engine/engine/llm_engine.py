@@ -23,7 +23,7 @@ from seer_engine.engine.request_checker import RequestChecker
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
     ModelRunner,
-    ScheduledChunk,
+    ScheduledRequest,
     kv_cache_bytes_per_block,
 )
 from seer_engine.model_executor.weight_loader import safetensors_files
@@ -283,7 +283,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = [
-            ScheduledChunk(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
+            ScheduledRequest(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]
         result = self.runner.execute(batch)
         by_id = {req.request_id: req for req, _ in sched.scheduled}
@@ -311,15 +311,15 @@ class LLMEngine:
         depths = [0] + (req.draft.depths if req.draft else [])
         return [self.token_source.next_token(req, tok, d) for tok, d in zip(rows, depths)]
 
-    def _move_accepted_kv(self, batch: list[ScheduledChunk], verdicts: dict[str, Acceptance]) -> None:
+    def _move_accepted_kv(self, batch: list[ScheduledRequest], verdicts: dict[str, Acceptance]) -> None:
         """Accepted nodes of a tree computed their KV at slot num_tokens + node; the
         sequence needs it at num_tokens + depth - 1 (a single path is already there)."""
         moves = []
-        for chunk in batch:
-            verdict = verdicts.get(chunk.request.request_id)
+        for scheduled in batch:
+            verdict = verdicts.get(scheduled.request.request_id)
             if verdict is None:
                 continue
-            base, blocks = chunk.request.num_tokens, chunk.block_ids
+            base, blocks = scheduled.request.num_tokens, scheduled.block_ids
             for j, node in enumerate(verdict.nodes):
                 if node != j:
                     moves.append((self.runner.slot(blocks, base + node), self.runner.slot(blocks, base + j)))
