@@ -38,13 +38,13 @@ from typing import Any
 
 import machine_info  # benchmarks/ is on sys.path when a script here runs
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
 from seer_engine.rollout.workload import TraceGroup, load_trace, select_groups, traces_dir
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.acceptance import accepted_len
 from seer_engine.spec_decode._suffix_tree_ref import RefGroupSuffixTree
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import DraftTree
 from seer_engine.spec_decode.proposers import NgramProposer, SuffixProposer
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTree, GroupSuffixTrees
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.sim.acceptance import (
     DEFAULT_ACCEPTANCE_PATH,
     AcceptanceModel,
@@ -17,7 +18,6 @@ from seer_engine.sim.acceptance import (
     fit_acceptance,
     replay_group,
 )
-from seer_engine.spec_decode.draft import DraftTree
 
 PROMPT = list(range(1000, 1020))
 X = list(range(3000, 3200))  # 200 distinct tokens

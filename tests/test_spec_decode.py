@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
+from seer_engine.core.draft import DraftTree, accept
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.rollout.dispatcher import Dispatcher
@@ -21,7 +22,6 @@ from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.spec_decode.budget import AdaptiveBudget, FixedBudget, StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import DraftTree, accept
 
 STEP_COST = [0.004, 2e-5]  # pinned, so whether drafts pay does not hang on this machine's load
 TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}

@@ -26,10 +26,14 @@ import pytest  # noqa: E402
 from seer_engine.kernels import paged_attention as pa  # noqa: E402
 from seer_engine.model_executor.attention import (  # noqa: E402
     AttentionMetadata,
-    _plan_torch_attention,
     get_attention_backend,
     torch_paged_attention,
     torch_store_kv,
+)
+from seer_engine.model_executor.attention.torch import _plan_torch_attention  # noqa: E402
+from seer_engine.model_executor.attention.triton import (  # noqa: E402
+    TritonAttentionBackend,
+    paged_attention,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,7 +44,7 @@ TOL = {
     # The interpreter rounds fp32 -> bf16 by truncation, the reference to nearest.
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
-# (cached tokens, new tokens) per request: decode rows, a prefill chunk over a cached
+# (cached tokens, new tokens) per request: decode rows, a prefill span over a cached
 # prefix, a prefill from 0, a first decode; no seq_len is a multiple of 16 or 8.
 MIXED = [(20, 1), (13, 7), (0, 11), (36, 1)]
 SCALE = 0.3
@@ -109,7 +113,7 @@ def check_attention(
 ) -> None:
     query, _, _, kv_cache, meta = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
     expected = torch_paged_attention(query, kv_cache, meta, SCALE)
-    actual = pa.triton_paged_attention(query, kv_cache, meta, SCALE, **tiles)
+    actual = paged_attention(query, kv_cache, meta, SCALE, **tiles)
     assert actual.dtype == query.dtype
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
@@ -195,7 +199,7 @@ def test_empty_batch() -> None:
         seq_lens_cpu=[],
     )
     before = kv_cache.clone()
-    out = pa.TritonAttentionBackend().forward(query[:0], key[:0], value[:0], kv_cache, empty, SCALE)
+    out = TritonAttentionBackend().forward(query[:0], key[:0], value[:0], kv_cache, empty, SCALE)
     assert out.shape == (0, 2, 32)
     assert torch.equal(kv_cache, before)
 
@@ -269,7 +273,7 @@ def with_trees(meta: AttentionMetadata, tree_mask: torch.Tensor | None) -> Atten
     return dataclasses.replace(meta, tree_mask=tree_mask, plan_cache={})
 
 
-# (cached tokens, new tokens, tree nodes or 0): prefill chunks without a tree (one longer
+# (cached tokens, new tokens, tree nodes or 0): prefill spans without a tree (one longer
 # than 64, one of the same q_len as two trees), decode rows, and draft trees of 2 to 64
 # nodes, over empty, short and block-crossing contexts.
 TREE_BATCH = [(13, 7, 0), (20, 1, 0), (5, 9, 9), (0, 64, 64), (30, 2, 2), (0, 70, 0), (17, 9, 9)]
@@ -299,12 +303,12 @@ def make_tree_batch(
 def test_tree_attention_matches_dense_reference(
     num_heads: int, num_kv_heads: int, block_size: int, dtype: torch.dtype, tiles: dict
 ) -> None:
-    """Both backends against the dense reference on a batch mixing prefill chunks, decode
+    """Both backends against the dense reference on a batch mixing prefill spans, decode
     rows and random draft trees (tiles that split a tree across programs included)."""
     query, kv_cache, meta, trees = make_tree_batch(num_heads, num_kv_heads, block_size, dtype, seed=7)
     expected = dense_tree_attention(query, kv_cache, meta, trees, SCALE)
     torch.testing.assert_close(torch_paged_attention(query, kv_cache, meta, SCALE), expected, **TOL[dtype])
-    actual = pa.triton_paged_attention(query, kv_cache, meta, SCALE, **tiles)
+    actual = paged_attention(query, kv_cache, meta, SCALE, **tiles)
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
@@ -320,15 +324,15 @@ def test_chain_tree_is_causal() -> None:
         torch_paged_attention(query, kv_cache, plain, SCALE),
     )
     torch.testing.assert_close(
-        pa.triton_paged_attention(query, kv_cache, chained, SCALE),
-        pa.triton_paged_attention(query, kv_cache, plain, SCALE),
+        paged_attention(query, kv_cache, chained, SCALE),
+        paged_attention(query, kv_cache, plain, SCALE),
         **TOL[torch.float32],
     )
 
 
 def test_torch_plan_groups_short_rows() -> None:
     """Requests with the same q_len <= 64 share one padded group (cheap verification
-    steps); longer chunks attend alone."""
+    steps); longer prefill spans attend alone."""
     _, _, meta, _ = make_tree_batch(2, 1, 16, torch.float32, seed=0)
     plan = _plan_torch_attention(meta, 16, torch.device(DEVICE))
     assert sorted((g.q_len, g.batch) for g in plan) == [

@@ -7,8 +7,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.sampling_params import SamplingParams
-from seer_engine.spec_decode.draft import DraftTree
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +42,7 @@ class Request:
     """One sequence being generated.
 
     The scheduling rule is uniform: ``num_computed_tokens`` chases ``num_tokens``
-    (prompt + output so far). A prefill chunk, a prefix-cache hit, a decode step and
+    (prompt + output so far). A prefill span, a prefix-cache hit, a decode step and
     recomputation after preemption all just move ``num_computed_tokens`` forward.
     """
 

@@ -1,7 +1,7 @@
 """Continuous batching with one rule: computed tokens chase the target.
 
 Each step grants every running request ``num_tokens - num_computed_tokens`` new
-tokens (a decode step is 1, a prefill chunk is up to the budget), plus the nodes of
+tokens (a decode step is 1, a prefill span is up to the budget), plus the nodes of
 its draft when it speculates, then admits waiting requests in policy order while the
 token budget, ``max_num_seqs`` and free KV blocks allow. When blocks run out, the
 policy's victim is preempted and recomputed later.
@@ -199,7 +199,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, emitted: dict[str, list[int]]) -> list[Request]:
         """Advance computed tokens, append emitted tokens, finish requests that stop.
 
-        ``emitted`` holds, for each request whose chunk reached its last token, the
+        ``emitted`` holds, for each request whose span reached its last token, the
         tokens it emits: one, or with a draft the accepted nodes' tokens and the bonus
         token. They are appended one by one and a stop condition drops the rest, as if
         they had been decoded one per step. The KV of the accepted nodes is in place
@@ -210,7 +210,7 @@ class Scheduler:
         for request, num_new in out.scheduled:
             draft, request.draft = request.draft, None
             tokens = emitted.get(request.request_id)
-            if not tokens:  # a prefill chunk that has not reached the end of the prompt
+            if not tokens:  # a prefill span that has not reached the end of the prompt
                 request.num_computed_tokens += num_new
                 self.kv.cache_computed_blocks(request)
                 continue

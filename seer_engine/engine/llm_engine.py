@@ -11,10 +11,12 @@ from typing import Protocol
 
 import torch
 
+from seer_engine.core.draft import Acceptance, accept
 from seer_engine.core.kv_cache_manager import KVCacheManager
 from seer_engine.core.policies import SchedulingPolicy, make_policy
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig
+from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
@@ -22,7 +24,7 @@ from seer_engine.engine.stats import EngineStats
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
     ModelRunner,
-    ScheduledChunk,
+    ScheduledRequest,
     kv_cache_bytes_per_block,
 )
 from seer_engine.model_executor.weight_loader import safetensors_files
@@ -30,13 +32,10 @@ from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 from seer_engine.spec_decode.budget import AdaptiveBudget, StepCostModel, make_budget
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import Acceptance, accept
 from seer_engine.spec_decode.drafter import Drafter
 from seer_engine.spec_decode.proposers import Proposer, make_proposer
 
 logger = logging.getLogger(__name__)
-
-_SEED_MASK = (1 << 63) - 1
 
 
 def resolve_model_path(model: str) -> Path:
@@ -64,11 +63,6 @@ class TokenSource(Protocol):
     a draft token is accepted iff it equals the source's token there."""
 
     def next_token(self, request: Request, sampled: int, offset: int = 0) -> int: ...
-
-
-def child_seed(base_seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a request seeded with ``base_seed``."""
-    return (base_seed + index * 0x9E3779B97F4A7C15) & _SEED_MASK
 
 
 @dataclass
@@ -286,7 +280,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = [
-            ScheduledChunk(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
+            ScheduledRequest(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]
         result = self.runner.execute(batch)
         by_id = {req.request_id: req for req, _ in sched.scheduled}
@@ -314,15 +308,15 @@ class LLMEngine:
         depths = [0] + (req.draft.depths if req.draft else [])
         return [self.token_source.next_token(req, tok, d) for tok, d in zip(rows, depths)]
 
-    def _move_accepted_kv(self, batch: list[ScheduledChunk], verdicts: dict[str, Acceptance]) -> None:
+    def _move_accepted_kv(self, batch: list[ScheduledRequest], verdicts: dict[str, Acceptance]) -> None:
         """Accepted nodes of a tree computed their KV at slot num_tokens + node; the
         sequence needs it at num_tokens + depth - 1 (a single path is already there)."""
         moves = []
-        for chunk in batch:
-            verdict = verdicts.get(chunk.request.request_id)
+        for scheduled in batch:
+            verdict = verdicts.get(scheduled.request.request_id)
             if verdict is None:
                 continue
-            base, blocks = chunk.request.num_tokens, chunk.block_ids
+            base, blocks = scheduled.request.num_tokens, scheduled.block_ids
             for j, node in enumerate(verdict.nodes):
                 if node != j:
                     moves.append((self.runner.slot(blocks, base + node), self.runner.slot(blocks, base + j)))

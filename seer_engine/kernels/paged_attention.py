@@ -1,9 +1,11 @@
 """Triton kernels for the paged KV cache: storing new keys/values and attending.
 
 One attention kernel serves every kind of row in a flattened batch (prefill from 0,
-prefill chunks over a cached prefix, decode), so the model runner never splits a
-step by phase. Semantics are those of ``torch_paged_attention`` in
-``seer_engine.model_executor.attention``; the tests compare the two.
+prefill spans over a cached prefix, decode), so the model runner never splits a step
+by phase. The launch wrappers take tensors and plain numbers only, so this module
+imports nothing from seer_engine; ``model_executor.attention.triton`` adapts them to
+the attention backend interface, and the tests compare them with the torch reference
+backend.
 
 Attention grid: ``(query tiles, kv heads)``. A query tile is up to ``BLOCK_Q``
 consecutive query tokens of one request times all query heads that share one kv
@@ -20,8 +22,9 @@ Each program runs an online softmax over the context in tiles of ``TILE_N`` keys
 looking each key's block up in the block table, so tiles need not align with blocks.
 Visibility is decided in one helper, ``_visible``: causal by absolute position, and,
 for speculative-decoding verification (``HAS_TREE``), ANDed with each query token's
-draft-tree bit-mask (``AttentionMetadata.tree_mask``) for keys at or past the
-request's first query. Tree nodes are laid out parents before children, so the causal
+draft-tree bit-mask (``tree_mask``: one signed int64 word per query token, bit j set
+when it may see the request's new token j) for keys at or past the request's first
+query. Tree nodes are laid out parents before children, so the causal
 loop bound stays valid. Without a tree the mask is neither loaded nor applied.
 """
 
@@ -30,8 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from seer_engine.model_executor.attention import AttentionBackend, AttentionMetadata
 
 
 @triton.jit
@@ -79,7 +80,8 @@ def _store_kv_kernel(
 def _visible(q_pos, k_pos, num_cached, tree, HAS_TREE: tl.constexpr):
     """``[M, N]`` mask of which keys each query row may see: causal by absolute position
     and, with ``HAS_TREE``, limited among the new keys to the bits of the row's ``tree``
-    mask (bit j: new token j; the shift is clamped because only q_len <= 64 has a tree)."""
+    mask (bit j: new token j; the shift is clamped because only q_len <= 64 has a tree).
+    The words are signed: an arithmetic shift by 63 of a negative word still yields 1."""
     visible = k_pos[None, :] <= q_pos[:, None]
     if HAS_TREE:
         bit = tl.minimum(tl.maximum(k_pos - num_cached, 0), 63).to(tl.int64)
@@ -244,6 +246,18 @@ def triton_store_kv(
     )
 
 
+_NO_TREE: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_tree(device: torch.device) -> torch.Tensor:
+    """An int64 stand-in for ``tree_mask`` when there is none (never read then), so the
+    kernel's signature stays the same with and without trees."""
+    dummy = _NO_TREE.get(device)
+    if dummy is None:
+        dummy = _NO_TREE[device] = torch.full((1,), -1, dtype=torch.int64, device=device)
+    return dummy
+
+
 def _tile_sizes(max_query_len: int, group_pad: int, head_dim_pad: int) -> tuple[int, int]:
     """Default (BLOCK_Q, TILE_N): one query token per tile for decode-only batches,
     about 64 rows otherwise; 64 keys per tile, 32 for the widest heads."""
@@ -255,33 +269,42 @@ def _tile_sizes(max_query_len: int, group_pad: int, head_dim_pad: int) -> tuple[
 def triton_paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
     scale: float,
+    tree_mask: torch.Tensor | None = None,
     *,
     block_q: int | None = None,
     tile_n: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention for a flattened batch; ``block_q``/``tile_n`` override the tiling
-    (powers of two, ``tile_n >= 16``), which tests use to cross tile edges cheaply."""
+    """Paged attention for a flattened batch of ``seq_lens.shape[0]`` requests.
+
+    ``query`` ``[num_tokens, num_heads, head_dim]``; ``kv_cache`` ``[2, num_blocks,
+    block_size, num_kv_heads, head_dim]``; ``block_tables`` ``[num_reqs, max_blocks]``
+    int32; ``seq_lens`` ``[num_reqs]`` int32 (context including the new tokens);
+    ``query_start_loc`` ``[num_reqs + 1]`` int32; ``tree_mask`` None or ``[num_tokens]``
+    int64 (see the module docstring). ``block_q``/``tile_n`` override the tiling (powers
+    of two, ``tile_n >= 16``), which tests use to cross tile edges cheaply."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    num_reqs = meta.num_reqs
+    num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
     if query.stride(-1) != 1:
         query = query.contiguous()
-    assert kv_cache.stride(-1) == 1 and meta.block_tables.stride(-1) == 1
+    assert kv_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
 
     queries_per_kv = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    default_q, default_n = _tile_sizes(max(meta.query_lens_cpu), group_pad, head_dim_pad)
+    default_q, default_n = _tile_sizes(max_query_len, group_pad, head_dim_pad)
     block_q = block_q or default_q
     tile_n = tile_n or default_n
     block_m = max(16, block_q * group_pad)  # tl.dot needs at least 16 rows
-    tree_mask = meta.tree_mask
     if tree_mask is not None:
         assert tree_mask.dtype == torch.int64 and tree_mask.shape == (num_tokens,)
         tree_mask = tree_mask.contiguous()
@@ -290,10 +313,10 @@ def triton_paged_attention(
         out,
         query,
         kv_cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        meta.slot_mapping if tree_mask is None else tree_mask,  # a dummy int64 pointer without a tree
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        _no_tree(query.device) if tree_mask is None else tree_mask,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         num_reqs,
         query.stride(0),
@@ -304,7 +327,7 @@ def triton_paged_attention(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
-        meta.block_tables.stride(0),
+        block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -319,23 +342,3 @@ def triton_paged_attention(
         HAS_TREE=tree_mask is not None,
     )
     return out
-
-
-class TritonAttentionBackend(AttentionBackend):
-    """Triton kernels: the GPU path (and, under TRITON_INTERPRET=1, testable on CPU)."""
-
-    name = "triton"
-
-    def store_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        triton_store_kv(key, value, kv_cache, meta.slot_mapping)
-
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        return triton_paged_attention(query, kv_cache, meta, scale)

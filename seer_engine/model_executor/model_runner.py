@@ -1,9 +1,9 @@
 """Runs one scheduled step: lays out the flattened batch, runs the model, samples.
 
-Only rows whose chunk reaches the end of their request's tokens produce logits;
-mid-prompt chunks of a chunked prefill only fill the KV cache. A request with a
-draft samples at its last token and at every draft node; which of those tokens are
-kept is decided by ``spec_decode.draft.accept``.
+Only requests whose span reaches the end of their tokens produce logits; prefill
+spans that stop mid-prompt (chunked prefill) only fill the KV cache. A request with
+a draft samples at its last token and at every draft node; which of those tokens
+are kept is decided by ``core.draft.accept``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
 from seer_engine.model_executor.attention import AttentionMetadata, get_attention_backend
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.model_executor.sampler import Sampler, SamplingRow
 from seer_engine.model_executor.weight_loader import load_model
+from seer_engine.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledChunk:
+class ScheduledRequest:
+    """One request's part of a step: ``num_new_tokens`` tokens from its first uncomputed
+    one (a decode row, a prefill span, or a decode row plus its draft nodes)."""
+
     request: Request
     num_new_tokens: int
     block_ids: list[int]
@@ -30,7 +35,7 @@ class ScheduledChunk:
 @dataclass
 class StepResult:
     """Tokens sampled this step at every row that samples, by request id: one row, or
-    with a draft the root row and one per draft node (see spec_decode.draft). Logprobs
+    with a draft the root row and one per draft node (see core.draft). Logprobs
     per row where asked for."""
 
     sampled: dict[str, list[int]]
@@ -81,7 +86,7 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------
 
-    def _prepare(self, batch: list[ScheduledChunk]):
+    def _prepare(self, batch: list[ScheduledRequest]):
         """The flattened batch. A request with a draft verifies it in the same pass: its
         nodes follow its last token, parents before children, at slots num_tokens + i
         but at RoPE positions by tree depth; a tree (not a single path) adds a mask."""
@@ -92,13 +97,13 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        samplers: list[SamplerRows] = []  # requests whose chunk reaches their last token
+        samplers: list[SamplerRows] = []  # requests whose span reaches their last token
         trees: list[tuple[int, list[int]]] = []  # (first row, row mask bits) of tree drafts
-        for chunk in batch:
-            req, blocks, draft = chunk.request, chunk.block_ids, chunk.request.draft
+        for scheduled in batch:
+            req, blocks, draft = scheduled.request, scheduled.block_ids, scheduled.request.draft
             num_draft = len(draft) if draft else 0
             start = req.num_computed_tokens
-            end = start + chunk.num_new_tokens
+            end = start + scheduled.num_new_tokens
             committed_end = end - num_draft
             input_ids.extend(req.all_token_ids[start:committed_end])
             positions.extend(range(start, committed_end))
@@ -133,7 +138,7 @@ class ModelRunner:
         return ids, pos, meta, logits_rows, samplers
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledChunk]) -> StepResult:
+    def execute(self, batch: list[ScheduledRequest]) -> StepResult:
         if not batch:
             return StepResult({}, {})
         ids, pos, meta, logits_rows, samplers = self._prepare(batch)
@@ -194,9 +199,6 @@ class ModelRunner:
         """(scheduled tokens, seconds) of decode-shaped steps with path drafts, for the
         draft budget's cost model. Dummy requests write into the first KV blocks, so
         call it before serving (the cache is empty then)."""
-        from seer_engine.sampling_params import SamplingParams
-        from seer_engine.spec_decode.draft import DraftTree
-
         points: list[tuple[int, float]] = []
         params = SamplingParams(temperature=0.0, max_tokens=1)
         for draft_len in draft_lens:
@@ -210,7 +212,7 @@ class ModelRunner:
                     req.num_computed_tokens = context - 1
                     if draft_len:
                         req.draft = DraftTree([0] * draft_len, list(range(-1, draft_len - 1)))
-                    batch.append(ScheduledChunk(req, 1 + draft_len, blocks))
+                    batch.append(ScheduledRequest(req, 1 + draft_len, blocks))
                 times = []
                 for _ in range(4):  # the first run warms up; the fastest of the rest counts
                     start = time.perf_counter()

@@ -1,9 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Random draws use the exponential-race trick (argmax of p / q with q ~ Exp(1) is a
-sample from p) with noise seeded by (request seed, position) only. So a request's
-tokens never depend on which other requests share its batch, on chunking, on
-migration or on speculation.
+sample from p) with noise seeded by (request seed, position) only, through
+``core.seeds.position_seed``. So a request's tokens never depend on which other
+requests share its batch, on prefill spans, on rollout chunks, on migration or on
+speculation.
 """
 
 from __future__ import annotations
@@ -12,15 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK64 = (1 << 64) - 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): independent streams per request and position."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+from seer_engine.core.seeds import position_seed
 
 
 @dataclass

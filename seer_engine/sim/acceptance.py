@@ -34,9 +34,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.sim.profile import SavedAsJson
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import DraftTree
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTrees
 
 __all__ = [

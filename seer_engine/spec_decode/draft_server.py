@@ -36,9 +36,9 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import DraftTree
 from seer_engine.spec_decode.proposers import SuffixProposer
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY
 

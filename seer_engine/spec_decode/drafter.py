@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from seer_engine.core.draft import Acceptance
 from seer_engine.core.request import Request
 from seer_engine.spec_decode.budget import BudgetPolicy
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import Acceptance
 from seer_engine.spec_decode.proposers import Proposer
 
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # an even prior: 1 accepted out of 2 tried

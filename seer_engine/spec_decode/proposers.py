@@ -14,9 +14,9 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.draft import DraftTree
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTrees
 
 

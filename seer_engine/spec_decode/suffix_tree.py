@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from seer_engine._C import GroupSuffixTree
-from seer_engine.spec_decode.draft import DraftTree
+from seer_engine.core.draft import DraftTree
 
 __all__ = ["PROMPT_KEY", "DraftTree", "GroupSuffixTree", "GroupSuffixTrees"]
 

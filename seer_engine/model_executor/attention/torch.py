@@ -1,81 +1,16 @@
-"""Paged attention over one flattened variable-length batch.
+"""The reference attention backend in plain PyTorch (and the fast path on CPU).
 
-Every step the model runner lays the scheduled tokens of all requests end to end
-(``num_tokens`` rows). Each request contributes ``q_len = query_start_loc[i+1] -
-query_start_loc[i]`` new tokens that sit at the end of its context of ``seq_lens[i]``
-tokens, so prefill chunks, prefix-cache hits and decode steps are one operation: new
-keys/values are written into the paged cache at ``slot_mapping``, then every query
-attends causally to its request's cached context through the block table. For
-speculative-decoding verification, ``tree_mask`` narrows causality further: a draft
-node sees the cached context, its ancestors and itself.
-
-KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 keys, 1 values). A slot is ``block_id * block_size + offset``.
+Requests are grouped once per step (see ``_group_requests``) so a decode or
+verification step costs a few kernel launches per layer, not a few per request.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class AttentionMetadata:
-    """What the attention backends need to know about a flattened batch."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64, where each new token's K/V goes
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, prefix sums of q_len
-    seq_lens: torch.Tensor  # [num_reqs] int32, context length incl. the new tokens
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
-    max_query_len: int
-    max_seq_len: int
-    # Host copies so the torch backend can group requests without device syncs.
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-    # Draft-tree verification (speculative decoding): None, or [num_tokens] int64. For
-    # query token t of request i, m = t - query_start_loc[i] its index among the
-    # request's new tokens: bit j set <=> t may see the request's new token j (key slot
-    # num_cached + j, num_cached = seq_len - q_len). -1 (all bits) means plain causal.
-    # Keys before num_cached are always visible; causality (k <= q) always applies, as
-    # draft nodes are laid out parents before children. Requests with a tree have
-    # q_len <= 64.
-    tree_mask: torch.Tensor | None = None
-    # Per-step precomputation a backend shares across layers (e.g. gather plans, masks).
-    plan_cache: dict = field(default_factory=dict)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-
-class AttentionBackend:
-    """One interface for every attention implementation (torch reference, Triton)."""
-
-    name: str = "abstract"
-
-    def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> None:
-        raise NotImplementedError
-
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        """query ``[num_tokens, num_heads, head_dim]`` -> output of the same shape."""
-        raise NotImplementedError
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        self.store_kv(key, value, kv_cache, meta)
-        return self.attend(query, kv_cache, meta, scale)
+from seer_engine.model_executor.attention.base import AttentionBackend, AttentionMetadata
 
 
 def torch_store_kv(
@@ -89,8 +24,8 @@ def torch_store_kv(
 
 
 # Longest q_len whose requests share a padded group in the torch backend. Verification
-# rows (draft trees have at most 64 nodes) fall under it; longer prefill chunks attend
-# alone, so padding never multiplies prefill work.
+# rows (at most 64: the root and up to 63 draft nodes) fall under it; longer prefill
+# spans attend alone, so padding never multiplies prefill work.
 _MAX_GROUPED_Q_LEN = 64
 
 
@@ -109,7 +44,7 @@ class _TorchAttentionGroup:
 
 def _group_requests(query_lens: list[int]) -> list[list[int]]:
     """Requests with the same q_len <= 64 (decode rows, verification rows) form one group;
-    each longer chunk is a group of its own. Requests without new tokens are skipped."""
+    each longer prefill span is a group of its own. Requests without new tokens are skipped."""
     short: dict[int, list[int]] = {}
     long: list[list[int]] = []
     for i, q_len in enumerate(query_lens):
@@ -127,6 +62,7 @@ def _tree_visible(
 
     The bits are expanded to ``[B, Q, Q]`` with shifts and then gathered at each key's
     index among the new tokens, so the int64 work stays independent of the context length.
+    Words are signed: the arithmetic shift by 63 of a negative word still yields bit 63.
     """
     batch = num_cached.shape[0]
     device = tree_mask.device
@@ -144,7 +80,7 @@ def _plan_torch_attention(
 
     Grouping keeps the CPU cost of a decode or verification step at a few kernel launches
     per layer rather than a few per request. ``tree_mask`` only applies to grouped
-    requests: longer chunks carry no tree (their mask is -1).
+    requests: longer prefill spans carry no tree (their mask is -1).
     """
     plan = []
     for reqs in _group_requests(meta.query_lens_cpu):
@@ -217,14 +153,3 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attend(self, query, kv_cache, meta, scale):
         return torch_paged_attention(query, kv_cache, meta, scale)
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Backends by name; the Triton one is imported lazily (it needs triton)."""
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from seer_engine.kernels.paged_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

@@ -1,0 +1,35 @@
+"""The one seed rule: how every sampled token's randomness is derived.
+
+A request's tokens depend only on its seed and each token's position (the sampler's
+exponential race draws its noise from ``position_seed``), so batching, prefill spans,
+preemption, migration between instances and speculation never change them. Seeds of
+the samples of one request (``child_seed``) and of the responses of an offline
+rollout (``sample_seed``) are derived here too, so every path that makes a request
+agrees on them.
+"""
+
+from __future__ import annotations
+
+SEED_MASK = (1 << 63) - 1  # seeds are non-negative int64 (what torch.Generator takes)
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive indices apart
+
+
+def child_seed(base_seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``base_seed``."""
+    return (base_seed + index * _GOLDEN) & SEED_MASK
+
+
+def sample_seed(group_seed: int | None, group_order: int, index: int) -> int:
+    """Per-response seed of an offline rollout: from the group's own seed, else its
+    submission order, so it is the same whatever policy, chunking or instance runs it."""
+    base = group_seed if group_seed is not None else group_order
+    return (base * 1_000_003 + index * _GOLDEN) & SEED_MASK
+
+
+def position_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): independent streams per request and position."""
+    z = (seed * _GOLDEN + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & SEED_MASK
