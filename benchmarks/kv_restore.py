@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -92,9 +93,7 @@ def measure(model: str, context_len: int, pool_kind: str, repeats: int, threads:
 
 
 def _bytes_per_token(engine: LLMEngine) -> float:
-    from seer_engine.model_executor.model_runner import kv_cache_bytes_per_block
-
-    return kv_cache_bytes_per_block(engine.model_config, engine.kv_manager.block_size, engine.dtype) / 16
+    return math.prod(engine.kv_block_shape) * engine.kv_block_dtype.itemsize / engine.kv_block_size
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -20,8 +20,9 @@ from pool_workload import greedy
 
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
-from seer_engine.kv_connector.base import KVPoolError, PooledConnector
-from seer_engine.kv_connector.local import LocalStore, block_bytes_of, make_local_connector
+from seer_engine.kv_connector.base import KVBlockIO, KVPoolError
+from seer_engine.kv_connector.factory import kv_pool_for
+from seer_engine.kv_connector.local import LocalStore
 from seer_engine.sampling_params import SamplingParams
 
 BB = 64  # bytes per block in the store-level tests: 16 float32
@@ -270,8 +271,7 @@ def test_reads_never_see_a_half_written_block(worker):
 def _engine_saves(model: str, spec, prompt: list[int]) -> tuple[list[int], int]:
     """Engine A in its own process: run the first chunk and save its KV to the pool."""
     a = LLMEngine(EngineConfig(model=model, num_kv_blocks=64))
-    store = LocalStore.open(spec)
-    conn = PooledConnector(store, a.kv_manager.block_size)
+    conn = spec.open()
     a.add_request("r1", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     first: list[int] = []
     while a.has_unfinished_requests():
@@ -286,11 +286,13 @@ def test_response_moves_between_engine_processes(tiny_model, worker):
     path = str(tiny_model())
     cfg = EngineConfig(model=path, num_kv_blocks=64)
     b = LLMEngine(cfg)
-    bs = b.kv_manager.block_size
-    conn = make_local_connector(bs, block_bytes_of(b), capacity_bytes=32 * block_bytes_of(b))
+    assert isinstance(b, KVBlockIO)
+    bs = b.kv_block_size
+    pool = kv_pool_for("local", cfg, capacity_gib=0.01)
+    conn = pool.connector
     try:
         prompt = [(7 * i + 3) % 500 + 5 for i in range(30)]
-        fut = worker.submit(_engine_saves, path, conn.store.spec, prompt)
+        fut = worker.submit(_engine_saves, path, pool.spec, prompt)
         reference = greedy(LLMEngine(cfg), "ref", prompt, 40, [])  # while A works
         first, saved = fut.result(timeout=240)
         context = prompt + first
@@ -309,5 +311,5 @@ def test_response_moves_between_engine_processes(tiny_model, worker):
         conn.free("s")
         assert conn.store.used_slots == 0 and conn.stats.failures == 0
     finally:
-        conn.close()
+        pool.close()
     assert segments_of(conn.store.spec) == []

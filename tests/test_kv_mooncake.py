@@ -28,14 +28,9 @@ if importlib.util.find_spec("mooncake") is None:
 from seer_engine.engine.config import EngineConfig  # noqa: E402
 from seer_engine.engine.llm_engine import LLMEngine  # noqa: E402
 from seer_engine.kv_connector.base import KVPoolError  # noqa: E402
-from seer_engine.kv_connector.mooncake import (  # noqa: E402
-    MooncakeMaster,
-    MooncakeSpec,
-    MooncakeStore,
-    _answers,
-    _free_port,
-    make_mooncake_connector,
-)
+from seer_engine.kv_connector.factory import kv_pool_for, make_kv_pool  # noqa: E402
+from seer_engine.kv_connector.mooncake import MooncakeMaster, MooncakeSpec, MooncakeStore  # noqa: E402
+from seer_engine.kv_connector.mooncake.common import answers, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SPAWN = multiprocessing.get_context("spawn")
@@ -82,22 +77,21 @@ def test_master_that_cannot_start_says_why(tmp_path):
 def test_master_lifecycle_and_a_taken_port(monkeypatch):
     """Another program listening on the chosen RPC port answers probes too; that master
     exits (silently) and a new one starts on other ports."""
-    import seer_engine.kv_connector.mooncake as mc
+    import seer_engine.kv_connector.mooncake.master as mc
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         first = iter([port])
-        real = mc._free_port
-        monkeypatch.setattr(mc, "_free_port", lambda host: next(first, None) or real(host))
+        monkeypatch.setattr(mc, "free_port", lambda host: next(first, None) or free_port(host))
         with MooncakeMaster() as m:
             assert m.rpc_port != port and m.running and m.holder_pid is None
-            assert m.address == f"127.0.0.1:{m.rpc_port}" and _answers("127.0.0.1", m.rpc_port)
+            assert m.address == f"127.0.0.1:{m.rpc_port}" and answers("127.0.0.1", m.rpc_port)
             assert m.metadata_server == f"http://127.0.0.1:{m.http_port}/metadata"
             log_dir = m.log_path.parent
             assert m.log_path.stat().st_size > 0
-    assert not m.running and not _answers("127.0.0.1", m.rpc_port)
+    assert not m.running and not answers("127.0.0.1", m.rpc_port)
     assert not log_dir.exists()
     m.stop()  # idempotent
 
@@ -258,7 +252,7 @@ def test_missing_keys_and_mismatched_sizes_raise(store, ns):
 
 
 def test_no_master_fails_fast_and_says_where(master):
-    address = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
     start = time.monotonic()
     with pytest.raises(KVPoolError, match=f"no Mooncake master answers at {address}"):
         MooncakeStore(address, "http://127.0.0.1:1/metadata")
@@ -295,10 +289,17 @@ def test_another_process_opens_the_pool_from_the_spec(store, ns):
 
 
 def test_connector_on_a_given_master_mounts_its_memory(master):
-    conn, owned = make_mooncake_connector(
-        4, master.address, "given", metadata_server=master.metadata_server, pool_bytes=16 << 20
+    pool = make_kv_pool(
+        "mooncake",
+        4,
+        64,
+        mooncake_master=master.address,
+        mooncake_metadata=master.metadata_server,
+        capacity_gib=(16 << 20) / 2**30,
+        namespace="given",
     )
-    assert owned is None and conn.namespace == "given" and conn.name == "mooncake"
+    conn = pool.connector
+    assert pool.master is None and conn.namespace == "given" and conn.name == "mooncake"
     try:
         assert conn.store._spec.global_segment_size == 16 << 20
         assert conn.store.spec.global_segment_size == 0  # other processes mount nothing
@@ -307,7 +308,7 @@ def test_connector_on_a_given_master_mounts_its_memory(master):
         conn.free("x")
         assert conn.lookup("x", list(range(9))) == 0
     finally:
-        conn.close()
+        pool.close()
     conn.close()  # idempotent
     with pytest.raises(KVPoolError, match="closed"):
         conn.store.count_leading(["x/0"])
@@ -319,9 +320,10 @@ def test_connector_on_a_given_master_mounts_its_memory(master):
 def test_response_moves_between_engines_then_the_master_dies(tiny_model):
     cfg = EngineConfig(model=str(tiny_model()), num_kv_blocks=64)
     a, b = LLMEngine(cfg), LLMEngine(cfg)
-    bs = a.kv_manager.block_size
-    conn, owned = make_mooncake_connector(bs, pool_bytes=32 << 20)
-    assert owned is not None and owned.holder_pid is not None
+    bs = a.kv_block_size
+    pool = kv_pool_for("mooncake", cfg, capacity_gib=(32 << 20) / 2**30)
+    conn, owned = pool.connector, pool.master
+    assert owned is not None and owned.running
     try:
         prompt = [(7 * i + 3) % 500 + 5 for i in range(30)]
         reference = greedy(LLMEngine(cfg), "ref", prompt, 40, [])
@@ -363,5 +365,4 @@ def test_response_moves_between_engines_then_the_master_dies(tiny_model):
         conn.close()  # abandons the client: its own close would block for ~13 s
         assert time.monotonic() - start < 5
     finally:
-        conn.close()
-        owned.stop()
+        pool.close()

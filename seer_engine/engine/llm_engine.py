@@ -443,6 +443,37 @@ class LLMEngine:
         """Forget cached prefixes (their KV is stale after a weight update)."""
         self.kv_manager.reset_prefix_cache()
 
+    # KV blocks for a KV connector (kv_connector.base.KVBlockIO): a response's context
+    # moves between instances as blocks of the prefix cache.
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.kv_manager.block_size
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        c = self.model_config
+        return (c.num_layers, 2, self.kv_manager.block_size, c.num_kv_heads, c.head_dim)
+
+    @property
+    def kv_block_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def kv_block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return self.kv_manager.block_hashes(token_ids)
+
+    def cached_kv_blocks(self, hashes: Sequence[int]) -> list[int]:
+        return self.kv_manager.cached_prefix(hashes)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.read_kv_blocks(block_ids)
+
+    def adopt_kv_blocks(self, hashes: Sequence[int], start: int) -> list[int] | None:
+        return self.kv_manager.adopt_blocks(hashes, start)
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.runner.write_kv_blocks(block_ids, blocks)
+
     def update_weights(self, path: str | Path) -> None:
         """Load new weights of the same architecture from a Hugging Face folder.
 

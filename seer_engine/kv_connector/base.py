@@ -13,19 +13,67 @@ them into the target engine's prefix cache, so the next chunk finds its context 
 prefix hits: the uniform scheduling rule then computes only what is missing (the
 last partial block). Pool trouble never loses a request: the connector counts the
 failure, logs it once, and the request recomputes.
+
+A connector reaches an engine only through ``KVBlockIO`` (``LLMEngine`` implements it):
+it never sees the engine's scheduler, runner or cache tensors.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from seer_engine.engine.llm_engine import LLMEngine
-
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class KVBlockIO(Protocol):
+    """An engine's KV blocks as a connector reads and writes them.
+
+    Blocks are named by the chained hashes of the full blocks of a context (equal in
+    every process), found in and adopted into the engine's prefix cache, and moved as
+    one contiguous tensor ``[n, *kv_block_shape]``.
+    """
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One block's shape, ``(layers, 2, block_size, kv_heads, head_dim)``."""
+        ...
+
+    @property
+    def kv_block_dtype(self) -> torch.dtype: ...
+
+    def kv_block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """Chained hashes of the full blocks of ``token_ids``."""
+        ...
+
+    def cached_kv_blocks(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the leading run of ``hashes`` held in the prefix cache."""
+        ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks, ``[n, *kv_block_shape]``."""
+        ...
+
+    def adopt_kv_blocks(self, hashes: Sequence[int], start: int) -> list[int] | None:
+        """Blocks registered in the prefix cache for ``hashes[start:]`` behind the cached
+        ``hashes[:start]``, to be filled by ``write_kv_blocks``; None when they cannot be
+        had (the prefix is gone, too few free blocks, no prefix caching)."""
+        ...
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Fill the blocks from ``blocks`` (``[n, *kv_block_shape]``)."""
+        ...
 
 
 class KVPoolError(RuntimeError):
@@ -56,7 +104,7 @@ class KVConnector:
     def __init__(self) -> None:
         self.stats = ConnectorStats()
 
-    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> int:
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
         """Offer the KV of ``token_ids`` (a finished chunk's context, in ``engine``'s
         prefix cache) to the pool; returns the leading tokens the pool now holds."""
         raise NotImplementedError
@@ -65,7 +113,7 @@ class KVConnector:
         """How many leading tokens of ``key``'s context ``token_ids`` the pool holds."""
         raise NotImplementedError
 
-    def load(self, key: str, engine: LLMEngine, token_ids: list[int]) -> LoadResult:
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
         """Place the pooled KV into ``engine`` so its prefix cache serves ``token_ids``."""
         raise NotImplementedError
 
@@ -82,13 +130,13 @@ class RecomputeConnector(KVConnector):
 
     name = "recompute"
 
-    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> int:
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
         return 0
 
     def lookup(self, key: str, token_ids: list[int]) -> int:
         return 0
 
-    def load(self, key: str, engine: LLMEngine, token_ids: list[int]) -> LoadResult:
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
         return LoadResult(tokens=0)
 
     def free(self, key: str) -> None:
@@ -147,10 +195,9 @@ class PooledConnector(KVConnector):
             self._warned = True
         return message
 
-    def save(self, key: str, engine: LLMEngine, token_ids: list[int]) -> int:
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
         self._check(engine)
-        kv = engine.kv_manager
-        block_ids = kv.cached_prefix(kv.block_hashes(token_ids))
+        block_ids = engine.cached_kv_blocks(engine.kv_block_hashes(token_ids))
         if not block_ids:
             return 0
         keys = self._keys(key, len(block_ids))
@@ -158,7 +205,7 @@ class PooledConnector(KVConnector):
             have = self.store.count_leading(keys)
             if have < len(keys):
                 start = time.perf_counter()
-                blocks = engine.runner.read_kv_blocks(block_ids[have:])
+                blocks = engine.read_kv_blocks(block_ids[have:])
                 self.store.put(keys[have:], blocks)
                 self.stats.save_s += time.perf_counter() - start
                 self.stats.saved_blocks += len(keys) - have
@@ -166,13 +213,13 @@ class PooledConnector(KVConnector):
         except KVPoolError as e:
             self._failed(f"save {key}", e)
             return 0
-        return len(keys) * kv.block_size
+        return len(keys) * self.block_size
 
-    def _check(self, engine: LLMEngine) -> None:
-        if engine.kv_manager.block_size != self.block_size:
+    def _check(self, engine: KVBlockIO) -> None:
+        if engine.kv_block_size != self.block_size:
             raise ValueError(
                 f"the KV pool holds blocks of {self.block_size} tokens; this engine uses "
-                f"{engine.kv_manager.block_size}"
+                f"{engine.kv_block_size}"
             )
 
     def lookup(self, key: str, token_ids: list[int]) -> int:
@@ -183,30 +230,25 @@ class PooledConnector(KVConnector):
             self._failed(f"look up {key}", e)
             return 0
 
-    def load(self, key: str, engine: LLMEngine, token_ids: list[int]) -> LoadResult:
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
         self._check(engine)
-        kv = engine.kv_manager
-        bs = kv.block_size
-        hashes = kv.block_hashes(token_ids)
-        cached = len(kv.cached_prefix(hashes))
+        bs = self.block_size
+        hashes = engine.kv_block_hashes(token_ids)
+        cached = len(engine.cached_kv_blocks(hashes))
         try:
             keys = self._keys(key, len(hashes))
             pooled = self.store.count_leading(keys)
             if pooled <= cached:
                 return LoadResult(cached * bs)
             start = time.perf_counter()
-            runner = engine.runner
-            out = torch.empty(
-                (pooled - cached, len(runner.kv_caches), 2, bs, runner.cfg.num_kv_heads, runner.cfg.head_dim),
-                dtype=runner.dtype,
-            )
+            out = torch.empty((pooled - cached, *engine.kv_block_shape), dtype=engine.kv_block_dtype)
             self.store.get_into(keys[cached:pooled], out)
         except KVPoolError as e:
             return LoadResult(cached * bs, error=self._failed(f"load {key}", e))
-        block_ids = kv.adopt_blocks(hashes[:pooled], cached)
+        block_ids = engine.adopt_kv_blocks(hashes[:pooled], cached)
         if block_ids is None:
             return LoadResult(cached * bs, error=f"no free KV blocks to load {key} into")
-        runner.write_kv_blocks(block_ids, out)
+        engine.write_kv_blocks(block_ids, out)
         self.stats.load_s += time.perf_counter() - start
         self.stats.loaded_blocks += len(block_ids)
         self.stats.loaded_bytes += out.numel() * out.element_size()

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from seer_engine.kv_connector.base import KVConnector, PooledConnector, RecomputeConnector
+
+if TYPE_CHECKING:
+    from seer_engine.engine.config import EngineConfig
+    from seer_engine.kv_connector.mooncake import MooncakeMaster
 
 KV_CONNECTORS = ("none", "local", "mooncake")
 DEFAULT_LOCAL_POOL_GIB = 4.0
@@ -41,9 +45,9 @@ class PooledSpec:
 @dataclass
 class KVPool:
     connector: KVConnector  # this process's handle
-    spec: Any  # ``spec.open()`` makes a handle in another process
+    spec: RecomputeSpec | PooledSpec | None  # ``spec.open()``: a handle in another process
     _closers: list[Callable[[], None]] = field(default_factory=list)
-    master: Any = None  # the MooncakeMaster this pool started, if any
+    master: MooncakeMaster | None = None  # the master this pool started, if any
     _closed: bool = False
 
     @property
@@ -71,10 +75,16 @@ def make_kv_pool(
     block_bytes: int,
     *,
     mooncake_master: str | None = None,
+    mooncake_metadata: str | None = None,
     capacity_gib: float = DEFAULT_LOCAL_POOL_GIB,
     namespace: str = "seer",
 ) -> KVPool:
-    """A new pool of ``kind`` for blocks of ``block_size`` tokens (``block_bytes`` each)."""
+    """A new pool of ``kind`` for blocks of ``block_size`` tokens (``block_bytes`` each).
+
+    ``mooncake``: without ``mooncake_master`` a master on 127.0.0.1 starts here and stops
+    with the pool; either way this process mounts ``capacity_gib`` into the pool.
+    ``mooncake_metadata`` is the metadata server of a given master (default: its host's
+    port 8080)."""
     if kind == "none":
         return KVPool.recompute()
     if capacity_gib <= 0:
@@ -95,7 +105,7 @@ def make_kv_pool(
             closers.append(master.stop)
             address, metadata = master.address, master.metadata_server
         else:
-            address, metadata = mooncake_master, None
+            address, metadata = mooncake_master, mooncake_metadata
         try:
             store = MooncakeStore(address, metadata_server=metadata, global_segment_size=capacity)
         except BaseException:
@@ -108,8 +118,9 @@ def make_kv_pool(
     raise ValueError(f"--kv-connector must be one of {list(KV_CONNECTORS)}, got {kind!r}")
 
 
-def kv_pool_for(kind: str, config, **kwargs: Any) -> KVPool:
-    """``make_kv_pool`` sized for the blocks of ``config``'s model (an EngineConfig)."""
+def kv_pool_for(kind: str, config: EngineConfig, **kwargs: Any) -> KVPool:
+    """``make_kv_pool`` sized for the blocks of ``config``'s model (an EngineConfig), before
+    any engine exists: the process that owns the pool may run none."""
     if kind == "none":
         return KVPool.recompute()
     from seer_engine.engine.llm_engine import resolve_model_path

@@ -49,16 +49,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from seer_engine.kv_connector.base import BlockStore, KVPoolError, PooledConnector
-from seer_engine.model_executor.model_runner import kv_cache_bytes_per_block
-
-if TYPE_CHECKING:
-    from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.kv_connector.base import BlockStore, KVPoolError
 
 # Values of a slot's key hash that are states, not keys (real hashes are shifted past them).
 _FREE = 0  # nothing in the slot
@@ -433,16 +428,3 @@ class LocalStore(BlockStore):
         """Detach; in the creating process, also destroy the pool (idempotent)."""
         self._m = None
         self._finalizer()
-
-
-def block_bytes_of(engine: LLMEngine) -> int:
-    """Bytes of one KV block of ``engine`` as ``PooledConnector`` stores it."""
-    return kv_cache_bytes_per_block(engine.model_config, engine.kv_manager.block_size, engine.dtype)
-
-
-def make_local_connector(
-    block_size: int, block_bytes: int, capacity_bytes: int, namespace: str = "seer"
-) -> PooledConnector:
-    """A connector over a new shared-memory pool owned by this process; other processes
-    attach with ``LocalStore.open(connector.store.spec)``."""
-    return PooledConnector(LocalStore.create(capacity_bytes, block_bytes), block_size, namespace)

@@ -1,18 +1,8 @@
-"""``mooncake``: the KV block pool in a Mooncake store, shared by engines on one or many hosts.
+"""``MooncakeStore``: a ``BlockStore`` over one ``MooncakeDistributedStore`` client.
 
-Three pieces:
-
-* ``MooncakeMaster`` runs a ``mooncake_master`` (the wheel ships the binary) on free ports with
-  its HTTP metadata server, and optionally a *segment holder*: a standalone ``mooncake_client``
-  process that mounts the pool's memory. Values live in mounted segments, and a segment goes
-  away with the process that mounted it, so memory held by a process of its own outlives every
-  engine and Python process (an engine that exits or crashes loses nothing of the pool).
-* ``MooncakeStore`` is a ``BlockStore`` over one ``MooncakeDistributedStore`` client. Blocks
-  move zero-copy between a registered staging buffer and the pool (``batch_upsert_from`` /
-  ``batch_get_into``), in batches of at most ``max_batch`` keys: larger batches overflow the
-  TCP transport's per-peer queue and fail (older wheels stall instead).
-* ``make_mooncake_connector`` wires a ``PooledConnector`` to a store, starting a master when
-  it is given none.
+Blocks move zero-copy between a registered staging buffer and the pool (``batch_upsert_from``
+/ ``batch_get_into``), in batches of at most ``max_batch`` keys: larger batches overflow the
+TCP transport's per-peer queue and fail (older wheels stall instead).
 
 Traps this module works around, all seen with ``mooncake-transfer-engine-non-cuda`` 0.3.13:
 
@@ -25,11 +15,8 @@ Traps this module works around, all seen with ``mooncake-transfer-engine-non-cud
   probed (a TCP connect, ~40 us on loopback) before each call; a client whose master is gone
   is abandoned rather than closed. A master that dies between the probe and the call still
   costs that call its retries.
-* Every master listens on an admin/metrics port (9003 by default): two masters on one host
-  collide unless each gets its own.
 * Staging copies use numpy: a torch copy of a block wakes torch's intra-op threads, which
   then spin and, on a small host, delay the transfer threads by milliseconds per call.
-* A mounted segment must be at least 16 MiB (``mooncake_client`` aborts on less).
 * All processes of one pool must use the same metadata mode: a client in P2PHANDSHAKE mode
   cannot reach segments registered through the HTTP metadata server.
 """
@@ -37,33 +24,23 @@ Traps this module works around, all seen with ``mooncake-transfer-engine-non-cud
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from seer_engine.kv_connector.base import BlockStore, KVPoolError, PooledConnector
+from seer_engine.kv_connector.base import BlockStore, KVPoolError
+from seer_engine.kv_connector.mooncake.common import CONNECT_TIMEOUT_S, MIN_SEGMENT_BYTES, answers
 
 MAX_BATCH = 1024  # keys per Mooncake batch call (a few thousand to one peer fail)
 DEFAULT_METADATA_PORT = 8080  # mooncake_master's default --http_metadata_server_port
 DEFAULT_BUFFER_BYTES = 64 << 20
-DEFAULT_POOL_BYTES = 1 << 30
-MIN_SEGMENT_BYTES = 16 << 20  # Mooncake's allocator refuses (and mooncake_client aborts on) less
-CONNECT_TIMEOUT_S = 2.0
 
 # Mooncake's ErrorCode values that these calls return (the Python binding exports no enum).
 _ERRORS = {
@@ -108,21 +85,6 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _answers(host: str, port: int, timeout: float = CONNECT_TIMEOUT_S) -> bool:
-    """Whether something accepts TCP connections at host:port (a refused port fails at once)."""
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _is_loopback(host: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
@@ -154,16 +116,6 @@ def _regex_prefix(prefix: str) -> str:
     return "^" + "".join("\\" + c if c in "\\^$.|?*+()[]{}" else c for c in prefix)
 
 
-def find_binary(name: str) -> str | None:
-    """The ``mooncake_master``/``mooncake_client`` executable the wheel ships, else one on PATH."""
-    spec = importlib.util.find_spec("mooncake")  # locates the package without importing it
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(folder) / name
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    return shutil.which(name)
-
-
 def _store_class() -> Any:
     """``MooncakeDistributedStore``, imported with quiet, bounded defaults.
 
@@ -180,265 +132,6 @@ def _store_class() -> Any:
             f"(mooncake-transfer-engine-non-cuda, plus libibverbs1 and libnl-route-3-200): {e}"
         ) from e
     return MooncakeDistributedStore
-
-
-# -- the master ----------------------------------------------------------------------
-
-
-def _parent_death_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies, even by
-    SIGKILL (Linux ``PR_SET_PDEATHSIG``). libc is resolved here, before the fork: the child
-    of a multi-threaded parent must not take the loader's locks."""
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return hook
-
-
-def _stop_processes(procs: list[subprocess.Popen], log_dir: str | None, grace: float = 5.0) -> None:
-    """Terminate (then kill) and reap; the segment holder goes first, while its master lives."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    if log_dir is not None:
-        shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _listening(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds the socket listening on TCP ``port`` (Linux /proc; True
-    where that cannot be told). Another program that took the port would answer probes too."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{cols[9]}]")
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return True
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(text[-lines:]) or "(empty log)"
-
-
-class MooncakeMaster:
-    """A ``mooncake_master`` (and optionally a segment holder) that this process owns.
-
-    The master binds ``host`` on free ports: RPC (``address``), the HTTP metadata server
-    (``metadata_server``) and its admin/metrics server. With ``segment_bytes > 0`` a
-    ``mooncake_client`` process mounts that much memory for the pool, so values outlive the
-    processes that put them. Logs go to files (``log_path``, ``segment_log_path``), never to a
-    pipe that could fill up. ``stop()`` (or leaving the ``with`` block, garbage collection,
-    interpreter exit) ends both processes; started from the main thread, they also receive
-    SIGTERM if this process dies without running its exit hooks.
-    """
-
-    def __init__(
-        self,
-        segment_bytes: int = 0,
-        *,
-        host: str = "127.0.0.1",
-        binary: str | None = None,
-        client_binary: str | None = None,
-        startup_timeout: float = 30.0,
-    ) -> None:
-        if segment_bytes and segment_bytes < MIN_SEGMENT_BYTES:
-            raise ValueError(
-                f"segment_bytes must be 0 or at least {MIN_SEGMENT_BYTES} (16 MiB), got {segment_bytes}"
-            )
-        self.host = host
-        self.segment_bytes = segment_bytes
-        self._log_dir = tempfile.mkdtemp(prefix="seer_mooncake_")
-        self.log_path = Path(self._log_dir) / "master.log"
-        self.segment_log_path = Path(self._log_dir) / "segment.log"
-        self._procs: list[subprocess.Popen] = []  # stop order: holder first, then master
-        self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._log_dir)
-        try:
-            self._master = self._start_master(binary or find_binary("mooncake_master"), startup_timeout)
-            self._holder = None
-            if segment_bytes:
-                self._holder = self._start_holder(
-                    client_binary or find_binary("mooncake_client"), startup_timeout
-                )
-        except BaseException:
-            self._finalizer()
-            raise
-
-    # -- processes -------------------------------------------------------------------
-
-    def _spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
-        # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so only the main thread
-        # (which lives as long as the process) asks for it.
-        main = threading.current_thread() is threading.main_thread()
-        with open(log_path, "ab") as log:  # the child keeps its own descriptor
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Its own session: a terminal's Ctrl-C reaches this process, which stops the
-                # master in order, not the master directly.
-                start_new_session=True,
-                preexec_fn=_parent_death_hook() if main else None,
-            )
-
-    def _wait_ready(
-        self, proc: subprocess.Popen, what: str, ports: list[int], log: Path, timeout: float
-    ) -> bool:
-        """True once ``proc`` itself listens on every port; False if it exited or another
-        process took one of them (a master that cannot bind its RPC port exits with code 1,
-        silently, a second after its other ports open)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return False
-            if all(_answers(self.host, p, 0.5) for p in ports):
-                if all(_listening(proc.pid, p) for p in ports):
-                    return True
-                if time.monotonic() > deadline - timeout + 5:  # someone else's port, for 5 s
-                    _stop_processes([proc], None)
-                    return False
-            time.sleep(0.05)
-        _stop_processes([proc], None)
-        raise KVPoolError(
-            f"{what} did not answer on {self.host}:{ports} within {timeout:.0f} s; log:\n{_log_tail(log)}"
-        )
-
-    def _start_master(self, binary: str | None, timeout: float) -> subprocess.Popen:
-        def argv(rpc: int, http: int, admin: int) -> list[str]:
-            self.rpc_port, self.http_port, self.admin_port = rpc, http, admin
-            return [
-                f"--rpc_address={self.host}",
-                f"--rpc_port={rpc}",
-                "--enable_http_metadata_server=true",
-                f"--http_metadata_server_host={self.host}",
-                f"--http_metadata_server_port={http}",
-                f"--metrics_host={self.host}",
-                f"--metrics_port={admin}",
-                "--enable_metric_reporting=false",  # else a stats line every few seconds
-            ]
-
-        hint = "pip install 'seer_engine[mooncake]' (mooncake-transfer-engine-non-cuda)"
-        return self._start("mooncake_master", binary, hint, 3, argv, self.log_path, timeout)
-
-    def _start_holder(self, binary: str | None, timeout: float) -> subprocess.Popen:
-        def argv(port: int) -> list[str]:
-            self.holder_port = port
-            return [
-                f"--host={self.host}",
-                f"--port={port}",
-                f"--global_segment_size={self.segment_bytes}",
-                f"--master_server_address={self.address}",
-                f"--metadata_server={self.metadata_server}",
-                "--protocol=tcp",
-            ]
-
-        hint = f"it holds the pool's memory (segment_bytes={self.segment_bytes} > 0)"
-        return self._start(
-            "mooncake_client", binary, hint, 1, argv, self.segment_log_path, timeout, first=True
-        )
-
-    def _start(
-        self,
-        name: str,
-        binary: str | None,
-        hint: str,
-        num_ports: int,
-        argv: Callable[..., list[str]],
-        log: Path,
-        timeout: float,
-        first: bool = False,
-    ) -> subprocess.Popen:
-        """Run ``binary`` on fresh ports until it listens on all of them. A free port can
-        be taken before the process binds it; it then exits (often without a word), so
-        any early exit is retried on new ports. ``first``: stopped last (it holds data)."""
-        if binary is None or not os.path.exists(binary):
-            where = binary or "not in the mooncake package nor on PATH"
-            raise KVPoolError(f"{name} not found ({where}): {hint}")
-        for _attempt in range(3):
-            ports = [_free_port(self.host) for _ in range(num_ports)]
-            try:
-                proc = self._spawn([binary, *argv(*ports)], log)
-            except OSError as e:
-                raise KVPoolError(f"cannot run {name} ({binary}): {e}") from e
-            self._procs.insert(0 if first else len(self._procs), proc)
-            if self._wait_ready(proc, name, ports, log, timeout):
-                return proc
-            self._procs.remove(proc)
-        raise KVPoolError(f"{name} ({binary}) exited with code {proc.returncode}; log:\n{_log_tail(log)}")
-
-    # -- interface -------------------------------------------------------------------
-
-    @property
-    def address(self) -> str:
-        """The master's RPC address, ``host:port`` (what ``MooncakeStore`` connects to)."""
-        return f"{self.host}:{self.rpc_port}"
-
-    @property
-    def metadata_server(self) -> str:
-        return f"http://{self.host}:{self.http_port}/metadata"
-
-    @property
-    def pid(self) -> int:
-        return self._master.pid
-
-    @property
-    def holder_pid(self) -> int | None:
-        return None if self._holder is None else self._holder.pid
-
-    @property
-    def running(self) -> bool:
-        return self._master.poll() is None
-
-    def stop(self) -> None:
-        """Stop the holder and the master and remove their logs (idempotent)."""
-        self._finalizer()
-
-    def __enter__(self) -> MooncakeMaster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        state = "running" if self._finalizer.alive and self.running else "stopped"
-        return f"MooncakeMaster({self.address}, {state}, segment {self.segment_bytes} bytes)"
-
-
-# -- the store -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -486,7 +179,7 @@ def _release(handle: _Client, host: str, port: int) -> None:
     if client is None:
         return
     buffers = [handle.staging, *handle.retired]
-    if os.getpid() != handle.pid or not _answers(host, port):
+    if os.getpid() != handle.pid or not answers(host, port):
         _abandon(client, *buffers)
         return
     client.unregister_buffer(handle.staging.data_ptr())
@@ -570,13 +263,13 @@ class MooncakeStore(BlockStore):
 
     def _connect(self, local_hostname: str) -> tuple[Any, torch.Tensor]:
         spec = self._spec
-        if not _answers(self._host, self._port):
+        if not answers(self._host, self._port):
             raise KVPoolError(
                 f"no Mooncake master answers at {spec.master} (TCP connect failed within "
                 f"{CONNECT_TIMEOUT_S:.0f} s); start one with MooncakeMaster() or mooncake_master"
             )
         endpoint = _metadata_endpoint(spec.metadata_server)
-        if endpoint is not None and not _answers(*endpoint):
+        if endpoint is not None and not answers(*endpoint):
             raise KVPoolError(
                 f"the Mooncake metadata server {spec.metadata_server} does not answer (master "
                 f"{spec.master}; it needs --enable_http_metadata_server=true and that port)"
@@ -616,10 +309,10 @@ class MooncakeStore(BlockStore):
             )
         return self._h.client
 
-    def _master_answers(self, what: str) -> None:
+    def _masteranswers(self, what: str) -> None:
         """Fail fast where the client would retry for seconds: with its master gone, every
         call (lookups included) can block for ~4 to ~13 s. A loopback probe costs ~40 us."""
-        if not _answers(self._host, self._port):
+        if not answers(self._host, self._port):
             raise KVPoolError(f"cannot {what}: the Mooncake master at {self.master} does not answer")
 
     def _fail(self, what: str, key: str, code: int) -> KVPoolError:
@@ -664,7 +357,7 @@ class MooncakeStore(BlockStore):
         rows = rows.to("cpu").contiguous().reshape(len(keys), -1).view(torch.uint8).numpy()
         with self._lock:
             client = self._live("put")
-            self._master_answers(f"put {len(keys)} blocks")
+            self._masteranswers(f"put {len(keys)} blocks")
             per = self._stage(bb)
             staging = self._h.staging
             base = staging.data_ptr()
@@ -692,7 +385,7 @@ class MooncakeStore(BlockStore):
             dst = np.empty((len(keys), bb), dtype=np.uint8)
         with self._lock:
             client = self._live("get")
-            self._master_answers(f"get {len(keys)} blocks")
+            self._masteranswers(f"get {len(keys)} blocks")
             per = self._stage(bb)
             staging = self._h.staging
             base = staging.data_ptr()
@@ -714,7 +407,7 @@ class MooncakeStore(BlockStore):
     def count_leading(self, keys: list[str]) -> int:
         with self._lock:
             client = self._live("look up keys")
-            self._master_answers(f"look up {len(keys)} keys")
+            self._masteranswers(f"look up {len(keys)} keys")
             for start in range(0, len(keys), self.max_batch):
                 part = keys[start : start + self.max_batch]
                 for i, (key, found) in enumerate(zip(part, client.batch_is_exist(part))):
@@ -730,7 +423,7 @@ class MooncakeStore(BlockStore):
             raise ValueError("an empty prefix would remove the whole pool")
         with self._lock:
             client = self._live(f"remove {prefix!r}")
-            self._master_answers(f"remove {prefix!r}")
+            self._masteranswers(f"remove {prefix!r}")
             # force: readers hold leases (10 s) that would make the removal fail
             removed = client.remove_by_regex(_regex_prefix(prefix), force=True)
         if removed < 0:
@@ -746,36 +439,3 @@ class MooncakeStore(BlockStore):
     def __repr__(self) -> str:
         state = "closed" if self._h.client is None else "open"
         return f"MooncakeStore({self.master}, {self._spec.protocol}, {state})"
-
-
-def make_mooncake_connector(
-    block_size: int,
-    master: str | None = None,
-    namespace: str = "seer",
-    *,
-    metadata_server: str | None = None,
-    pool_bytes: int = DEFAULT_POOL_BYTES,
-    protocol: str = "tcp",
-    device: str = "",
-) -> tuple[PooledConnector, MooncakeMaster | None]:
-    """A connector over a Mooncake pool, and the master it started (None when given one).
-
-    Without ``master`` a ``MooncakeMaster`` starts here, with ``pool_bytes`` of memory in its
-    segment holder; stop it (``stop()``) when the pool is done. With a master address this
-    process mounts ``pool_bytes`` into that pool. Other processes open their own handle with
-    ``PooledConnector(connector.store.spec.open(), block_size, namespace)``.
-    """
-    owned = MooncakeMaster(segment_bytes=pool_bytes) if master is None else None
-    try:
-        store = MooncakeStore(
-            owned.address if owned else master,
-            owned.metadata_server if owned else metadata_server,
-            protocol=protocol,
-            device=device,
-            global_segment_size=0 if owned else pool_bytes,
-        )
-    except BaseException:
-        if owned is not None:
-            owned.stop()
-        raise
-    return PooledConnector(store, block_size, namespace), owned
