@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from seer_engine.engine.client import (
     PAUSE_MODES,
@@ -30,58 +30,15 @@ from seer_engine.engine.client import (
     EngineDeadError,
     PauseMode,
     ServerStats,
+    StepEngine,
 )
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
-from seer_engine.engine.stats import EngineStats
 from seer_engine.engine.streams import RequestStream, Sink, TokenRate, deliver, resolve
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class StepEngine(Protocol):
-    """What ``AsyncEngine`` drives on its thread: an ``LLMEngine``, or the rollout
-    backend (an engine pool behind the Request Buffer)."""
-
-    max_model_len: int
-    vocab_size: int
-
-    def make_input_processor(self) -> InputProcessor:
-        """Checks and a tokenizer of its own, for the intake thread."""
-        ...
-
-    def add_checked(
-        self,
-        request_id: str,
-        checked: CheckedRequest,
-        priority: int = 0,
-        group_id: str | None = None,
-        stream: bool = False,
-    ) -> Any: ...
-
-    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    @property
-    def num_unfinished_requests(self) -> int: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    @property
-    def is_sleeping(self) -> bool: ...
-
-    def sleep(self) -> None: ...
-
-    def wake_up(self) -> None: ...
-
-    def update_weights(self, path: str) -> None: ...
-
-    def reset_prefix_cache(self) -> None: ...
-
-    def stats(self) -> EngineStats: ...
 
 
 @dataclass

@@ -1,16 +1,18 @@
 """What the OpenAI server codes against: ``EngineClient``, its errors and its stats.
 
-One implementation, ``AsyncEngine``, drives a plain ``LLMEngine`` or the rollout
-backend (several instances behind the Request Buffer) on a thread of its own.
+One implementation, ``AsyncEngine``, drives a ``StepEngine`` (a plain ``LLMEngine``
+or the rollout backend: several instances behind the Request Buffer) on a thread of
+its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.stats import EngineStats
 from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import SamplingParams
@@ -100,3 +102,46 @@ class EngineClient(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+class StepEngine(Protocol):
+    """What ``AsyncEngine`` drives on its thread: an ``LLMEngine``, or the rollout
+    backend (an engine pool behind the Request Buffer)."""
+
+    max_model_len: int
+    vocab_size: int
+
+    def make_input_processor(self) -> InputProcessor:
+        """Checks and a tokenizer of its own, for the intake thread."""
+        ...
+
+    def add_checked(
+        self,
+        request_id: str,
+        checked: CheckedRequest,
+        priority: int = 0,
+        group_id: str | None = None,
+        stream: bool = False,
+    ) -> Any: ...
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    @property
+    def num_unfinished_requests(self) -> int: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def update_weights(self, path: str) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -20,6 +19,7 @@ from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
+from seer_engine.engine.output_processor import OutputProcessor, UserRequest
 from seer_engine.engine.stats import EngineStats
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
@@ -28,7 +28,7 @@ from seer_engine.model_executor.model_runner import (
     kv_cache_bytes_per_block,
 )
 from seer_engine.model_executor.weight_loader import safetensors_files
-from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 from seer_engine.spec_decode.budget import AdaptiveBudget, StepCostModel, make_budget
 from seer_engine.spec_decode.config import SpeculativeConfig
@@ -63,23 +63,6 @@ class TokenSource(Protocol):
     a draft token is accepted iff it equals the source's token there."""
 
     def next_token(self, request: Request, sampled: int, offset: int = 0) -> int: ...
-
-
-@dataclass
-class _Parent:
-    """A user request; its n samples run as separate scheduler requests."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[Request] = field(default_factory=list)
-    outputs: dict[int, CompletionOutput] = field(default_factory=dict)  # finished samples
-    stream: bool = False  # report progress every step, not only at the end
-
-    @property
-    def finished(self) -> bool:
-        return len(self.outputs) == len(self.children)
 
 
 class LLMEngine:
@@ -130,8 +113,7 @@ class LLMEngine:
         # Trace replay swaps sampled tokens for recorded ones; None in normal serving.
         self.token_source: TokenSource | None = None
         self._sleeping = False  # KV cache freed (and weights off the accelerator)
-        self._parents: dict[str, _Parent] = {}
-        self._child_parent: dict[str, _Parent] = {}
+        self.outputs = OutputProcessor(self.detokenizer, self._release_group)
         self.drafter = self._make_drafter(config.speculative_config, proposer)
         # Live user requests per group, when this engine frees its own groups' drafts.
         self._group_live: dict[str, int] | None = {} if self.drafter and proposer is None else None
@@ -223,11 +205,11 @@ class LLMEngine:
         tokens. ``sequence_id`` names the response the request continues (drafters keep
         their per-response state under it); it defaults to the request's own id.
         """
-        if request_id in self._parents:
+        if request_id in self.outputs.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params, ids = checked.params, checked.prompt_token_ids
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        parent = _Parent(request_id, checked.prompt, ids, params, stream=stream)
+        parent = UserRequest(request_id, checked.prompt, ids, params, stream=stream)
         for i in range(params.n):
             child = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}-{i}",
@@ -246,31 +228,26 @@ class LLMEngine:
                 else (sequence_id if params.n == 1 else f"{sequence_id}-{i}"),
             )
             parent.children.append(child)
-        self._parents[request_id] = parent
+        self.outputs.add(parent)
         if self._group_live is not None:
             gid = parent.children[0].group_id
             self._group_live[gid] = self._group_live.get(gid, 0) + 1
         for child in parent.children:
-            self._child_parent[child.request_id] = parent
             self.scheduler.add_request(child)
         return parent.children
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort requests by id (user ids or sample ids); returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        children: list[str] = []
-        for rid in ids:
-            parent = self._parents.get(rid)
-            children.extend([c.request_id for c in parent.children] if parent else [rid])
-        done = self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-        return self._collect_outputs(done)
+        done = self.scheduler.finish_requests(self.outputs.child_ids(ids), RequestStatus.FINISHED_ABORTED)
+        return self.outputs.collect(done)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self.outputs.requests)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.outputs.requests)
 
     # -- stepping ------------------------------------------------------------------
 
@@ -301,7 +278,7 @@ class LLMEngine:
                 self._check_stop_strings(req, num_new)
         if self.drafter is not None:
             self.drafter.after_step(updated, verdicts, self.scheduler.running)
-        return self._collect_outputs(updated)
+        return self.outputs.collect(updated)
 
     def _replayed(self, req: Request, rows: list[int]) -> list[int]:
         """Trace replay: every row emits the trace's token at its position."""
@@ -347,62 +324,15 @@ class LLMEngine:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 return
 
-    def _collect_outputs(self, updated: list[Request]) -> list[RequestOutput]:
-        """Final outputs of user requests whose samples all finished, plus progress of
-        streaming ones (``finished=False``, every sample's tokens so far)."""
-        touched: dict[str, _Parent] = {}
-        for req in updated:
-            parent = self._child_parent.get(req.request_id)
-            if parent is None:
-                continue
-            touched[parent.request_id] = parent
-            if req.is_finished:
-                parent.outputs[req.sample_index] = self._completion(req)
-                del self._child_parent[req.request_id]
-        outputs = []
-        for parent in touched.values():
-            if not (parent.finished or parent.stream):
-                continue
-            if parent.finished:
-                del self._parents[parent.request_id]
-                self._release_group(parent.children[0].group_id)
-            samples = [parent.outputs.get(c.sample_index) or self._completion(c) for c in parent.children]
-            outputs.append(
-                RequestOutput(
-                    request_id=parent.request_id,
-                    prompt=parent.prompt,
-                    prompt_token_ids=parent.prompt_token_ids,
-                    outputs=samples,
-                    finished=parent.finished,
-                )
-            )
-        return outputs
-
-    def _release_group(self, group_id: str) -> None:
+    def _release_group(self, request: UserRequest) -> None:
         """The last request of a group finished: its drafts are of no further use."""
         if self._group_live is None:
             return
+        group_id = request.children[0].group_id
         self._group_live[group_id] -= 1
         if self._group_live[group_id] == 0:
             del self._group_live[group_id]
             self.drafter.proposer.finish_group(group_id)
-
-    def _completion(self, req: Request) -> CompletionOutput:
-        params = req.sampling_params
-        text = self.detokenizer.decode(req.output_token_ids, params.skip_special_tokens)
-        if isinstance(req.stop_reason, str):
-            cut = text.find(req.stop_reason)
-            if cut >= 0:
-                text = text[: cut + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]
-        return CompletionOutput(
-            index=req.sample_index,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            logprobs=self.detokenizer.logprobs_to_output(req.logprobs),
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-        )
 
     # -- serving primitives: stats, RL weight sync, memory release -----------------------
     #

@@ -1,0 +1,100 @@
+"""User requests and the outputs they become.
+
+A user request of n samples runs as n scheduler requests; the output processor keeps
+them together, turns finished samples into ``CompletionOutput``s (text, stop-string
+trimming, logprobs) and reports a ``RequestOutput`` when all have finished (or every
+step, for a streaming request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from seer_engine.core.request import Request
+from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class UserRequest:
+    """A user request; its n samples run as separate scheduler requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request] = field(default_factory=list)
+    outputs: dict[int, CompletionOutput] = field(default_factory=dict)  # finished samples
+    stream: bool = False  # report progress every step, not only at the end
+
+    @property
+    def finished(self) -> bool:
+        return len(self.outputs) == len(self.children)
+
+
+class OutputProcessor:
+    def __init__(self, detokenizer: Detokenizer, on_finished: Callable[[UserRequest], None]) -> None:
+        """``on_finished``: called when a user request's last sample finished."""
+        self.detokenizer = detokenizer
+        self.on_finished = on_finished
+        self.requests: dict[str, UserRequest] = {}
+        self._of_child: dict[str, UserRequest] = {}
+
+    def add(self, request: UserRequest) -> None:
+        self.requests[request.request_id] = request
+        for child in request.children:
+            self._of_child[child.request_id] = request
+
+    def child_ids(self, request_ids: list[str]) -> list[str]:
+        """Scheduler request ids of user ids (sample ids pass through)."""
+        out: list[str] = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            out.extend([c.request_id for c in request.children] if request else [rid])
+        return out
+
+    def collect(self, updated: list[Request]) -> list[RequestOutput]:
+        """Final outputs of user requests whose samples all finished, plus progress of
+        streaming ones (``finished=False``, every sample's tokens so far)."""
+        touched: dict[str, UserRequest] = {}
+        for req in updated:
+            parent = self._of_child.get(req.request_id)
+            if parent is None:
+                continue
+            touched[parent.request_id] = parent
+            if req.is_finished:
+                parent.outputs[req.sample_index] = self.completion(req)
+                del self._of_child[req.request_id]
+        outputs = []
+        for parent in touched.values():
+            if not (parent.finished or parent.stream):
+                continue
+            if parent.finished:
+                del self.requests[parent.request_id]
+                self.on_finished(parent)
+            samples = [parent.outputs.get(c.sample_index) or self.completion(c) for c in parent.children]
+            outputs.append(
+                RequestOutput(
+                    parent.request_id, parent.prompt, parent.prompt_token_ids, samples, parent.finished
+                )
+            )
+        return outputs
+
+    def completion(self, req: Request) -> CompletionOutput:
+        params = req.sampling_params
+        text = self.detokenizer.decode(req.output_token_ids, params.skip_special_tokens)
+        if isinstance(req.stop_reason, str):
+            cut = text.find(req.stop_reason)
+            if cut >= 0:
+                text = text[: cut + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]
+        return CompletionOutput(
+            index=req.sample_index,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=self.detokenizer.logprobs_to_output(req.logprobs),
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+        )
