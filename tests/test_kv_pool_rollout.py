@@ -74,8 +74,8 @@ def test_a_dead_instance_process_requeues_its_responses(model, reference):
             rollout.step()
         outputs = outputs_of(samples)
         assert all(s.finished for v in samples.values() for s in v)
-        assert not victim.alive and rollout.instance_failures == 1
-        assert rollout.pool_loads > 0, "responses of the dead instance resumed from the pool"
+        assert not victim.alive and rollout.counters.instance_failures == 1
+        assert rollout.counters.pool_loads > 0, "responses of the dead instance resumed from the pool"
         assert pool.kv_pool.connector.store.used_slots == 0
     assert outputs == reference
 
@@ -118,9 +118,9 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
     pool, rollout = _pooled_rollout(model, "inproc", kv="mooncake")
     with pool:
         samples = rollout.start(pool_groups())
-        while rollout.pool_loads == 0 and rollout.has_work:
+        while rollout.counters.pool_loads == 0 and rollout.has_work:
             rollout.step()
-        assert rollout.pool_loads > 0 and rollout.has_work, "a move loaded from the pool before the kill"
+        assert rollout.counters.pool_loads > 0 and rollout.has_work, "a move loaded from the pool before the kill"
         pool.kv_pool.master.stop()
         while rollout.has_work:
             rollout.step()

@@ -91,8 +91,8 @@ def test_a_killed_actor_requeues_its_responses(ray_pool, reference):
     while rollout.has_work:
         rollout.step()
     assert all(s.finished for v in samples.values() for s in v)
-    assert not victim.alive and rollout.instance_failures == 1
-    assert rollout.pool_loads > 0, "responses of the dead actor resumed from the pool"
+    assert not victim.alive and rollout.counters.instance_failures == 1
+    assert rollout.counters.pool_loads > 0, "responses of the dead actor resumed from the pool"
     assert pool.kv_pool.connector.store.used_slots == 0
     assert outputs_of(samples) == reference
     with pytest.raises(InstanceDied):

@@ -197,7 +197,7 @@ def test_seer_rollout_across_instances_and_chunks(model):
     assert got == want
     assert pool.proposer is not None and len(pool.proposer.trees) == 0
     assert sum(i.engine.scheduler.stats.draft_tokens_accepted for i in pool) > 0
-    assert rollout.migrations > 0, "responses moved between instances and kept drafting"
+    assert rollout.counters.migrations > 0, "responses moved between instances and kept drafting"
 
 
 def _chi_square_p(observed: list[int], expected: list[float]) -> float:

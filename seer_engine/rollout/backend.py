@@ -29,7 +29,7 @@ from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.types import Group, RolloutSample
-from seer_engine.sampling_params import InvalidRequestError
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 SERVER_LOG_LIMIT = 10_000  # dispatches and steps per instance kept for inspection
 
@@ -90,11 +90,28 @@ class RolloutBackend:
         self._join_keys: dict[str, tuple] = {}  # live group id -> its key in _live_groups
         self._group_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        self._processor: InputProcessor | None = None  # for add_request
 
     def make_input_processor(self) -> InputProcessor:
         return self.pool.make_input_processor()
 
     # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        group_id: str | None = None,
+        stream: bool = False,
+    ) -> list[RolloutSample]:
+        """Check and queue a request, as ``LLMEngine.add_request`` does (the server checks
+        requests on its intake thread and calls ``add_checked``)."""
+        if self._processor is None:
+            self._processor = self.make_input_processor()
+        return self.add_checked(
+            request_id, self._processor.process(prompt, params), group_id=group_id, stream=stream
+        )
 
     def add_checked(
         self,

@@ -23,7 +23,7 @@ def _config(model, **kw) -> EngineConfig:
     return EngineConfig(model=str(model), **{"num_kv_blocks": 64, "max_num_seqs": 8, **kw})
 
 
-def _rollout_engine(model, instances: int = 2, chunk: int = 8, backend: str = "inproc", **kw):
+def _backend(model, instances: int = 2, chunk: int = 8, backend: str = "inproc", **kw):
     """In-process instances by default; ``mp`` puts each in its own process with the
     local shared-memory KV pool, and placement that moves responses when loads differ
     (spread 0: the least-loaded instance; pull threshold 0: moves load from the pool)."""
@@ -55,7 +55,7 @@ def _assert_idle(engine: RolloutBackend) -> None:
 
 
 def test_requests_sharing_a_prompt_form_one_group(model):
-    engine = _rollout_engine(model)
+    engine = _backend(model)
     p = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=1)
     singles = [engine.add_request(f"a{i}", [5, 6, 7, 8], p) for i in range(4)]
     pair = engine.add_request("b", [9, 9, 9], p.clone(n=2))
@@ -90,7 +90,7 @@ def test_same_outputs_as_the_plain_engine(model, backend):
         ("text", "Once upon a time", SamplingParams(temperature=0.8, max_tokens=21, seed=9, min_tokens=10)),
     ]
     plain = LLMEngine(_config(model))
-    rollout = _rollout_engine(model, chunk=6, backend=backend)
+    rollout = _backend(model, chunk=6, backend=backend)
     for engine in (plain, rollout):
         for rid, prompt, params in requests:
             engine.add_request(rid, prompt, params)
@@ -109,12 +109,12 @@ def test_same_outputs_as_the_plain_engine(model, backend):
     assert len(rollout.dispatcher.dispatch_log) > sum(p.n for _, _, p in requests), "responses ran in chunks"
     _assert_idle(rollout)
     if backend == "mp":  # chunk ends went to the shared-memory pool (moves: test_kv_pool_rollout)
-        assert sum(inst.connector_stats.saved_blocks for inst in rollout.pool) > 0
+        assert sum(inst.books.connector_stats.saved_blocks for inst in rollout.pool) > 0
     rollout.close()
 
 
 def test_context_policy_runs_one_probe_per_group_first(model):
-    engine = _rollout_engine(model, instances=1, chunk=4, max_num_seqs=2)
+    engine = _backend(model, instances=1, chunk=4, max_num_seqs=2)
     p = SamplingParams(max_tokens=12, ignore_eos=True)
     for g in range(3):
         engine.add_request(f"g{g}", [20 + g] * (3 + g), p.clone(n=4))
@@ -127,7 +127,7 @@ def test_context_policy_runs_one_probe_per_group_first(model):
 
 @pytest.mark.parametrize("backend", ["inproc", "mp"])
 def test_abort_keeps_partial_tokens_and_frees_everything(model, backend):
-    engine = _rollout_engine(model, chunk=8, backend=backend)
+    engine = _backend(model, chunk=8, backend=backend)
     engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True, n=3))
     engine.add_request("y", [8, 9], SamplingParams(max_tokens=5, ignore_eos=True))
     done = {}
@@ -143,7 +143,7 @@ def test_abort_keeps_partial_tokens_and_frees_everything(model, backend):
 
 
 def test_sleep_refuses_in_flight_requests_and_config_errors(model):
-    engine = _rollout_engine(model)
+    engine = _backend(model)
     engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4))
     with pytest.raises(InvalidRequestError, match="in flight"):
         engine.sleep()
