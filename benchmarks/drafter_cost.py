@@ -39,7 +39,6 @@ from typing import Any
 import machine_info  # benchmarks/ is on sys.path when a script here runs
 
 from seer_engine.core.request import Request
-from seer_engine.rollout.workload import TraceGroup, load_trace, select_groups, traces_dir
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.acceptance import accepted_len
 from seer_engine.spec_decode._suffix_tree_ref import RefGroupSuffixTree
@@ -47,6 +46,9 @@ from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.draft import DraftTree
 from seer_engine.spec_decode.proposers import NgramProposer, SuffixProposer
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTree, GroupSuffixTrees
+from seer_engine.workloads.groups import select_groups
+from seer_engine.workloads.paths import traces_dir
+from seer_engine.workloads.traces import TraceGroup, load_trace
 
 DEFAULT_TRACE = traces_dir() / "qwen3-8b-mcq-cot.jsonl.gz"
 REPO = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ from pathlib import Path
 import machine_info  # benchmarks/ is on sys.path when a script here runs
 
 from seer_engine.model_executor.tiny_model import make_tiny_model
-from seer_engine.rollout.workload import traces_dir
 from seer_engine.sim.fidelity import POLICIES, Workload, compare
+from seer_engine.workloads.paths import traces_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,10 +10,10 @@ from seer_engine.core.policies import make_rollout_policy
 from seer_engine.core.request import Group, RolloutSample
 from seer_engine.engine.config import EngineConfig
 from seer_engine.rollout.engine_pool import EnginePool
-from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.report import REPORT_KEYS
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.workloads.replay import TraceReplay
 
 
 def _groups(max_tokens: int = 40, temperature: float = 0.0) -> list[Group]:

@@ -16,12 +16,12 @@ from seer_engine.core.request import Group
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.rollout.engine_pool import EnginePool
-from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.spec_decode.budget import AdaptiveBudget, FixedBudget, StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.draft import DraftTree, accept
+from seer_engine.workloads.replay import TraceReplay
 
 STEP_COST = [0.004, 2e-5]  # pinned, so whether drafts pay does not hang on this machine's load
 TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}

@@ -21,9 +21,9 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig
-from seer_engine.rollout.replay import ReplayWorkload
 from seer_engine.rollout.report import Progress, format_table, write_report
 from seer_engine.rollout.rollout import Rollout
+from seer_engine.workloads.replay import ReplayWorkload
 
 
 def add_cli(subparsers) -> None:
@@ -74,7 +74,8 @@ def _trace_model(args: argparse.Namespace, max_len: int) -> str:
 
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
-    from seer_engine.rollout.workload import load_trace, select_groups
+    from seer_engine.workloads.groups import select_groups
+    from seer_engine.workloads.traces import load_trace
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for name in policies:

@@ -26,12 +26,13 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.replay import ReplayWorkload
 from seer_engine.rollout.rollout import Rollout, RolloutMetrics
-from seer_engine.rollout.workload import load_trace, select_groups
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 from seer_engine.sim.profiler import StepPoint, fit_step_time, recording_steps
 from seer_engine.sim.simulator import bench_groups, policy_for, simulate
+from seer_engine.workloads.groups import select_groups
+from seer_engine.workloads.replay import ReplayWorkload
+from seer_engine.workloads.traces import load_trace
 
 POLICIES = ("baseline", "divided", "context", "seer", "oracle")
 

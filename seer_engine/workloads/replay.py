@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from seer_engine.core.request import Group, Request
 from seer_engine.rollout.rollout import sample_key_of
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.workloads.groups import WorkloadGroup
 
 
 class TraceReplay:
@@ -30,7 +31,7 @@ class ReplayWorkload:
     each, the responses for ``TraceReplay``, and the true lengths (the trace's tokens
     plus EOS, capped at ``max_tokens``) that only the oracle policy is handed."""
 
-    def __init__(self, trace_groups: Sequence, samples: int, max_tokens: int) -> None:
+    def __init__(self, trace_groups: Sequence[WorkloadGroup], samples: int, max_tokens: int) -> None:
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.samples = samples
         self.prompts: list[tuple[str, list[int]]] = []
