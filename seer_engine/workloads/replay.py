@@ -9,19 +9,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from seer_engine.core.request import Group, Request
-from seer_engine.rollout.rollout import sample_key_of
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.workloads.groups import WorkloadGroup
 
 
 class TraceReplay:
+    """Emits each response's trace tokens, looked up by the request's ``sequence_id``
+    (the response's key, e.g. ``t3/5``, which every rollout chunk of it carries)."""
+
     def __init__(self, responses: Mapping[str, Sequence[int]], eos_token_id: int) -> None:
         self._responses = {k: list(v) for k, v in responses.items()}
         self._eos = eos_token_id
 
     def next_token(self, request: Request, sampled: int, offset: int = 0) -> int:
         """The trace's token ``offset`` places after this response's next one (EOS past its end)."""
-        tokens = self._responses[sample_key_of(request.request_id)]
+        tokens = self._responses[request.sequence_id]
         position = request.num_output_tokens + offset
         return tokens[position] if position < len(tokens) else self._eos
 
