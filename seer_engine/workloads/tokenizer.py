@@ -1,16 +1,18 @@
 """The trace tokenizer: ``tokenizers`` plus an exact fast path for byte-level BPE.
 
-Why the fast path stays beside ``tokenizers`` (measured, same ids for all 4,485
-responses of ``qwen3-8b-mcq-cot.jsonl.gz``, 7,259,663 tokens, 2-core x86_64 CPU
-machine shared with other jobs):
+Why the fast path stays beside ``tokenizers``: loading and tokenizing the whole
+``qwen3-8b-mcq-cot.jsonl.gz`` (4,485 responses, 7,259,663 tokens, the same ids either
+way) takes 10.3-12.5 s with ``Tokenizer.encode_batch`` alone and 2.3-2.4 s with the fast
+path (4-5x; 2-core x86_64 CPU machine shared with other jobs; ``encode_batch`` on all
+responses in one call: 9.6-10.7 s). ``tokenizers`` spends most of that time in its
+Oniguruma regex pre-tokenizer, and whole-trace loads (tests, ``trace-stats``, the
+acceptance fit) would pay the difference each time. Command (repo root, FAST = True
+or False; False sends every text to ``encode_batch``)::
 
-- ``Tokenizer.encode_batch(texts, add_special_tokens=False)`` alone: 9.6-10.7 s;
-- ``TraceTokenizer.encode_many(texts)`` (this file): 2.1-2.2 s (about 4.5x faster).
-
-Command: read every response of the trace with ``gzip``/``json`` and time each of the
-two calls above in a fresh process (tokenizer loading included). ``tokenizers`` spends
-most of its time in its Oniguruma regex pre-tokenizer; whole-trace loads (the tests,
-``trace-stats``, the acceptance fit) would pay those ~8 s each time.
+    python -c "import time; from seer_engine.workloads.tokenizer import get_tokenizer; \
+    from seer_engine.workloads.traces import load_trace, tokenize_groups; \
+    t = time.perf_counter(); tok = get_tokenizer(); tok.fast = FAST; \
+    tokenize_groups(load_trace('qwen3-8b-mcq-cot.jsonl.gz', tok)); print(time.perf_counter() - t)"
 """
 
 from __future__ import annotations
