@@ -36,9 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import machine_info  # benchmarks/ is on sys.path when a script here runs
-
 from seer_engine.core.request import Request
+from seer_engine.rollout.machine import machine_info
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.acceptance import accepted_len
 from seer_engine.spec_decode._suffix_tree_ref import RefGroupSuffixTree
@@ -348,10 +347,6 @@ def depth_sweep(group: TraceGroup, depths: Sequence[int]) -> list[dict[str, floa
         )
         print(f"[depth sweep] max_depth {depth}: {rows[-1]['lockstep_append_us']:.2f} µs/token", flush=True)
     return rows
-
-
-def machine() -> dict[str, Any]:
-    return machine_info.machine()
 
 
 def best_of(runs: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -679,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for g in groups:  # tokenize up front, outside every timed region
         g.response_token_ids  # noqa: B018
     print(f"{len(groups)} groups x {args.samples} responses from {args.trace}", flush=True)
-    host = machine()
+    host = machine_info()
     overhead = timer_overhead_ns()
 
     def cpp_trees() -> GroupSuffixTrees:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -21,6 +19,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig
+from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.report import Progress, format_table, write_report
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.workloads.replay import ReplayWorkload
@@ -77,6 +76,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     from seer_engine.workloads.groups import select_groups
     from seer_engine.workloads.traces import load_trace
 
+    machine = machine_info()
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for name in policies:
         base, _, spec = name.partition("+")
@@ -128,7 +128,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         meta = {
             "command": "seer_engine " + " ".join(sys.argv[1:]),
             "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
+            "machine": machine,
             "model": model, "groups": len(workload.prompts), "samples": args.samples,
             "instances": args.instances,
             "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
