@@ -61,6 +61,7 @@ def format_table(figures: dict[str, float], reference: dict[str, float] | None =
 
 
 def _cmd_trace_stats(args: argparse.Namespace) -> int:
+    """Bad input is a ValueError, which the ``seer_engine`` command turns into exit 2."""
     start = time.perf_counter()
     groups: list[Any]
     if args.synthetic:

@@ -54,4 +54,5 @@ class ReplayWorkload:
         ]
 
     def replay(self, eos_token_id: int) -> TraceReplay:
+        """The token source for the engines (the model's EOS id ends each response)."""
         return TraceReplay(self.responses, eos_token_id)

@@ -84,7 +84,7 @@ class TraceTokenizer:
 
     _SPOT_CHECKS = 4
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike) -> None:
         from tokenizers import Tokenizer
 
         self.path = Path(path)
@@ -120,6 +120,7 @@ class TraceTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _encode_fast(self, text: str, pattern: re.Pattern[str]) -> list[int]:
+        """Split with ``pattern``; BPE-encode only pieces not seen before."""
         pieces = pattern.findall(text)
         cache = self._pieces
         try:

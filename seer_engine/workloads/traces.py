@@ -164,6 +164,7 @@ def load_trace(
 
 
 def _read_trace(path: Path, tok: TraceTokenizer) -> list[TraceGroup]:
+    """Parse every record (naming the line of a bad one); prompts are tokenized in one batch."""
     records = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
