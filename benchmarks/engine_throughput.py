@@ -16,7 +16,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 
 from seer_engine import LLM, SamplingParams
 from seer_engine.model_executor.tiny_model import make_tiny_model
+from seer_engine.rollout.machine import machine_info
 
 SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "traces" / "bpe32k-tokenizer.json"
 
@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    machine = machine_info(threads=args.threads)
     batches = [int(b) for b in args.batches.split(",")]
 
     from transformers import AutoModelForCausalLM
@@ -151,8 +152,7 @@ def main() -> int:
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": dt.date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, threads {args.threads}".strip(),
+        "machine": machine,
         "model": {
             "arch": "qwen3",
             "layers": args.layers,

@@ -16,8 +16,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +26,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.kv_connector.factory import kv_pool_for
 from seer_engine.model_executor.tiny_model import make_tiny_model
+from seer_engine.rollout.machine import machine_info
 from seer_engine.sampling_params import SamplingParams
 
 MODELS = {  # name -> make_tiny_model arguments
@@ -130,6 +129,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results/kv_restore")
     args = p.parse_args()
+    machine = machine_info()
     contexts = [int(c) for c in args.contexts.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +154,7 @@ def main() -> int:
     meta = {
         "command": "python " + " ".join(sys.argv),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, py {platform.python_version()}",
+        "machine": machine,
         "models": {k: MODELS[k] for k in args.models.split(",")},
     }
     (out / "report.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

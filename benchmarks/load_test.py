@@ -16,7 +16,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import random
 import re
 import signal
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from seer_engine.rollout.machine import describe_machine, machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -180,7 +181,7 @@ def write_report(summary: dict, meta: dict, out: Path) -> None:
         "",
         f"- command: `{meta['command']}`",
         f"- server: `{meta['server_command']}`",
-        f"- machine: {meta['machine']}",
+        f"- machine: {describe_machine(meta['machine'])}",
         f"- date: {meta['date']}",
         f"- load average before the run (other jobs on the machine): "
         f"{', '.join(f'{x:.2f}' for x in meta['load_average_before'])}",
@@ -227,6 +228,7 @@ def main() -> int:
     args = parser.parse_args()
 
     load_before = os.getloadavg()
+    machine = machine_info()
     server_args = ["--model", args.model, *args.server_args.split(), "--log-level", "warning"]
     with tempfile.TemporaryDirectory() as tmp:
         server_args += ["--data-dir", str(Path(tmp) / "data")]
@@ -252,8 +254,7 @@ def main() -> int:
             else args.url
         ),
         "load_average_before": load_before,
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, "
-        f"Python {platform.python_version()})",
+        "machine": machine,
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "requests": args.requests,
         "concurrency": args.concurrency,

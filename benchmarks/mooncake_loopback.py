@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import machine_info  # benchmarks/ is on sys.path when a script here runs
 import torch
 
 from seer_engine.kv_connector.mooncake import MooncakeMaster, MooncakeStore
+from seer_engine.rollout.machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "mooncake_loopback"
@@ -50,8 +50,7 @@ MiB = 1 << 20
 
 
 def machine() -> dict[str, Any]:
-    return machine_info.machine(
-        torch=torch.__version__,
+    return machine_info(
         mooncake=importlib.metadata.version("mooncake-transfer-engine-non-cuda"),
         transport="TCP over loopback (127.0.0.1), client and segment holder in two processes",
     )

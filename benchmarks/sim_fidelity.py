@@ -19,11 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import machine_info  # benchmarks/ is on sys.path when a script here runs
-
 from seer_engine.model_executor.tiny_model import make_tiny_model
-from seer_engine.rollout.workload import traces_dir
+from seer_engine.rollout.machine import machine_info
 from seer_engine.sim.fidelity import POLICIES, Workload, compare
+from seer_engine.workloads.paths import traces_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/simulator")
     args = p.parse_args(argv)
+    machine = machine_info()
     w = Workload(args.trace, args.groups, args.samples, args.max_tokens)
     model = make_tiny_model(
         tempfile.mkdtemp(prefix="seer-fidelity-"), tokenizer=Path(args.trace).parent / "bpe32k-tokenizer.json"
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": "python benchmarks/sim_fidelity.py " + " ".join(sys.argv[1:]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info.machine(),
+        "machine": machine,
         "workload": vars(w),
     }
     (out / "fidelity.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")

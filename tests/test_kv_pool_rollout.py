@@ -120,7 +120,9 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
         samples = rollout.start(pool_groups())
         while rollout.counters.pool_loads == 0 and rollout.has_work:
             rollout.step()
-        assert rollout.counters.pool_loads > 0 and rollout.has_work, "a move loaded from the pool before the kill"
+        assert rollout.counters.pool_loads > 0 and rollout.has_work, (
+            "a move loaded from the pool before the kill"
+        )
         pool.kv_pool.master.stop()
         while rollout.has_work:
             rollout.step()

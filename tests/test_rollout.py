@@ -10,10 +10,10 @@ from seer_engine.rollout.context_manager import ContextManager
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
-from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.report import REPORT_KEYS
 from seer_engine.rollout.types import Group, RolloutSample
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.workloads.replay import TraceReplay
 
 
 def _groups(max_tokens: int = 40, temperature: float = 0.0) -> list[Group]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from seer_engine.model_executor.tiny_model import make_tiny_model
-from seer_engine.rollout.workload import traces_dir
 from seer_engine.sim.fidelity import Workload, compare
+from seer_engine.workloads.paths import traces_dir
 
 TRACE = traces_dir() / "qwen3-8b-mcq-cot.jsonl.gz"
 TOLERANCE = 0.15

@@ -17,11 +17,11 @@ from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
-from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.spec_decode.budget import AdaptiveBudget, FixedBudget, StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
+from seer_engine.workloads.replay import TraceReplay
 
 STEP_COST = [0.004, 2e-5]  # pinned, so whether drafts pay does not hang on this machine's load
 TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}

@@ -12,22 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from seer_engine.rollout.workload import (
-    README_FIGURES,
-    SyntheticGroup,
-    TraceGroup,
-    TraceTokenMismatchWarning,
-    add_cli,
-    get_tokenizer,
-    load_trace,
-    ngram_overlap,
-    scale_lengths,
-    select_groups,
-    spearman,
-    synthetic_workload,
-    take_samples,
-    trace_stats,
-)
+from seer_engine.workloads.cli import add_cli
+from seer_engine.workloads.groups import scale_lengths, select_groups, take_samples
+from seer_engine.workloads.stats import README_FIGURES, ngram_overlap, spearman, trace_stats
+from seer_engine.workloads.synthetic import SyntheticGroup, synthetic_workload
+from seer_engine.workloads.tokenizer import get_tokenizer
+from seer_engine.workloads.traces import TraceGroup, TraceTokenMismatchWarning, load_trace
 
 TRACES = Path(os.environ.get("SEER_TRACES_DIR") or Path(__file__).resolve().parents[2] / "shared" / "traces")
 QWEN3 = TRACES / "qwen3-8b-mcq-cot.jsonl.gz"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -21,9 +19,10 @@ from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.policies import ROLLOUT_POLICIES, make_rollout_policy
-from seer_engine.rollout.replay import ReplayWorkload
 from seer_engine.rollout.report import Progress, format_table, write_report
+from seer_engine.workloads.replay import ReplayWorkload
 
 
 def add_cli(subparsers) -> None:
@@ -74,8 +73,10 @@ def _trace_model(args: argparse.Namespace, max_len: int) -> str:
 
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
-    from seer_engine.rollout.workload import load_trace, select_groups
+    from seer_engine.workloads.groups import select_groups
+    from seer_engine.workloads.traces import load_trace
 
+    machine = machine_info()
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for name in policies:
         base, _, spec = name.partition("+")
@@ -127,7 +128,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         meta = {
             "command": "seer_engine " + " ".join(sys.argv[1:]),
             "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
+            "machine": machine,
             "model": model, "groups": len(workload.prompts), "samples": args.samples,
             "instances": args.instances,
             "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,

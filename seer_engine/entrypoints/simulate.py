@@ -97,7 +97,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
     if args.trace:
-        from seer_engine.rollout.workload import resolve_trace_path
+        from seer_engine.workloads.paths import resolve_trace_path
 
         try:
             args.trace = str(resolve_trace_path(args.trace))

@@ -58,7 +58,7 @@ DEFAULT_MIN_PROB = SpeculativeConfig.min_prob
 
 
 class ReplayGroup(Protocol):
-    """The part of ``rollout.workload.WorkloadGroup`` a replay reads."""
+    """The part of ``workloads.groups.WorkloadGroup`` a replay reads."""
 
     @property
     def group_id(self) -> str: ...
@@ -343,7 +343,8 @@ def _numbers(text: str, kind: type) -> tuple:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Fit on a trace and write the model (``python -m seer_engine.sim.acceptance``)."""
-    from seer_engine.rollout.workload import load_trace, select_groups
+    from seer_engine.workloads.groups import select_groups
+    from seer_engine.workloads.traces import load_trace
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(

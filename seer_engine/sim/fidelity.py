@@ -28,11 +28,12 @@ from seer_engine.rollout.metrics import RolloutMetrics
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
-from seer_engine.rollout.replay import ReplayWorkload
-from seer_engine.rollout.workload import load_trace, select_groups
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 from seer_engine.sim.profiler import StepPoint, fit_step_time, recording_steps
 from seer_engine.sim.simulator import bench_groups, policy_for, simulate
+from seer_engine.workloads.groups import select_groups
+from seer_engine.workloads.replay import ReplayWorkload
+from seer_engine.workloads.traces import load_trace
 
 POLICIES = ("baseline", "divided", "context", "seer", "oracle")
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import itertools
-import os
-import platform
 import random
 import statistics
 import time
@@ -36,6 +34,7 @@ from seer_engine.core.request import Request
 from seer_engine.core.scheduler import SchedulerOutput
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.rollout.machine import machine_info
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 
@@ -393,6 +392,7 @@ def profile_engine(
             "profile the engine without --speculative-config: drafts make steps of unequal shape"
         )
     start = time.perf_counter()
+    machine = machine_info()
     engine = LLMEngine(config)
     grid = QUICK_GRID if quick else FULL_GRID
     progress(
@@ -433,11 +433,7 @@ def profile_engine(
             "points": [asdict(p) for p in points],
             **quality,
             "noisy_points": sum(p.spread > SETTLED for p in points),
-            "machine": {
-                "platform": platform.platform(),
-                "processor": platform.machine(),
-                "cores": os.cpu_count(),
-            },
+            "machine": machine,
             "torch_threads": torch.get_num_threads(),
             "date": dt.datetime.now().isoformat(timespec="seconds"),
             "model": config.model,

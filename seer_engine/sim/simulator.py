@@ -166,7 +166,7 @@ def synthetic_groups(
     prompts: int, samples: int, max_tokens: int, prompt_len: int, seed: int
 ) -> list[SimGroup]:
     """The rollout issue's synthetic generator (fitted to the Qwen3 trace) at a setup's scale."""
-    from seer_engine.rollout.workload import synthetic_workload
+    from seer_engine.workloads.synthetic import synthetic_workload
 
     return [
         SimGroup(f"s{k}", prompt_len, g.lengths)
@@ -178,7 +178,8 @@ def trace_groups(trace: str, prompts: int, samples: int, max_tokens: int, seed: 
     """Replay a trace's groups, cycled to ``prompts`` groups, with lengths scaled so the
     trace's p99 lands on ``max_tokens`` (``scale_lengths``). Pass ``k`` of a trace group
     takes the next ``samples`` of its responses (cyclically), shifted by ``seed``."""
-    from seer_engine.rollout.workload import load_trace, scale_lengths
+    from seer_engine.workloads.groups import scale_lengths
+    from seer_engine.workloads.traces import load_trace
 
     source = load_trace(trace)
     if any(g.num_samples < samples for g in source):
@@ -197,7 +198,8 @@ def trace_groups(trace: str, prompts: int, samples: int, max_tokens: int, seed: 
 def bench_groups(trace: str, spec: str, samples: int, max_tokens: int) -> list[SimGroup]:
     """The workload ``bench rollout --trace T --groups SPEC --samples N`` replays: the
     same groups, real prompt lengths, and each response's tokens plus its EOS."""
-    from seer_engine.rollout.workload import load_trace, select_groups
+    from seer_engine.workloads.groups import select_groups
+    from seer_engine.workloads.traces import load_trace
 
     chosen = select_groups(load_trace(trace), spec, samples)
     return [

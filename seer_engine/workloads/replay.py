@@ -11,9 +11,13 @@ from collections.abc import Mapping, Sequence
 from seer_engine.core.request import Request
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.workloads.groups import WorkloadGroup
 
 
 class TraceReplay:
+    """Emits each response's trace tokens, looked up by the request's ``sequence_id``
+    (the response's key, e.g. ``t3/5``, which every rollout chunk of it carries)."""
+
     def __init__(self, responses: Mapping[str, Sequence[int]], eos_token_id: int) -> None:
         self._responses = {k: list(v) for k, v in responses.items()}
         self._eos = eos_token_id
@@ -30,7 +34,7 @@ class ReplayWorkload:
     each, the responses for ``TraceReplay``, and the true lengths (the trace's tokens
     plus EOS, capped at ``max_tokens``) that only the oracle policy is handed."""
 
-    def __init__(self, trace_groups: Sequence, samples: int, max_tokens: int) -> None:
+    def __init__(self, trace_groups: Sequence[WorkloadGroup], samples: int, max_tokens: int) -> None:
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.samples = samples
         self.prompts: list[tuple[str, list[int]]] = []
@@ -52,4 +56,5 @@ class ReplayWorkload:
         ]
 
     def replay(self, eos_token_id: int) -> TraceReplay:
+        """The token source for the engines (the model's EOS id ends each response)."""
         return TraceReplay(self.responses, eos_token_id)
