@@ -126,7 +126,7 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
         pool.kv_pool.master.stop()
         while rollout.has_work:
             rollout.step()
-        m = rollout._metrics(samples)
+        m = rollout.metrics(samples)
     assert outputs_of(samples) == reference
     assert m.pool_failures > 0 and m.migrations > m.pool_loads
 

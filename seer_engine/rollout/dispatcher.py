@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from seer_engine.core.seeds import sample_seed
 from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.instances.base import InstanceHandle
-from seer_engine.rollout.metrics import RolloutCounters, RolloutResult, rollout_metrics
+from seer_engine.rollout.metrics import RolloutCounters, RolloutMetrics, RolloutResult, rollout_metrics
 from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy
 from seer_engine.rollout.pool import InstancePool
@@ -84,10 +84,12 @@ class Dispatcher:
         samples = self.start(groups)
         while self.has_work:
             self.step()
-        metrics = rollout_metrics(self.policy.name, samples, self.pool, self.counters)
-        return RolloutResult(
-            list(groups), samples, metrics, [list(i.books.timeline) for i in self.pool.instances]
-        )
+        timelines = [list(inst.books.timeline) for inst in self.pool.instances]
+        return RolloutResult(list(groups), samples, self.metrics(samples), timelines)
+
+    def metrics(self, samples: dict[str, list[RolloutSample]]) -> RolloutMetrics:
+        """What the rollout of ``samples`` measured, as of now."""
+        return rollout_metrics(self.policy.name, samples, self.pool, self.counters)
 
     # -- the online interface -----------------------------------------------------------
 
