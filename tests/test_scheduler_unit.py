@@ -236,15 +236,19 @@ def test_priority_policy_preempts_its_lowest_priority_request() -> None:
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:
-    """A step that had to preempt admits no one (they would be preempted next)."""
-    sched = make_scheduler(num_blocks=6)
-    for i in range(3):
-        sched.add_request(make_request(f"r{i}", 7, max_tokens=8))
+    """A step that had to preempt admits no one, even a request that would fit in the
+    block the preemption left free: blocks are short, so it would be preempted next."""
+    sched = make_scheduler(num_blocks=6, policy="priority", prefix_caching=False)
+    for rid, prompt in (("r0", 7), ("r1", 5), ("r2", 5)):
+        sched.add_request(make_request(rid, prompt, max_tokens=8))
     step(sched)
     step(sched)
-    sched.add_request(make_request("late", 1))
+    sched.add_request(make_request("late", 1, priority=-1))
     out, _ = step(sched)
-    assert out.preempted and "late" not in [rid for rid, _ in spans(out)]
+    assert [r.request_id for r in out.preempted] == ["r2"] and spans(out) == [("r0", 1), ("r1", 1)]
+    assert sched.kv.num_free_blocks == 1
+    out, _ = step(sched)
+    assert ("late", 1) in spans(out)
 
 
 # -- order -------------------------------------------------------------------------------
@@ -266,14 +270,15 @@ def test_admission_order_follows_the_policy(policy: str, order: list[str]) -> No
 
 
 def test_a_draft_rides_only_on_a_decode_row() -> None:
-    """A request still in its prompt gets no draft nodes: the draft is dropped."""
+    """A request still in its prompt gets no draft nodes, budget left or not: the draft
+    is dropped."""
     sched = make_scheduler(budget=8)
-    r = make_request("r", 20)
+    r = make_request("r", 10)
     sched.add_request(r)
     step(sched)
     r.draft = path([5, 6])
     out, _ = step(sched)
-    assert spans(out) == [("r", 8)] and r.draft is None
+    assert spans(out) == [("r", 2)] and r.draft is None
     assert sched.stats.draft_tokens_scheduled == 0
 
 
