@@ -22,6 +22,11 @@ resolved against the importing module. ``from pkg import name`` counts as import
 the parent packages Python initialises on the way (else every module would import
 the facade).
 
+Layers of the same rank (model_executor and spec_decode; workloads and tasks) may
+import each other; the cycle check still applies. A few downward imports are ruled
+out as well (``FORBIDDEN``): a KV connector never imports ``LLMEngine``. Imports of
+seer_engine modules that do not exist (a stale lazy import) fail too.
+
 A module outside every layer (a new top-level folder or file) fails until it is
 given one here. Cycles are strongly connected components of the module graph; each
 is reported as one concrete cycle with the file:line of every edge.
