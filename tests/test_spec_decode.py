@@ -20,9 +20,10 @@ from seer_engine.rollout.engine_pool import EnginePool
 from seer_engine.rollout.replay import TraceReplay
 from seer_engine.rollout.rollout import Rollout
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.spec_decode import config as spec_config
+from seer_engine.spec_decode import proposers
 from seer_engine.spec_decode.budget import AdaptiveBudget, FixedBudget, StepCostModel
-from seer_engine.spec_decode.config import MAX_DRAFT_NODES, SpeculativeConfig
-from seer_engine.spec_decode.proposers import Proposer
+from seer_engine.spec_decode.config import SpeculativeConfig
 
 STEP_COST = [0.004, 2e-5]  # pinned, so whether drafts pay does not hang on this machine's load
 TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
@@ -201,7 +202,7 @@ def test_seer_rollout_across_instances_and_chunks(model):
     assert rollout.migrations > 0, "responses moved between instances and kept drafting"
 
 
-class _LadderProposer(Proposer):
+class _LadderProposer(proposers.Proposer):
     """Drafts that know the greedy answer: at each depth a wrong sibling, then the true
     token, and the true token again alone to fill an odd budget. The accepted nodes sit
     at odd indices (their KV moves), and with 63 nodes the last one, verification row
@@ -243,14 +244,14 @@ def test_widest_draft_tree_keeps_greedy_output(model, backend):
     want = _run_waves(reference, [[("r", prompt, params, "g")]])["r"][0]
     assert len(want) == 80
     proposer = _LadderProposer(want, reference.vocab_size)
-    spec = {"method": "suffix", "budget": "fixed", "num_speculative_tokens": MAX_DRAFT_NODES}
+    spec = {"method": "suffix", "budget": "fixed", "num_speculative_tokens": spec_config.MAX_DRAFT_NODES}
     engine = LLMEngine(
         EngineConfig(model=str(model), num_kv_blocks=256, speculative_config=spec, attention_backend=backend),
         proposer=proposer,
     )
     got = _run_waves(engine, [[("r", prompt, params, "g")]])
     assert got == {"r": [want]}
-    assert proposer.sizes[0] == MAX_DRAFT_NODES == 63
+    assert proposer.sizes[0] == spec_config.MAX_DRAFT_NODES == 63
     stats = engine.scheduler.stats
     assert stats.draft_tokens_scheduled >= 63 and stats.draft_tokens_accepted >= 32
     assert engine.drafter.stats.moved_kv_slots >= 32
