@@ -19,6 +19,8 @@ from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.spec_decode import config as spec_config
+from seer_engine.spec_decode import proposers
 from seer_engine.spec_decode.budget import AdaptiveBudget, FixedBudget, StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.workloads.replay import TraceReplay
@@ -198,6 +200,62 @@ def test_seer_rollout_across_instances_and_chunks(model):
     assert pool.proposer is not None and len(pool.proposer.trees) == 0
     assert sum(i.engine.scheduler.stats.draft_tokens_accepted for i in pool) > 0
     assert rollout.counters.migrations > 0, "responses moved between instances and kept drafting"
+
+
+class _LadderProposer(proposers.Proposer):
+    """Drafts that know the greedy answer: at each depth a wrong sibling, then the true
+    token, and the true token again alone to fill an odd budget. The accepted nodes sit
+    at odd indices (their KV moves), and with 63 nodes the last one, verification row
+    63 (the sign bit of the int64 tree mask), is on the accepted path: if it could not
+    see itself, the bonus token after it would differ from greedy decoding."""
+
+    name = "ladder"
+
+    def __init__(self, want: list[int], vocab_size: int) -> None:
+        self.want = want
+        self.vocab_size = vocab_size
+        self.sizes: list[int] = []
+
+    def propose(self, request, budget: int, multi_path: bool) -> DraftTree:
+        tokens: list[int] = []
+        parents: list[int] = []
+        right = -1
+        for token in self.want[request.num_output_tokens :]:
+            if len(tokens) == budget:
+                break
+            if len(tokens) + 2 <= budget:
+                tokens.append((token + 1) % self.vocab_size)
+                parents.append(right)
+            tokens.append(token)
+            parents.append(right)
+            right = len(tokens) - 1
+        self.sizes.append(len(tokens))
+        return DraftTree(tokens, parents)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_widest_draft_tree_keeps_greedy_output(model, backend):
+    """A draft of 63 nodes (MAX_DRAFT_NODES) goes through a real step: verification rows
+    0..63 use all 64 bits of the tree mask, and greedy output stays token for token (the
+    Triton backend runs under the interpreter without a GPU)."""
+    prompt = [(5 * i) % 40 + 2 for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    reference = _engine(model, attention_backend=backend)
+    want = _run_waves(reference, [[("r", prompt, params, "g")]])["r"][0]
+    assert len(want) == 80
+    proposer = _LadderProposer(want, reference.vocab_size)
+    spec = {"method": "suffix", "budget": "fixed", "num_speculative_tokens": spec_config.MAX_DRAFT_NODES}
+    engine = LLMEngine(
+        EngineConfig(model=str(model), num_kv_blocks=256, speculative_config=spec, attention_backend=backend),
+        proposer=proposer,
+    )
+    got = _run_waves(engine, [[("r", prompt, params, "g")]])
+    assert got == {"r": [want]}
+    assert proposer.sizes[0] == spec_config.MAX_DRAFT_NODES == 63
+    stats = engine.scheduler.stats
+    assert stats.draft_tokens_scheduled >= 63 and stats.draft_tokens_accepted >= 32
+    assert engine.drafter.stats.moved_kv_slots >= 32
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
 def _chi_square_p(observed: list[int], expected: list[float]) -> float:

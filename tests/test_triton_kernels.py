@@ -35,6 +35,7 @@ from seer_engine.model_executor.attention.triton import (  # noqa: E402
     TritonAttentionBackend,
     paged_attention,
 )
+from seer_engine.model_executor.model_runner import as_int64  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -214,8 +215,8 @@ def random_parents(num_nodes: int, gen: torch.Generator) -> list[int]:
 
 
 def tree_mask_for(trees: list[list[int] | None], query_lens: list[int]) -> torch.Tensor:
-    """The metadata encoding: per new token, bit j set for each ancestor j and itself;
-    -1 for requests without a tree."""
+    """The metadata encoding: per new token, bit j set for each ancestor j and itself,
+    stored as the model runner stores it (signed int64); -1 for requests without a tree."""
     words = []
     for parents, q_len in zip(trees, query_lens):
         if parents is None:
@@ -227,7 +228,7 @@ def tree_mask_for(trees: list[list[int] | None], query_lens: list[int]) -> torch
             while node >= 0:
                 word |= 1 << node
                 node = parents[node]
-            words.append(word - (1 << 64) if word >= 1 << 63 else word)  # as a signed int64
+            words.append(as_int64(word))
     return torch.tensor(words, dtype=torch.int64, device=DEVICE)
 
 

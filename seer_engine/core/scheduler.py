@@ -105,6 +105,16 @@ class Scheduler:
         self._lost_tokens.pop(request.request_id, None)
         del self.requests[request.request_id]
 
+    def finish_truncated(self, request: Request, num_output_tokens: int, status: RequestStatus) -> None:
+        """Finish a request whose output ends inside the tokens it emitted in the last
+        step (a stop string matched there): the tokens after the end are dropped and
+        leave the generated and accepted counters too."""
+        dropped = max(0, request.num_output_tokens - num_output_tokens)
+        request.truncate_output(num_output_tokens)
+        self.stats.generated_tokens -= dropped
+        self.stats.draft_tokens_accepted -= dropped
+        self.finish_requests([request.request_id], status)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.draft = None
@@ -216,15 +226,18 @@ class Scheduler:
                 continue
             num_draft = len(draft) if draft else 0
             status = None
+            num_emitted = 0
             for token in tokens:
                 request.append_output_token(token)
-                self.stats.generated_tokens += 1
+                num_emitted += 1
                 status = check_stop(request, token, self.config.max_model_len)
                 if status is not None:
                     break
+            # Accepted draft tokens that a stop cut off were never emitted: not counted.
+            self.stats.generated_tokens += num_emitted
             self.stats.sampled_rows += 1
-            self.stats.draft_tokens_accepted += len(tokens) - 1
-            computed = request.num_computed_tokens + num_new - num_draft + len(tokens) - 1
+            self.stats.draft_tokens_accepted += num_emitted - 1
+            computed = request.num_computed_tokens + num_new - num_draft + num_emitted - 1
             request.num_computed_tokens = min(computed, request.num_tokens - 1)
             self.kv.cache_computed_blocks(request)
             updated.append(request)

@@ -319,9 +319,8 @@ class LLMEngine:
         for length in range(max(total - num_new + 1, params.min_tokens, 1), total + 1):
             hit = self.detokenizer.find_stop_string(req.output_token_ids[:length], params.stop)
             if hit is not None:
-                req.truncate_output(length)
                 req.stop_reason = hit
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish_truncated(req, length, RequestStatus.FINISHED_STOPPED)
                 return
 
     def _release_group(self, request: UserRequest) -> None:

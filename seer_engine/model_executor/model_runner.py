@@ -226,13 +226,23 @@ class ModelRunner:
 
 
 def _tree_mask(trees: list[tuple[int, list[int]]], num_tokens: int, device: torch.device):
-    """Per-token visibility bits (see AttentionMetadata.tree_mask); None without trees."""
+    """Per-token visibility bits (see AttentionMetadata.tree_mask); None without trees.
+
+    Rows come as unsigned 64-bit patterns (a 63-node draft's last row sets bit 63) and
+    are stored as the signed int64 with the same bits, which both backends read."""
     if not trees:
         return None
     bits = [-1] * num_tokens
     for first, rows in trees:
-        bits[first : first + len(rows)] = rows
+        bits[first : first + len(rows)] = [as_int64(word) for word in rows]
     return torch.tensor(bits, dtype=torch.int64, device=device)
+
+
+def as_int64(word: int) -> int:
+    """The signed (two's complement) int64 with the bits of the unsigned 64-bit ``word``."""
+    if not 0 <= word < 1 << 64:
+        raise ValueError(f"a tree-mask row has 64 bits, got {word:#x}")
+    return word - (1 << 64) if word >> 63 else word
 
 
 @dataclass
