@@ -279,7 +279,7 @@ def test_a_draft_rides_only_on_a_decode_row() -> None:
     r.draft = path([5, 6])
     out, _ = step(sched)
     assert spans(out) == [("r", 2)] and r.draft is None
-    assert sched.stats.draft_tokens_scheduled == 0
+    assert sched.stats.draft_tokens_verified == 0
 
 
 def test_a_draft_is_cut_to_the_budget_left() -> None:
@@ -290,7 +290,7 @@ def test_a_draft_is_cut_to_the_budget_left() -> None:
     r.draft = path([5, 6, 7, 8, 9, 10])
     out = sched.schedule()
     assert spans(out) == [("r", 4)]
-    assert r.draft == path([5, 6, 7]) and sched.stats.draft_tokens_scheduled == 3
+    assert r.draft == path([5, 6, 7]) and sched.stats.draft_tokens_verified == 3
 
 
 def test_a_draft_never_preempts() -> None:
@@ -321,7 +321,7 @@ def test_accepted_draft_tokens_advance_and_rejected_slots_are_trimmed() -> None:
     assert r.num_computed_tokens == r.num_tokens - 1 == 9
     assert len(sched.kv.block_ids("r")) == 3 and sched.kv.num_free_blocks == 13
     stats = sched.stats
-    assert (stats.draft_tokens_scheduled, stats.draft_tokens_accepted) == (6, 2)
+    assert (stats.draft_tokens_verified, stats.draft_tokens_accepted) == (6, 2)
     assert (stats.generated_tokens, stats.sampled_rows) == (4, 2)
 
 

@@ -49,7 +49,7 @@ class SchedulerStats:
     scheduled_tokens: int = 0
     generated_tokens: int = 0
     sampled_rows: int = 0  # request-steps that emitted tokens (< tokens once drafts are accepted)
-    draft_tokens_scheduled: int = 0  # draft nodes verified
+    draft_tokens_verified: int = 0  # draft nodes verified
     draft_tokens_accepted: int = 0
 
 
@@ -170,7 +170,7 @@ class Scheduler:
         room = min(len(draft), budget - num_new) if num_new == 1 else 0
         if room > 0 and self.kv.allocate_slots(request, num_new + room):
             request.draft = draft.truncated(room)
-            self.stats.draft_tokens_scheduled += room
+            self.stats.draft_tokens_verified += room
             return room
         request.draft = None
         return 0

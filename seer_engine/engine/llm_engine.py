@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
 
@@ -347,21 +348,13 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Load and counters (requests counted per sample)."""
         sched, kv = self.scheduler, self.kv_manager.stats()
-        s = sched.stats
         return EngineStats(
             running=sched.num_running,
             waiting=sched.num_waiting,
             kv_used_blocks=kv.num_blocks - kv.num_free_blocks,
             kv_total_blocks=kv.num_blocks,
-            steps=s.steps,
-            preemptions=s.preemptions,
-            recomputed_tokens=s.recomputed_tokens,
-            scheduled_tokens=s.scheduled_tokens,
-            generated_tokens=s.generated_tokens,
-            sampled_rows=s.sampled_rows,
-            draft_tokens_verified=s.draft_tokens_scheduled,
-            draft_tokens_accepted=s.draft_tokens_accepted,
             drafter_s=self.drafter.stats.observe_s + self.drafter.stats.propose_s if self.drafter else 0.0,
+            **asdict(sched.stats),
         )
 
     @property

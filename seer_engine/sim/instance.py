@@ -22,7 +22,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from seer_engine.core.policies import SchedulingPolicy
@@ -284,20 +284,12 @@ class SimInstance(InstanceHandle):
         return StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads)
 
     def _engine_stats(self) -> EngineStats:
-        st = self._stats
         return EngineStats(
             running=len(self.decoding) + len(self.prefilling),
             waiting=len(self.waiting),
             kv_used_blocks=min(self._running_kv(), self.capacity) / self.profile.block_size,
             kv_total_blocks=self.profile.num_blocks,
-            steps=st.steps,
-            preemptions=st.preemptions,
-            recomputed_tokens=st.recomputed_tokens,
-            scheduled_tokens=st.scheduled_tokens,
-            generated_tokens=st.generated_tokens,
-            sampled_rows=st.sampled_rows,
-            draft_tokens_verified=st.draft_tokens_scheduled,
-            draft_tokens_accepted=st.draft_tokens_accepted,
+            **asdict(self._stats),
         )
 
     # -- planning ------------------------------------------------------------------------
@@ -503,7 +495,7 @@ class SimInstance(InstanceHandle):
             st.scheduled_tokens += steps * seg.rows * (1 + seg.drafted)
         st.sampled_rows += steps * seg.rows
         st.generated_tokens += steps * seg.rows * seg.gain
-        st.draft_tokens_scheduled += steps * seg.rows * seg.drafted
+        st.draft_tokens_verified += steps * seg.rows * seg.drafted
         st.draft_tokens_accepted += steps * seg.rows * (seg.gain - 1)
         self.progress += steps * seg.gain
         self._note_kv()
