@@ -358,3 +358,16 @@ def test_checker_reports_a_three_module_cycle_in_order(tmp_path: Path) -> None:
         "seer_engine.sim.b (seer_engine/sim/b.py:3) -> seer_engine.sim.c (seer_engine/sim/c.py:2) "
         "-> seer_engine.sim.a"
     ]
+
+
+MAX_FILE_LINES = 500
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """One job per file: a module that grows past this wants splitting."""
+    long = {
+        str(path.relative_to(ROOT.parent)): n
+        for path in ROOT.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not long, f"modules over {MAX_FILE_LINES} lines: {long}"

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 
 from seer_engine.engine.config import EngineConfig
-from seer_engine.rollout.context_manager import ContextManager
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
 from seer_engine.rollout.report import REPORT_KEYS
-from seer_engine.rollout.types import Group, RolloutSample
+from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.workloads.replay import TraceReplay
 
@@ -89,36 +88,6 @@ def test_sampled_outputs_do_not_depend_on_chunking(model):
     b = {k: [s.output_token_ids for s in v] for k, v in chunked.samples.items()}
     assert a == b
     assert len({tuple(x) for x in a["g0"]}) > 1, "samples of a group must differ"
-
-
-def _sample(group: Group, index: int, generated: int = 0, enqueued: float = 0.0) -> RolloutSample:
-    s = RolloutSample(group, index, seed=0, max_tokens=group.sampling_params.max_tokens)
-    s.output_token_ids = [1] * generated
-    s.enqueued_at = enqueued
-    return s
-
-
-def test_context_manager_order():
-    ctx = ContextManager(starvation_s=100.0)
-    params = SamplingParams(max_tokens=1000)
-    groups = [Group(f"g{i}", [1], params, 3, 1000, order=i) for i in range(4)]
-    for g in groups:
-        ctx.register(g, 1000)
-    # g1 and g2 each have a finished response: 300 and 700 tokens.
-    for g, length in ((groups[1], 300), (groups[2], 700)):
-        done = _sample(g, 0, generated=length)
-        ctx.on_finished(done)
-    assert ctx.estimate("g1") == 300 and ctx.estimate("g2") == 700 and ctx.estimate("g0") == 1000
-    pending = [
-        _sample(groups[1], 1),
-        _sample(groups[2], 1),
-        _sample(groups[0], 1),
-        _sample(groups[3], 0, generated=50),  # probe with 50 generated
-        _sample(groups[0], 0, generated=10),  # probe with 10 generated
-        _sample(groups[2], 2, enqueued=-500.0),  # starving
-    ]
-    order = sorted(pending, key=lambda s: ctx.priority(s, now=0.0))
-    assert [s.key for s in order] == ["g2/2", "g0/0", "g3/0", "g0/1", "g2/1", "g1/1"]
 
 
 def test_policies_cannot_see_trace_lengths(model):

@@ -81,6 +81,12 @@ class InputProcessor:
                     f"prompt has {len(prompt)} characters; a prompt that fits max_model_len "
                     f"({self.max_model_len} tokens) has at most {limit}"
                 )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode: {e.reason} at character {e.start} ({prompt[e.start]!r})"
+                ) from None
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
         if not ids:

@@ -4,7 +4,7 @@ It speaks the dispatcher's instance interface (``InstanceHandle``: submit, abort
 replies with the chunks that ended), so the simulator runs the engine's own
 dispatcher, policies, Context Manager and placement over it. Only the engine below
 that line is modeled, after the real scheduler: each step runs the decode rows, then
-prefill chunks within ``max_num_batched_tokens``, then admits waiting chunks in the
+prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in the
 engine's scheduling-policy order while sequences and KV allow; when KV runs out the
 policy's victim is preempted and recomputed later. A chunk that ran here before
 finds its context in the prefix cache (LRU, evicted when running requests need the
@@ -21,9 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from dataclasses import asdict
 
 from seer_engine.core.policies import SchedulingPolicy
 from seer_engine.core.scheduler import SchedulerStats
@@ -34,124 +32,12 @@ from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
 from seer_engine.sim.profile import InstanceProfile
-from seer_engine.spec_decode.budget import StepCostModel, make_budget
+from seer_engine.sim.requests import Segment, SimRequest
+from seer_engine.sim.speculation import SimSpeculation
+from seer_engine.sim.world import SimWorld, TokenCount
+from seer_engine.spec_decode.budget import StepCostModel
 
 EPS = 1e-9
-
-
-class TokenCount(Sequence[int]):
-    """Token ids the simulator counts but never holds: ``len`` works, reading one does not
-    (so nothing copies a 98k-token response by accident)."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int) -> None:
-        self.n = int(n)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index):  # type: ignore[override]
-        raise TypeError("simulated responses have lengths, not token ids")
-
-    def __repr__(self) -> str:
-        return f"TokenCount({self.n})"
-
-
-@dataclass
-class SimWorld:
-    """What the modeled engines know and the scheduler must not: each response's real
-    length (EOS included), and how far each group has got (speculation depends on it)."""
-
-    lengths: Mapping[str, int]  # sample key -> output tokens
-    max_tokens: int  # a response this long was cut by the budget ("length"), not EOS
-    group_sizes: Mapping[str, int]
-    finished: dict[str, int] = field(default_factory=dict)
-
-    def stage(self, group_id: str) -> float:
-        """Share of the group's responses already finished."""
-        return self.finished.get(group_id, 0) / self.group_sizes[group_id]
-
-    def on_response_end(self, group_id: str) -> None:
-        self.finished[group_id] = self.finished.get(group_id, 0) + 1
-
-
-class SimSpeculation:
-    """Grouped speculative decoding as the engine's budget policy sizes it and the
-    acceptance model (fitted by trace replay) rewards it."""
-
-    def __init__(self, acceptance, budget: str, max_nodes: int, pinned: StepCostModel | None = None) -> None:
-        """``pinned``: the budget's step cost when the speculative config pins one
-        (``step_cost``), as the engine then uses; else the modeled step's own."""
-        self.acceptance = acceptance
-        self.budget = budget
-        self.max_nodes = max_nodes
-        self.pinned = pinned
-
-    def rates(self, rows: int, stage: float, step: StepCostModel) -> tuple[float, float]:
-        """(draft nodes, accepted tokens) per row and step for ``rows`` decoding rows."""
-        step = self.pinned or step
-        rate = round(self.acceptance.per_token_rate(stage), 3)
-        # The fixed cost moves with the batch's KV; two significant digits of its ratio
-        # to the per-token cost decide the budget just as well and keep the cache small.
-        ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
-        nodes = _allocate(self.budget, rows, rate, ratio, self.max_nodes)
-        accepted = sum(self.acceptance.accepted_per_step(n, stage) * k for n, k in nodes) / rows
-        drafted = sum(self.acceptance.drafted_per_step(n, stage) * k for n, k in nodes) / rows
-        return drafted, min(accepted, drafted)
-
-
-@lru_cache(maxsize=65536)
-def _allocate(
-    budget: str, rows: int, rate: float, ratio: float, max_nodes: int
-) -> tuple[tuple[int, int], ...]:
-    """The engine's budget policy over ``rows`` alike rows: (nodes, how many rows) pairs."""
-    policy = make_budget(budget, StepCostModel(ratio, 1.0))
-    counts: dict[int, int] = {}
-    for n in policy.allocate([None] * rows, lambda _: rate, max_nodes):
-        counts[n] = counts.get(n, 0) + 1
-    return tuple(counts.items())
-
-
-@dataclass(eq=False)
-class SimRequest:
-    """One dispatched chunk inside a modeled engine."""
-
-    request_id: str
-    key: str  # the response (sample key)
-    group_id: str
-    prompt_len: int
-    generated: float  # output tokens (as of ``progress_start`` while decoding)
-    end: int  # output tokens at which the chunk stops
-    finish_reason: str  # what it reports when it gets there
-    arrival_order: int
-    hit: int = 0  # context tokens it will find in place when admitted
-    computed: float = 0.0  # context tokens whose KV is in place (prefill rows)
-    lost: float = 0.0  # computed tokens a preemption dropped
-    progress_start: float = 0.0
-    priority: int = 0  # the engine's scheduling policies read this and arrival_order
-
-    @property
-    def context(self) -> float:
-        return self.prompt_len + self.generated
-
-
-@dataclass
-class Segment:
-    """The instance's next stretch of work: ``steps`` alike decode steps, or one mixed step."""
-
-    steps: int
-    seconds: float
-    end: float
-    rows: int = 0  # decoding rows
-    gain: float = 1.0  # tokens each decoding row gains per step
-    drafted: float = 0.0  # draft nodes per decoding row and step
-    prefill: list[tuple[SimRequest, float]] = field(default_factory=list)  # (request, new tokens): one step
-    admit: list[SimRequest] = field(default_factory=list)
-
-    @property
-    def mixed(self) -> bool:
-        return bool(self.prefill or self.admit)
 
 
 class SimInstance(InstanceHandle):

@@ -22,8 +22,10 @@ from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
 from seer_engine.rollout.types import Group, StepReply
 from seer_engine.sampling_params import SamplingParams
-from seer_engine.sim.instance import SimInstance, SimSpeculation, SimWorld, TokenCount
+from seer_engine.sim.instance import SimInstance
 from seer_engine.sim.profile import InstanceProfile
+from seer_engine.sim.speculation import SimSpeculation
+from seer_engine.sim.world import SimWorld, TokenCount
 from seer_engine.spec_decode.budget import StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
 

@@ -1,0 +1,46 @@
+"""What a modeled engine schedules: its chunks in flight and its stretches of work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One dispatched chunk inside a modeled engine."""
+
+    request_id: str
+    key: str  # the response (sample key)
+    group_id: str
+    prompt_len: int
+    generated: float  # output tokens (as of ``progress_start`` while decoding)
+    end: int  # output tokens at which the chunk stops
+    finish_reason: str  # what it reports when it gets there
+    arrival_order: int
+    hit: int = 0  # context tokens it will find in place when admitted
+    computed: float = 0.0  # context tokens whose KV is in place (prefill rows)
+    lost: float = 0.0  # computed tokens a preemption dropped
+    progress_start: float = 0.0
+    priority: int = 0  # the engine's scheduling policies read this and arrival_order
+
+    @property
+    def context(self) -> float:
+        return self.prompt_len + self.generated
+
+
+@dataclass
+class Segment:
+    """The instance's next stretch of work: ``steps`` alike decode steps, or one mixed step."""
+
+    steps: int
+    seconds: float
+    end: float
+    rows: int = 0  # decoding rows
+    gain: float = 1.0  # tokens each decoding row gains per step
+    drafted: float = 0.0  # draft nodes per decoding row and step
+    prefill: list[tuple[SimRequest, float]] = field(default_factory=list)  # (request, new tokens): one step
+    admit: list[SimRequest] = field(default_factory=list)
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.prefill or self.admit)

@@ -1,0 +1,44 @@
+"""What the modeled engines know and the scheduler must not: each response's true
+length, and prompts and responses as token counts rather than token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+class TokenCount(Sequence[int]):
+    """Token ids the simulator counts but never holds: ``len`` works, reading one does not
+    (so nothing copies a 98k-token response by accident)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):  # type: ignore[override]
+        raise TypeError("simulated responses have lengths, not token ids")
+
+    def __repr__(self) -> str:
+        return f"TokenCount({self.n})"
+
+
+@dataclass
+class SimWorld:
+    """What the modeled engines know and the scheduler must not: each response's real
+    length (EOS included), and how far each group has got (speculation depends on it)."""
+
+    lengths: Mapping[str, int]  # sample key -> output tokens
+    max_tokens: int  # a response this long was cut by the budget ("length"), not EOS
+    group_sizes: Mapping[str, int]
+    finished: dict[str, int] = field(default_factory=dict)
+
+    def stage(self, group_id: str) -> float:
+        """Share of the group's responses already finished."""
+        return self.finished.get(group_id, 0) / self.group_sizes[group_id]
+
+    def on_response_end(self, group_id: str) -> None:
+        self.finished[group_id] = self.finished.get(group_id, 0) + 1

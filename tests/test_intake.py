@@ -1,0 +1,110 @@
+"""Intake: a request is checked and tokenized once, before the engine thread sees it,
+in both serving modes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from seer_engine.engine.async_engine import AsyncEngine
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.engine.input_processor import MAX_CHARS_PER_TOKEN, InputProcessor
+from seer_engine.entrypoints.openai.api_server import ServerSettings, build_engine_client, create_app
+from seer_engine.rollout.config import RolloutConfig
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3")
+
+
+@pytest.fixture
+def encode_calls(monkeypatch) -> list[str]:
+    """Every text the process tokenizes, whichever tokenizer instance does it."""
+    calls: list[str] = []
+    real = Detokenizer.encode
+
+    def counting(self, text: str) -> list[int]:
+        calls.append(text)
+        return real(self, text)
+
+    monkeypatch.setattr(Detokenizer, "encode", counting)
+    return calls
+
+
+def _post_all(app, requests: list[tuple[str, dict]]) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+            return [await client.post(path, json=body) for path, body in requests]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("rollout_mode", [False, True], ids=["engine", "rollout"])
+def test_a_request_is_tokenized_once(model, encode_calls, rollout_mode, tmp_path):
+    rollout = RolloutConfig(rollout_mode=rollout_mode, instances=2 if rollout_mode else 1,
+                            distributed_backend="inproc", chunk_tokens=4)  # fmt: skip
+    settings = ServerSettings(served_model_names=["m"], data_dir=tmp_path, rollout=rollout)
+    engine = build_engine_client(EngineConfig(model=str(model), num_kv_blocks=64), settings)
+    try:
+        app = create_app(engine, settings)
+        encode_calls.clear()
+        completion = {"model": "m", "prompt": "Once upon a time", "max_tokens": 6, "n": 3, "echo": True}
+        chat = {"model": "m", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 6}
+        first, second = _post_all(app, [("/v1/completions", completion), ("/v1/chat/completions", chat)])
+        assert first.status_code == 200 and second.status_code == 200, (first.text, second.text)
+        assert len(first.json()["choices"]) == 3
+        assert encode_calls[0] == "Once upon a time" and len(encode_calls) == 2, encode_calls
+        assert "Hi there" in encode_calls[1]  # the chat template's text, tokenized once
+    finally:
+        engine.shutdown()
+
+
+def test_the_engine_thread_never_tokenizes(model, encode_calls):
+    """The intake thread tokenizes; the engine thread only takes checked requests."""
+    import threading
+
+    threads: list[str] = []
+    real = Detokenizer.encode
+
+    def where(self, text):
+        threads.append(threading.current_thread().name)
+        return real(self, text)
+
+    Detokenizer.encode = where  # monkeypatch restores the original after the test
+    engine = AsyncEngine.for_engine(EngineConfig(model=str(model), num_kv_blocks=64)).start(timeout=60)
+    try:
+
+        async def run():
+            stream = await engine.generate("a", "Hello world", SamplingParams(max_tokens=3))
+            return [o async for o in stream][-1]
+
+        assert asyncio.run(run()).finished
+        assert threads and all(name.startswith("seer-intake") for name in threads), threads
+    finally:
+        engine.shutdown()
+
+
+def test_prompts_are_bounded_before_they_are_tokenized(model, encode_calls):
+    engine_processor = _processor(model)
+    limit = engine_processor.max_model_len * MAX_CHARS_PER_TOKEN
+    with pytest.raises(InvalidRequestError, match=f"at most {limit}"):
+        engine_processor.process("x" * (limit + 1), SamplingParams())
+    assert encode_calls == [], "a prompt over the bound is refused without tokenizing it"
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine_processor.process(list(range(5)) * engine_processor.max_model_len, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="not valid Unicode.*character 0"):
+        engine_processor.process("\ud800abc", SamplingParams())
+    checked = engine_processor.process("ok", SamplingParams(max_tokens=None))
+    assert checked.max_tokens == engine_processor.max_model_len - len(checked.prompt_token_ids)
+
+
+def _processor(model) -> InputProcessor:
+    from seer_engine.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(model), num_kv_blocks=300)).make_input_processor()

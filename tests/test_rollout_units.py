@@ -1,0 +1,132 @@
+"""The rollout layer's parts on their own, no model: the Request Buffer, the books on
+an instance, Seer's placement rule and the Context Manager's order."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine.rollout.books import InstanceBooks
+from seer_engine.rollout.context_manager import ContextManager
+from seer_engine.rollout.instances.base import InstanceHandle
+from seer_engine.rollout.placement import SeerPlacement
+from seer_engine.rollout.request_buffer import RequestBuffer
+from seer_engine.rollout.types import Group, InstanceInfo, RolloutSample
+from seer_engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=1000)
+
+
+def _group(i: int = 0, n: int = 4) -> Group:
+    return Group(f"g{i}", [1, 2, 3], PARAMS, n, 1000, order=i)
+
+
+def _sample(group: Group, index: int, generated: int = 0, enqueued: float = 0.0) -> RolloutSample:
+    s = RolloutSample(group, index, seed=0, max_tokens=group.max_tokens)
+    s.output_token_ids = [1] * generated
+    s.enqueued_at = enqueued
+    return s
+
+
+def _instance(index: int, blocks: int = 100, seqs: int = 8) -> InstanceHandle:
+    """A real handle with real books; nothing below it is needed to place chunks."""
+    inst = InstanceHandle(index)
+    inst.info = InstanceInfo(blocks, 16, seqs, 4096)
+    inst.books = InstanceBooks(inst.info)
+    return inst
+
+
+# -- Request Buffer --------------------------------------------------------------------
+
+
+def test_the_buffer_hands_out_what_fits_in_need_order():
+    needs: dict[str, int] = {}
+    buffer = RequestBuffer(lambda s: needs[s.key])
+    g = _group(n=5)
+    samples = [_sample(g, i) for i in range(5)]
+    for s, need in zip(samples, (7, 3, 9, 3, 1)):
+        needs[s.key] = need
+        buffer.add(s)
+    assert len(buffer) == 5 and samples[2] in buffer
+    assert [s.sample_index for s in buffer.fitting(3)] == [4, 1, 3]  # ties keep arrival order
+    assert buffer.fitting(0) == [] and len(buffer.fitting(100)) == 5
+    needs[samples[0].key] = 1  # a need is fixed while the sample waits
+    assert buffer.need(samples[0]) == 7 and samples[0] not in buffer.fitting(6)
+    buffer.remove(samples[1])
+    assert [s.sample_index for s in buffer.fitting(3)] == [4, 3] and samples[1] not in buffer
+    with pytest.raises(KeyError):
+        buffer.remove(samples[1])
+    for s in list(buffer):
+        buffer.remove(s)
+    assert not buffer and buffer.fitting(100) == []
+
+
+# -- books -----------------------------------------------------------------------------
+
+
+def test_books_reserve_release_and_lose():
+    inst = _instance(0, blocks=10, seqs=2)
+    books = inst.books
+    g = _group()
+    a, b = _sample(g, 0), _sample(g, 1)
+    books.reserve("a#0", a, 6)
+    assert books.free_blocks == 4 and books.has_work and books.has_free_seq
+    books.reserve("b#0", b, 3)
+    assert books.free_blocks == 1 and not books.has_free_seq and books.group_ids() == ["g0"]
+    assert books.release("a#0").sample is a and books.free_blocks == 7
+    assert books.release("a#0") is None and books.free_blocks == 7  # released once only
+    assert [c.sample for c in books.lose()] == [b]
+    assert books.free_blocks == 10 and not books.has_work
+
+
+# -- placement -------------------------------------------------------------------------
+
+
+def test_placement_prefers_the_longest_cached_prefix_until_loads_drift_apart():
+    insts = [_instance(i) for i in range(3)]
+    held = {0: 0, 1: 512, 2: 40}  # context tokens each instance holds of the response
+    placement = SeerPlacement(spread_threshold=2, pull_threshold_tokens=512)
+    assert placement.choose(insts, lambda i: held[i.index], [0, 0, 0]) is insts[1]
+    g = _group()
+    for k in range(3):  # instance 1 takes 3 chunks more than instance 0: spread 3 > 2
+        insts[1].books.reserve(f"x{k}", _sample(g, k), 1)
+    insts[2].books.reserve("y", _sample(g, 3), 1)
+    loads = [len(i.books.in_flight) for i in insts]
+    assert placement.choose(insts, lambda i: held[i.index], loads) is insts[0]  # least loaded
+    assert placement.choose(insts[1:], lambda i: held[i.index], loads) is insts[2]
+    assert not placement.should_pull(512) and placement.should_pull(513)
+
+
+def test_placement_breaks_prefix_ties_by_load_then_free_blocks():
+    insts = [_instance(0, blocks=50), _instance(1, blocks=80), _instance(2, blocks=80)]
+    g = _group()
+    insts[2].books.reserve("z", _sample(g, 0), 10)
+    # Same prefix everywhere, same load on 0 and 1: the roomier instance 1 wins.
+    assert SeerPlacement().choose(insts, lambda i: 0, [0, 0, 1]) is insts[1]
+    with pytest.raises(ValueError):
+        SeerPlacement(spread_threshold=-1)
+
+
+# -- Context Manager -------------------------------------------------------------------
+
+
+def test_context_manager_order():
+    ctx = ContextManager(starvation_s=100.0)
+    params = SamplingParams(max_tokens=1000)
+    groups = [Group(f"g{i}", [1], params, 3, 1000, order=i) for i in range(4)]
+    for g in groups:
+        ctx.register(g, 1000)
+    # g1 and g2 each have a finished response: 300 and 700 tokens.
+    for g, length in ((groups[1], 300), (groups[2], 700)):
+        done = _sample(g, 0, generated=length)
+        ctx.on_finished(done)
+    assert ctx.estimate("g1") == 300 and ctx.estimate("g2") == 700 and ctx.estimate("g0") == 1000
+    pending = [
+        _sample(groups[1], 1),
+        _sample(groups[2], 1),
+        _sample(groups[0], 1),
+        _sample(groups[3], 0, generated=50),  # probe with 50 generated
+        _sample(groups[0], 0, generated=10),  # probe with 10 generated
+        _sample(groups[2], 2, enqueued=-500.0),  # starving
+    ]
+    order = sorted(pending, key=lambda s: ctx.priority(s, now=0.0))
+    assert [s.key for s in order] == ["g2/2", "g0/0", "g3/0", "g0/1", "g2/1", "g1/1"]
