@@ -8,7 +8,7 @@ commands to the engine thread through a queue and get results back on their loop
 The thread blocks on the queue when there is nothing to step, so an idle server
 costs nothing.
 
-The thread drives a ``StepEngine``: one ``LLMEngine``, or in rollout mode the rollout
+The thread drives a ``ServingBackend``: one ``LLMEngine``, or in rollout mode the rollout
 backend (several instances behind the Request Buffer), so both modes share this one
 code path.
 """
@@ -30,7 +30,7 @@ from seer_engine.engine.client import (
     EngineDeadError,
     PauseMode,
     ServerStats,
-    StepEngine,
+    ServingBackend,
 )
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
@@ -78,7 +78,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine_factory: Callable[[], StepEngine],
+        engine_factory: Callable[[], ServingBackend],
         model_name: str,
         tokenizer_path: str | None = None,
         weight_version: str = "default",
@@ -97,7 +97,7 @@ class AsyncEngine:
         # Prompts are checked and tokenized here, one at a time, off the engine thread.
         self._intake = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seer-intake")
         # Engine-thread state: touched only by the engine thread.
-        self._engine: StepEngine | None = None
+        self._engine: ServingBackend | None = None
         self._sinks: dict[str, Sink] = {}
         self._held: list[_Add] = []
         self._paused: str | None = None

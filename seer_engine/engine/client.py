@@ -1,6 +1,6 @@
 """What the OpenAI server codes against: ``EngineClient``, its errors and its stats.
 
-One implementation, ``AsyncEngine``, drives a ``StepEngine`` (a plain ``LLMEngine``
+One implementation, ``AsyncEngine``, drives a ``ServingBackend`` (a plain ``LLMEngine``
 or the rollout backend: several instances behind the Request Buffer) on a thread of
 its own.
 """
@@ -104,7 +104,7 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-class StepEngine(Protocol):
+class ServingBackend(Protocol):
     """What ``AsyncEngine`` drives on its thread: an ``LLMEngine``, or the rollout
     backend (an engine pool behind the Request Buffer)."""
 
