@@ -218,6 +218,39 @@ def test_spawned_child_shares_the_pool(store):
     assert store.used_slots == 4
 
 
+_DIES_MID_PUT = (
+    "import os, pickle, sys, torch\n"
+    "from seer_engine.kv_connector.local import LocalStore\n"
+    "s = LocalStore.open(pickle.loads(bytes.fromhex(sys.argv[1])))\n"
+    "class Dies:\n"
+    "    def __setitem__(self, slots, value):\n"
+    "        os._exit(3)  # killed after claiming its slots, before copying\n"
+    "s._m.slab = Dies()\n"
+    "s.put(sys.argv[2:], torch.zeros(len(sys.argv) - 2, 16))\n"
+)
+
+
+def _die_mid_put(store: LocalStore, keys: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-c", _DIES_MID_PUT, pickle.dumps(store.spec).hex(), *keys],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 3, done.stderr
+
+
+def test_slots_of_a_put_that_died_are_taken_back():
+    """An instance killed while saving a chunk's KV leaves claimed slots: removing the
+    response (it finished elsewhere) or a put into a full pool takes them back."""
+    store = LocalStore.create(capacity_bytes=3 * BB, block_bytes=BB)
+    try:
+        _die_mid_put(store, ["r/0", "r/1"])
+        assert store.used_slots == 2 and store.count_leading(["r/0"]) == 0
+        assert store.remove_prefix("r/") == 0 and store.used_slots == 0
+        _die_mid_put(store, ["q/0", "q/1"])
+        store.put(["a/0", "a/1", "a/2"], rows(1, 2, 3))  # needs every slot: the dead put's go
+        assert read(store, ["a/0", "a/1", "a/2"]) == [1.0, 2.0, 3.0] and store.used_slots == 3
+    finally:
+        store.close()
+
+
 def test_unrelated_process_exit_keeps_the_pool(store):
     """A process with its own resource tracker that attaches and exits without close."""
     store.put(["p/0"], rows(1))

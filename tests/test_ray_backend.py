@@ -61,7 +61,7 @@ def test_actors_migrate_through_the_local_pool_and_keep_outputs(ray_pool, refere
     assert m.migrations > 0 and m.pool_loads > 0 and m.pool_failures == 0
     assert m.recomputed_tokens < m.migrations * BLOCK, "a restore computes at most a partial block"
     assert m.backend == "ray" and m.kv_connector == "local"
-    assert ray_pool.call_all("reset_prefix_cache") == [None, None]
+    assert [inst.call("reset_prefix_cache") for inst in ray_pool.alive] == [None, None]
     with pytest.raises(ValueError, match="do not forward"):
         ray_pool.instances[0].call("generate")  # the worker's ValueError, as it was raised
 
@@ -83,7 +83,7 @@ def test_a_killed_actor_requeues_its_responses(ray_pool, reference):
     victim = pool.instances[1]
     # Run until the victim holds responses past their first chunk (their last boundary
     # is in the pool), then kill its actor.
-    while not victim.in_flight or not any(
+    while not victim.books.in_flight or not any(
         s.instance == 1 and s.chunks >= 2 and s.num_generated for v in samples.values() for s in v
     ):
         rollout.step()

@@ -183,9 +183,11 @@ class LLMEngine:
         priority: int = 0,
         group_id: str | None = None,
         stream: bool = False,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> list[Request]:
-        """Check and queue a request (n samples); returns the scheduler requests it became."""
-        checked = self.input_processor.process(prompt, params)
+        """Check and queue a request (n samples); returns the scheduler requests it became.
+        ``prior_output_token_ids``: see ``add_checked``."""
+        checked = self.input_processor.process(prompt, params, prior_output_token_ids)
         return self.add_checked(request_id, checked, priority, group_id, stream)
 
     def add_checked(

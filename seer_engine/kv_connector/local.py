@@ -4,9 +4,10 @@ separate processes on one host.
 The pool is two shared-memory segments and a lock file:
 
 * the data slab: ``num_slots`` fixed-size slots of ``block_bytes`` (one KV block each);
-* the index: a small header and three ``uint64`` arrays, one entry per slot: the hash of
-  the key in the slot, the hash of its parent (the key up to its last ``/``) and a
-  version that changes whenever the slot changes hands;
+* the index: a small header and four ``uint64`` arrays, one entry per slot: the hash of
+  the key in the slot, the hash of its parent (the key up to its last ``/``), a
+  version that changes whenever the slot changes hands, and the pid of the put that
+  claimed it;
 * a lock file: ``fcntl.flock`` on it serialises index access across processes. It is
   always taken exclusive: the sections are short (a scan of the index), and shared locks
   would let a stream of readers starve a writer. The kernel drops a dead process's lock,
@@ -29,9 +30,11 @@ cheap for pools of real KV blocks (a block is hundreds of KiB, so a pool of many
 has some 10^4 slots: well under a millisecond); millions of tiny slots would want a
 hash table instead.
 
-A process that dies between claiming slots and publishing them leaves those slots
-claimed until the pool is recreated. An overwrite reads as absent while it is written
-(the connector then recomputes), and is lost if its copy fails.
+A process that dies between claiming slots and publishing them (an instance killed
+mid-save) leaves them claimed; they are taken back when their parent is removed or
+when a put finds the pool full, once the claiming pid is gone. An overwrite reads as
+absent while it is written (the connector then recomputes), and is lost if its copy
+fails.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ _CANCELLED = 2  # claimed, but its parent was removed meanwhile: freed at publis
 _FIRST_HASH = 3
 
 _MAGIC = 0x5EE2_4B56_504F_4F4C  # "seer KV POOL"; marks an index segment as ours
-_LAYOUT = 1
+_LAYOUT = 2
 _HEADER_WORDS = 4  # magic, layout, num_slots, block_bytes
 _READ_TRIES = 4  # a read retries when a concurrent put/remove takes one of its slots mid-copy
 
@@ -148,12 +151,13 @@ class _Mapping:
         # numpy, not torch: its single-threaded memcpy is as fast for one block, and torch's
         # intra-op threads can cost milliseconds per copy on a busy host.
         self.slab: np.ndarray | None = np.ndarray((n, spec.block_bytes), dtype=np.uint8, buffer=data.buf)
-        words = _HEADER_WORDS + 3 * n
+        words = _HEADER_WORDS + 4 * n
         table = np.ndarray((words,), dtype=np.uint64, buffer=index.buf)
         self.header: np.ndarray | None = table[:_HEADER_WORDS]
         self.keys: np.ndarray | None = table[_HEADER_WORDS : _HEADER_WORDS + n]
         self.parents: np.ndarray | None = table[_HEADER_WORDS + n : _HEADER_WORDS + 2 * n]
-        self.versions: np.ndarray | None = table[_HEADER_WORDS + 2 * n :]
+        self.versions: np.ndarray | None = table[_HEADER_WORDS + 2 * n : _HEADER_WORDS + 3 * n]
+        self.writers: np.ndarray | None = table[_HEADER_WORDS + 3 * n :]  # pid of the claiming put
 
     def fd(self) -> int:
         if self.lock_pid != os.getpid():
@@ -166,9 +170,26 @@ class _Mapping:
         return self.lock_fd
 
 
+def _abandoned(m: _Mapping, among: np.ndarray) -> np.ndarray:
+    """Slots in ``among`` claimed by a put whose process is gone (it died mid-copy)."""
+    claimed = np.flatnonzero(among & ((m.keys == _WRITING) | (m.keys == _CANCELLED)))
+    dead = [slot for slot in claimed.tolist() if not _pid_alive(int(m.writers[slot]))]
+    return np.asarray(dead, dtype=np.int64)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _release(m: _Mapping) -> None:
     """Detach; the owning process (not a forked child of it) also destroys the pool."""
-    m.slab = m.header = m.keys = m.parents = m.versions = None
+    m.slab = m.header = m.keys = m.parents = m.versions = m.writers = None
     for shm in (m.data, m.index):
         try:
             shm.close()
@@ -230,7 +251,7 @@ class LocalStore(BlockStore):
         try:
             with _TRACKER_LOCK:  # registered: the tracker unlinks them if this process dies
                 made.append(SharedMemory(spec.data_name, create=True, size=num_slots * block_bytes))
-                index_bytes = 8 * (_HEADER_WORDS + 3 * num_slots)
+                index_bytes = 8 * (_HEADER_WORDS + 4 * num_slots)
                 made.append(SharedMemory(spec.index_name, create=True, size=index_bytes))  # zeros: free
             os.close(os.open(spec.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
             lock_made = True
@@ -349,6 +370,9 @@ class LocalStore(BlockStore):
             need = int(new.sum())
             if need:
                 free = np.flatnonzero(m.keys == _FREE)
+                if len(free) < need:
+                    self._free_slots(m, _abandoned(m, np.ones_like(m.keys, dtype=bool)))
+                    free = np.flatnonzero(m.keys == _FREE)
                 if len(free) < need:  # before any change: a failed put leaves nothing behind
                     raise KVPoolError(
                         f"local KV pool full: {need} new blocks, {len(free)} of {m.keys.size} slots free "
@@ -358,6 +382,7 @@ class LocalStore(BlockStore):
             m.keys[slots] = _WRITING
             m.parents[slots] = parent_h
             m.versions[slots] += 1
+            m.writers[slots] = os.getpid()
         try:
             m.slab[slots] = rows.numpy()
         except BaseException:
@@ -419,6 +444,7 @@ class LocalStore(BlockStore):
         parent_h = _hash(prefix[:-1])
         with self._locked() as m:
             ours = m.parents == parent_h
+            self._free_slots(m, _abandoned(m, ours))
             m.keys[ours & (m.keys == _WRITING)] = _CANCELLED  # the put frees them when done
             published = np.flatnonzero(ours & (m.keys >= _FIRST_HASH))
             self._free_slots(m, published)
