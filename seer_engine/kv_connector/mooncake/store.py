@@ -309,7 +309,7 @@ class MooncakeStore(BlockStore):
             )
         return self._h.client
 
-    def _masteranswers(self, what: str) -> None:
+    def _check_master_answers(self, what: str) -> None:
         """Fail fast where the client would retry for seconds: with its master gone, every
         call (lookups included) can block for ~4 to ~13 s. A loopback probe costs ~40 us."""
         if not answers(self._host, self._port):
@@ -357,7 +357,7 @@ class MooncakeStore(BlockStore):
         rows = rows.to("cpu").contiguous().reshape(len(keys), -1).view(torch.uint8).numpy()
         with self._lock:
             client = self._live("put")
-            self._masteranswers(f"put {len(keys)} blocks")
+            self._check_master_answers(f"put {len(keys)} blocks")
             per = self._stage(bb)
             staging = self._h.staging
             base = staging.data_ptr()
@@ -385,7 +385,7 @@ class MooncakeStore(BlockStore):
             dst = np.empty((len(keys), bb), dtype=np.uint8)
         with self._lock:
             client = self._live("get")
-            self._masteranswers(f"get {len(keys)} blocks")
+            self._check_master_answers(f"get {len(keys)} blocks")
             per = self._stage(bb)
             staging = self._h.staging
             base = staging.data_ptr()
@@ -407,7 +407,7 @@ class MooncakeStore(BlockStore):
     def count_leading(self, keys: list[str]) -> int:
         with self._lock:
             client = self._live("look up keys")
-            self._masteranswers(f"look up {len(keys)} keys")
+            self._check_master_answers(f"look up {len(keys)} keys")
             for start in range(0, len(keys), self.max_batch):
                 part = keys[start : start + self.max_batch]
                 for i, (key, found) in enumerate(zip(part, client.batch_is_exist(part))):
@@ -423,7 +423,7 @@ class MooncakeStore(BlockStore):
             raise ValueError("an empty prefix would remove the whole pool")
         with self._lock:
             client = self._live(f"remove {prefix!r}")
-            self._masteranswers(f"remove {prefix!r}")
+            self._check_master_answers(f"remove {prefix!r}")
             # force: readers hold leases (10 s) that would make the removal fail
             removed = client.remove_by_regex(_regex_prefix(prefix), force=True)
         if removed < 0:
