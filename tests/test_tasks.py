@@ -54,7 +54,16 @@ def replay_arith(question: str) -> int:
     return value
 
 
-@pytest.mark.parametrize("knobs", [{}, {"steps": 1}, {"steps": 6, "max_operand": 50, "max_total": 2000}])
+ARITH_KNOBS = [
+    {},
+    {"steps": 1},
+    {"steps": 6, "max_operand": 50, "max_total": 2000},
+    {"steps": 4, "ops": ("add", "sub")},
+    {"steps": 2, "ops": ("div", "mul")},
+]
+
+
+@pytest.mark.parametrize("knobs", ARITH_KNOBS)
 def test_arith_answers_are_exact(knobs):
     task = get_task("arith", **knobs)
     steps = knobs.get("steps", 3)
@@ -63,6 +72,10 @@ def test_arith_answers_are_exact(knobs):
         assert int(p.answer) <= task.max_total
         assert len(re.findall(r"[.?](?: |$)", p.question)) == steps + 2  # start, steps, question
         assert "####" in p.messages[-1]["content"] and p.messages[-1]["role"] == "user"
+        if "ops" in knobs:
+            kinds = {"add": "more", "sub": "friend|loses", "div": "half|keeps one", "mul": "doubles|triples"}
+            pattern = "|".join(kinds[o] for o in knobs["ops"])
+            assert all(re.search(pattern, s) for s in re.findall(r"[^.?]+[.?]", p.question)[1:-1])
 
 
 HARD_COUNTDOWN = {"numbers": 6, "max_number": 100, "min_target": 100, "max_target": 999}
@@ -114,6 +127,10 @@ def test_registry_and_knob_errors():
         get_task("arith", digits=3)
     with pytest.raises(ValueError, match="steps must be >= 1"):
         get_task("arith", steps=0)
+    with pytest.raises(ValueError, match="ops must be a non-empty subset of add, sub, groups, mul, div"):
+        get_task("arith", ops=("add", "pow"))
+    with pytest.raises(ValueError, match="cannot make 20 steps within max_total 40"):
+        get_task("arith", ops=("mul",), steps=20, max_total=40).problems(1)
     with pytest.raises(ValueError, match="min_used <= numbers"):
         get_task("countdown", numbers=3, min_used=4)
     with pytest.raises(ValueError, match="found no target in \\[500, 600\\]"):

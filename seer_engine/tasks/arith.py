@@ -25,11 +25,13 @@ _AFTER_MARKER = re.compile(re.escape(MARKER) + r"\s*([^\n]*)")
 
 @dataclass
 class ArithTask(Task):
-    """``steps`` events after the start; operands up to ``max_operand``; counts up to ``max_total``."""
+    """``steps`` events after the start; operands up to ``max_operand``; counts up to
+    ``max_total``; events drawn from ``ops`` (a subset of OPS: fewer kinds is easier)."""
 
     steps: int = 3
     max_operand: int = 20
     max_total: int = 500
+    ops: tuple[str, ...] = OPS
     require_marker: bool = False  # False: a response without "####" is graded on its last number
 
     name = "arith"
@@ -41,17 +43,28 @@ class ArithTask(Task):
                 f"arith: need max_operand >= 2 and max_total >= 2 * max_operand, "
                 f"got max_operand={self.max_operand}, max_total={self.max_total}"
             )
+        self.ops = tuple(self.ops)
+        unknown = sorted(set(self.ops) - set(OPS))
+        if unknown or not self.ops:
+            raise ValueError(f"arith: ops must be a non-empty subset of {', '.join(OPS)}, got {self.ops}")
 
     def _make(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
         name, items = rng.choice(NAMES), rng.choice(ITEMS)
-        value = rng.randint(2, self.max_operand)
-        sentences = [f"{name} has {value} {items}."]
-        for _ in range(self.steps):
-            op = rng.choice([o for o in OPS if self._allowed(o, value)])
-            value, sentence = self._apply(op, value, rng, name, items)
-            sentences.append(sentence)
-        question = " ".join(sentences) + f" How many {items} does {name} have now?"
-        return question, str(value), {"answer": value}
+        for _ in range(100):  # a start from which ``ops`` cannot go on is drawn again
+            value = rng.randint(2, self.max_operand)
+            sentences = [f"{name} has {value} {items}."]
+            for _ in range(self.steps):
+                usable = [o for o in self.ops if self._allowed(o, value)]
+                if not usable:
+                    break
+                value, sentence = self._apply(rng.choice(usable), value, rng, name, items)
+                sentences.append(sentence)
+            else:
+                question = " ".join(sentences) + f" How many {items} does {name} have now?"
+                return question, str(value), {"answer": value}
+        raise ValueError(
+            f"arith: ops {self.ops} cannot make {self.steps} steps within max_total {self.max_total}"
+        )
 
     def _allowed(self, op: str, value: int) -> bool:
         if op == "sub":
@@ -89,9 +102,10 @@ class ArithTask(Task):
         return value // factor, f"{name} splits the {items} equally into {factor} bags and keeps one bag."
 
     def instructions(self, data: dict[str, Any]) -> str:
+        # No example number: small models copy it as their answer.
         return (
-            "Solve the problem step by step. On the last line, write the final answer as a "
-            f"number after '{MARKER}', for example: {MARKER} 42"
+            "Solve the problem step by step. On the last line, write the final answer "
+            f"after '{MARKER}', like this: {MARKER} <number>"
         )
 
     def grade(self, problem: Gradable, response: str) -> Grade:

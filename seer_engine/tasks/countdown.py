@@ -118,9 +118,10 @@ class CountdownTask(Task):
         )
 
     def instructions(self, data: dict[str, Any]) -> str:
+        # No example expression: small models copy it as their answer.
         return (
-            "Think it through, then give only the expression inside <answer></answer>, "
-            "for example: <answer>(1 + 2) * 3</answer>"
+            "Think it through, then write only the final expression between answer tags, "
+            "like this: <answer>expression</answer>"
         )
 
     def grade(self, problem: Gradable, response: str) -> Grade:
