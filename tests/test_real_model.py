@@ -57,7 +57,7 @@ def test_greedy_equals_transformers():
         for p in CHAT_PROMPTS
     ]
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    llm = LLM(model="smollm2-135m", max_model_len=1024, num_kv_blocks=256)
+    llm = LLM(model="smollm2-135m", max_model_len=1024, num_kv_blocks=256, num_threads=1)
     assert llm.engine.model_config.path == FOLDER
     assert [llm.engine.detokenizer.encode(p) for p in prompts] == ids
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -81,7 +81,7 @@ def real_server(tmp_path_factory):
     args = [
         "--model", str(FOLDER), "--served-model-name", "smollm2-135m",
         "--api-key", "test-key", "--data-dir", str(root / "data"),
-        "--max-model-len", "1024", "--num-kv-blocks", "256", "--log-level", "warning",
+        "--max-model-len", "1024", "--num-kv-blocks", "256", "--num-threads", "1", "--log-level", "warning",
     ]  # fmt: skip
     proc = ServerProcess(args, root / "server.log").start(timeout=300)
     yield proc
