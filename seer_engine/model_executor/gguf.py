@@ -175,7 +175,7 @@ def _load_dense(info: GGUFInfo, dtype: str) -> tuple[Any, Any]:
             config.head_dim = info.head_dim
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, **kwargs)
-    except (ValueError, OSError, KeyError, NotImplementedError) as e:
+    except (ValueError, OSError, KeyError, NotImplementedError, RuntimeError) as e:
         raise GGUFError(f"transformers could not read {info.path}: {e}") from e
     packed = sorted({type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()})
     if packed:
