@@ -181,3 +181,23 @@ def http(server):
 def model(server) -> str:
     """The name clients use for the served model."""
     return server.model
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """``start_server(*args) -> ServerProcess``: a server of this test's own (stopped at the
+    end), for tests that need other flags or break the server on purpose."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        root = tmp_path / f"server{len(started)}"
+        root.mkdir()
+        common = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--data-dir", str(root / "data"),
+                  "--log-level", "warning"]  # fmt: skip
+        proc = ServerProcess([*common, *args], root / "server.log")
+        started.append(proc)
+        return proc.start(timeout=240)
+
+    yield start
+    for proc in started:
+        proc.stop()

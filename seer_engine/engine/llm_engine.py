@@ -17,6 +17,7 @@ from seer_engine.core.policies import SchedulingPolicy, make_policy
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig
 from seer_engine.core.seeds import child_seed
+from seer_engine.engine.client import Health
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
@@ -357,6 +358,9 @@ class LLMEngine:
             drafter_s=self.drafter.stats.observe_s + self.drafter.stats.propose_s if self.drafter else 0.0,
             **asdict(sched.stats),
         )
+
+    def health(self) -> Health:
+        return Health()
 
     @property
     def is_sleeping(self) -> bool:

@@ -108,6 +108,7 @@ class InstanceInfo:
     max_num_seqs: int
     max_model_len: int
     vocab_size: int = 0
+    pid: int = 0  # of the process the engine runs in (an operator may need to find it)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
