@@ -22,6 +22,8 @@ from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.policies import ROLLOUT_POLICIES, make_rollout_policy
 from seer_engine.rollout.report import Progress, format_table, write_report
+from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+from seer_engine.sim.setups import SETUPS
 from seer_engine.workloads.replay import ReplayWorkload
 
 
@@ -51,8 +53,29 @@ def add_cli(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--report", default=None, help="write report.json and report.png here")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        help="wall: instances' clocks follow measured step times; or a modeled clock, a setup name "
+        f"({', '.join(SETUPS)}) or an instance profile JSON (seer_engine profile): the engines run and "
+        "decide everything for real, each instance's clock advances by the profile's price of the work "
+        "its step did (instances then step one at a time, in modeled-time order)",
+    )
     RolloutConfig.add_cluster_args(p)
     p.set_defaults(func=run_bench_rollout)
+
+
+def step_timer(clock: str) -> StepTimeModel | None:
+    """``--clock``: None for the wall clock, else the step-time model to run on."""
+    if clock == "wall":
+        return None
+    if clock in SETUPS:
+        return SETUPS[clock].profile.step
+    if Path(clock).suffix == ".json" or Path(clock).is_file():
+        return InstanceProfile.load(clock).step
+    raise ValueError(
+        f"--clock must be 'wall', a setup ({', '.join(SETUPS)}) or a profile JSON, got {clock!r}"
+    )
 
 
 def _trace_model(args: argparse.Namespace, max_len: int) -> str:
@@ -85,6 +108,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
                 f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}, optionally with "
                 f"+{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
             )
+    timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
     if not Path(args.trace).is_file():
         raise ValueError(f"trace file {args.trace!r} not found")
     trace = select_groups(load_trace(args.trace), args.groups)
@@ -115,7 +139,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     for name in policies:
         policy = _bench_policy(name, true_lengths, args.starvation_s)
         progress = Progress(name, total)
-        with cluster.make_pool(cfg, policy, replay) as pool:
+        with cluster.make_pool(cfg, policy, replay, step_timer=timer) as pool:
             pool.reset_clocks()
             start = time.perf_counter()
             dispatcher = Dispatcher(
@@ -133,6 +157,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
             "instances": args.instances,
             "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
             "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
+            "clock": args.clock,
         }  # fmt: skip
         path = write_report(Path(args.report), results, meta)
         print(f"wrote {path} and {path.with_suffix('.png')}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from seer_engine.engine.stats import EngineStats
+from seer_engine.engine.stats import EngineStats, StepShape
 from seer_engine.kv_connector.base import ConnectorStats
 from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import SamplingParams
@@ -124,6 +124,7 @@ class StepReply:
     drafter: SpecDecodeStats | None
     connector: ConnectorStats
     loads: list = field(default_factory=list)  # (request id, context tokens, LoadResult) per pool load
+    shapes: list[StepShape] = field(default_factory=list)  # what each engine step in it computed
     draft_updates: list = field(default_factory=list)  # new tokens for the draft server (processes)
 
 

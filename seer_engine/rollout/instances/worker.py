@@ -104,6 +104,7 @@ class InstanceWorker:
             drafter=self.engine.drafter.stats if self.engine.drafter else None,
             connector=self.connector.stats,
             loads=loads,
+            shapes=[self.engine.last_step_shape] if self.engine.last_step_shape is not None else [],
             draft_updates=self.replica.take_updates() if self.replica is not None else [],
         )
 
