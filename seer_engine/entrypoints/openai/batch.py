@@ -26,8 +26,9 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
-from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
+from seer_engine.entrypoints.openai.errors import APIError, BodyError, as_api_error, error_body
 from seer_engine.entrypoints.openai.files import FileStore, atomic_write, page
+from seer_engine.entrypoints.openai.json_body import JSONRoute, decode_utf8, parse_json_text
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, BatchCreateRequest
 
 logger = logging.getLogger(__name__)
@@ -53,16 +54,17 @@ def parse_lines(content: bytes, endpoint: str) -> list[dict]:
     lines: list[dict] = []
     seen: set[str] = set()
     try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BatchLineError(0, "invalid_file", "the input file is not UTF-8 text") from None
+        text = decode_utf8(content, "the input file")
+    except BodyError as e:
+        raise BatchLineError(0, "invalid_file", e.message) from None
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            line = json.loads(raw)
-        except ValueError as e:
-            errors.append({"code": "invalid_json_line", "message": f"not valid JSON: {e}", "line": number})
+            line = parse_json_text(raw, "the line")
+        except BodyError as e:
+            record = {"code": "invalid_json_line", "message": e.message, "line": number, "param": e.param}
+            errors.append(record)
             continue
         problem = _line_problem(line, endpoint, seen)
         if problem:
@@ -97,7 +99,7 @@ def _line_problem(line: Any, endpoint: str, seen: set[str]) -> tuple[str, str] |
 class BatchValidationError(Exception):
     def __init__(self, errors: list[dict]) -> None:
         super().__init__(f"{len(errors)} invalid lines")
-        self.records = [{**e, "param": None} for e in errors]
+        self.records = [{"param": None, **e} for e in errors]
 
 
 class BatchStore:
@@ -257,7 +259,7 @@ class BatchManager:
     async def _execute(self, batch: dict) -> None:
         try:
             content = await asyncio.to_thread(self.files.read, batch["input_file_id"])
-            lines = parse_lines(content, batch["endpoint"])
+            lines = await asyncio.to_thread(parse_lines, content, batch["endpoint"])
         except (APIError, BatchLineError, BatchValidationError) as e:
             if isinstance(e, BatchValidationError):
                 records = e.records
@@ -365,7 +367,7 @@ def _usage(input_tokens: int, output_tokens: int) -> dict:
 
 
 def batches_router(manager: BatchManager) -> APIRouter:
-    router = APIRouter(tags=["batches"], responses=ERROR_RESPONSES)
+    router = APIRouter(tags=["batches"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 
     @router.post("/v1/batches")
     async def create_batch(req: BatchCreateRequest) -> dict:

@@ -22,6 +22,7 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 
 from seer_engine.entrypoints.openai.errors import APIError
+from seer_engine.entrypoints.openai.json_body import JSONRoute
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def page(items: list[dict], after: str | None, limit: int) -> dict:
 
 
 def files_router(store: FileStore) -> APIRouter:
-    router = APIRouter(tags=["files"], responses=ERROR_RESPONSES)
+    router = APIRouter(tags=["files"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 
     @router.post("/v1/files")
     async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)) -> dict:  # noqa: B008
