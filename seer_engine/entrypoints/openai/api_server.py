@@ -28,7 +28,8 @@ from seer_engine.engine.client import EngineClient
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.entrypoints.openai.admin import admin_router
-from seer_engine.entrypoints.openai.batch import BatchManager, BatchStore, batches_router
+from seer_engine.entrypoints.openai.batch import BatchManager, batches_router
+from seer_engine.entrypoints.openai.batch_store import BatchStore
 from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers
 from seer_engine.entrypoints.openai.files import FileStore, files_router
 from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
