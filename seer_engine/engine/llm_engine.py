@@ -39,13 +39,12 @@ from seer_engine.spec_decode.proposers import Proposer, make_proposer
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(model: str) -> Path:
-    """``tiny`` names the built-in random-weight model (created on first use)."""
-    if model == "tiny":
-        from seer_engine.model_executor.tiny_model import default_tiny_model_dir
+def resolve_model_path(model: str, dtype: str = "auto") -> Path:
+    """A folder, ``tiny``, an alias (``smollm2-135m``) or a ``.gguf`` file as a model
+    folder; aliases and GGUF files are fetched/converted on first use (model_source)."""
+    from seer_engine.model_executor.model_source import resolve_model
 
-        return default_tiny_model_dir()
-    return Path(model).expanduser()
+    return resolve_model(model, dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,7 +75,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.dtype)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer_path = Path(config.tokenizer or path)
         self.detokenizer = Detokenizer.from_pretrained(self.tokenizer_path)
