@@ -235,36 +235,58 @@ def write_report(out: Path) -> None:
             f"| KV blocks leaked | {kv['leaked']:.0f} |",
             "",
         ]
+        procs = r["samples"][-1]["procs"]
+        lines[-1:-1] = [f"| RSS per process at the end | {', '.join(_mb(k, v) for k, v in procs.items())} |"]
     lines += [
         "![RSS over time](soak.png)",
         "",
-        "The model is the built-in tiny random-weight model: the run measures the server, not the",
-        "model. Pass: 0 errors, RSS after the warm-up within "
-        f"{next(iter(runs.values()))['meta']['tolerance_pct'] if runs else 5}% of its level at the end "
-        "of the warm-up, 0 leaked KV blocks.",
+        "The load: requests spread evenly over the run (at most 64 in flight), a seeded mix of",
+        "completions (45%), streamed completions (15%), chat completions (15%), n=4 groups (10%),",
+        "token-id prompts with echo and logprobs (10%), and requests the server must refuse with",
+        "400 (5%: a negative temperature, a lone surrogate, n=0). RSS of the server process and",
+        "every process under it (the rollout instances and multiprocessing's resource tracker)",
+        "is sampled every few seconds. The model is the built-in tiny random-weight model: the",
+        "run measures the server, not the model. Pass: 0 errors, RSS after the warm-up within",
+        "the tolerance of its level at the end of the warm-up, 0 leaked KV blocks (/metrics).",
     ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     plot(runs, out / "soak.png")
 
 
+def _mb(name: str, rss: int) -> str:
+    return f"{name.split()[0]} {rss / 2**20:.0f} MB"
+
+
 def plot(runs: dict, path: Path) -> None:
+    """RSS over time per mode (top), and its change from the end of the warm-up (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, max(1, len(runs)), figsize=(6 * max(1, len(runs)), 4), squeeze=False)
-    for ax, (mode, r) in zip(axes[0], runs.items()):
-        samples = r["samples"]
+    cols = max(1, len(runs))
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 7), squeeze=False, height_ratios=[3, 2])
+    for col, (mode, r) in enumerate(runs.items()):
+        samples, flat = r["samples"], r["flatness"]
         ts = [s["t"] / 60 for s in samples]
-        ax.plot(ts, [s["total"] / 2**20 for s in samples], label="server + instances", color="black")
-        ax.plot(ts, [s["procs"]["server"] / 2**20 for s in samples], label="server process", color="tab:blue")
-        ax.axvline(r["flatness"]["warmup_s"] / 60, color="gray", linestyle="--", label="end of warm-up")
-        ax.set_title(f"{mode}: {r['load']['requests']} requests, {r['load']['errors']} errors")
-        ax.set_xlabel("minutes")
-        ax.set_ylabel("RSS (MB)")
-        ax.set_ylim(bottom=0)
-        ax.legend(loc="lower right")
+        top, bottom = axes[0][col], axes[1][col]
+        top.plot(ts, [s["total"] / 2**20 for s in samples], label="server + instances", color="black")
+        server = [s["procs"]["server"] / 2**20 for s in samples]
+        top.plot(ts, server, label="server process", color="tab:blue")
+        top.set_title(f"{mode}: {r['load']['requests']} requests, {r['load']['errors']} errors")
+        top.set_ylabel("RSS (MB)")
+        top.set_ylim(bottom=0)
+        top.legend(loc="lower right")
+        base = flat["base_rss_mb"] * 2**20
+        tol = r["meta"]["tolerance_pct"]
+        bottom.plot(ts, [100 * (s["total"] - base) / base for s in samples], color="black")
+        bottom.axhspan(-tol, tol, color="tab:green", alpha=0.15, label=f"within {tol:g}%")
+        bottom.set_ylim(-2 * tol, 2 * tol)
+        bottom.set_ylabel("change from end of warm-up (%)")
+        bottom.set_xlabel("minutes")
+        bottom.legend(loc="lower right")
+        for ax in (top, bottom):
+            ax.axvline(flat["warmup_s"] / 60, color="gray", linestyle="--")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
