@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from seer_engine.engine.client import EngineClient, EngineDeadError, ServerStats
 from seer_engine.entrypoints.openai.errors import APIError, error_response
+from seer_engine.entrypoints.openai.json_body import JSONRoute
 from seer_engine.entrypoints.openai.protocol import (
     ERROR_RESPONSES,
     AbortRequest,
@@ -99,7 +100,7 @@ def render_metrics(stats: ServerStats, model_name: str, prefix: str = "seer_engi
 
 
 def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], list[str]]) -> APIRouter:
-    router = APIRouter(tags=["rl"], responses=ERROR_RESPONSES)
+    router = APIRouter(tags=["rl"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 
     @router.get("/health")
     async def health() -> JSONResponse:
