@@ -137,11 +137,9 @@ def plot_timelines(results: dict[str, RolloutResult], path: Path) -> None:
         for i, timeline in enumerate(result.timelines):
             t = [p.time for p in timeline]
             ax_run.step(t, [p.running for p in timeline], where="post", color=colours[i], lw=lw)
-            ax_kv.step(
-                t, [100 * p.kv_usage for p in timeline], where="post", color=colours[i], lw=lw, alpha=0.6
-            )
-            ax_kv.step(t, [100 * p.kv_reserved for p in timeline], where="post", color=colours[i], lw=lw,
-                       ls="--", alpha=0.6)  # fmt: skip
+            style = {"where": "post", "color": colours[i], "lw": lw, "alpha": 0.6}
+            ax_kv.step(t, [100 * p.kv_usage for p in timeline], **style)
+            ax_kv.step(t, [100 * p.kv_reserved for p in timeline], ls="--", **style)
         grid, used, reserved = _mean_kv(result.timelines, result.metrics.makespan_s)
         ax_kv.plot(grid, used, color="black", lw=1.6)
         ax_kv.plot(grid, reserved, color="black", lw=1.6, ls="--")
