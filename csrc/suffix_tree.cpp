@@ -16,6 +16,11 @@
 // requesting sequence itself, whose end is the context being matched) carry no
 // information about the next token and do not dilute the estimate.
 //
+// Weights: each sequence has a positive integer weight (default 1), and every node
+// counts the weighted occurrences of its string: a sequence of weight k counts exactly
+// as k copies of it would.  A drafter gives responses of earlier iterations a lower
+// weight than live siblings by giving the live ones a larger weight.
+//
 // Memory: nodes are 16-byte records in fixed-size chunks (growing never copies the
 // nodes already there, so an append never stalls on a reallocation of a large tree);
 // a node with a single child stores it inline (the common case deep in the trie),
@@ -82,20 +87,25 @@ class GroupSuffixTree {
 
   int max_depth() const { return max_depth_; }
 
-  // Starts a new sequence; it is an error if the key is already present.
-  void add_sequence(int64_t key, const std::vector<int32_t>& tokens) {
+  // Starts a new sequence of the given weight; it is an error if the key is already present.
+  void add_sequence(int64_t key, const std::vector<int32_t>& tokens, int32_t weight) {
     if (seqs_.count(key)) throw py::key_error("sequence " + std::to_string(key) + " exists");
-    extend(key, tokens);
+    if (weight < 1 || weight > kMaxWeight) {
+      throw std::invalid_argument("weight must be in [1, " + std::to_string(kMaxWeight) + "], got " +
+                                  std::to_string(weight));
+    }
+    check_tokens(tokens, weight);
+    Sequence& s = seqs_[key];
+    s.weight = weight;
+    append_all(s, tokens);
   }
 
-  // Appends tokens to a sequence (creating it if needed): O(max_depth) per token.
+  // Appends tokens to a sequence (creating it with weight 1 if needed): O(max_depth)
+  // per token.
   void extend(int64_t key, const std::vector<int32_t>& tokens) {
-    for (int32_t t : tokens) {
-      if (t < 0) throw std::invalid_argument("token ids must be >= 0, got " + std::to_string(t));
-    }
-    Sequence& s = seqs_[key];
-    if (s.active.empty()) s.active.push_back(kRoot);
-    for (int32_t t : tokens) append_token(s, t);
+    auto it = seqs_.find(key);
+    check_tokens(tokens, it == seqs_.end() ? 1 : it->second.weight);
+    append_all(it == seqs_.end() ? seqs_[key] : it->second, tokens);
   }
 
   // Removes a sequence and every occurrence it contributed; nodes left without
@@ -104,17 +114,18 @@ class GroupSuffixTree {
     auto it = seqs_.find(key);
     if (it == seqs_.end()) throw py::key_error("no sequence " + std::to_string(key));
     const std::vector<int32_t>& toks = it->second.tokens;
+    const int32_t w = it->second.weight;
     const size_t n = toks.size();
     std::vector<int32_t> dead;
     for (size_t i = 0; i < n; ++i) {
       int32_t node = kRoot;
-      nodes_[kRoot].count -= 1;
+      nodes_[kRoot].count -= w;
       const size_t end = std::min(n, i + static_cast<size_t>(max_depth_));
       for (size_t j = i; j < end; ++j) {
         const int32_t parent = node;
         node = find_child(parent, toks[j]);
-        nodes_[node].count -= 1;
-        nodes_[parent].child_total -= 1;
+        nodes_[node].count -= w;
+        nodes_[parent].child_total -= w;
         // Unlink now but keep walking through the node: its own edges stay intact
         // until the walk is over (its descendants on this walk die with it).
         if (nodes_[node].count == 0) {
@@ -125,6 +136,7 @@ class GroupSuffixTree {
       for (int32_t d : dead) free_node(d);
       dead.clear();
     }
+    num_tokens_ -= static_cast<int64_t>(n);
     seqs_.erase(it);
   }
 
@@ -136,6 +148,12 @@ class GroupSuffixTree {
     return static_cast<int64_t>(it->second.tokens.size());
   }
 
+  int32_t sequence_weight(int64_t key) const {
+    auto it = seqs_.find(key);
+    if (it == seqs_.end()) throw py::key_error("no sequence " + std::to_string(key));
+    return it->second.weight;
+  }
+
   std::vector<int64_t> sequence_keys() const {
     std::vector<int64_t> keys;
     keys.reserve(seqs_.size());
@@ -144,8 +162,8 @@ class GroupSuffixTree {
     return keys;
   }
 
-  // Occurrences of `path` (0 if absent or longer than max_depth); the empty path
-  // counts every token.
+  // Weighted occurrences of `path` (0 if absent or longer than max_depth); the empty
+  // path counts every token.
   int64_t count(const std::vector<int32_t>& path) const {
     const int32_t node = walk(path.data(), path.size());
     return node < 0 ? 0 : nodes_[node].count;
@@ -155,7 +173,7 @@ class GroupSuffixTree {
     return static_cast<int64_t>(nodes_.size() - free_nodes_.size());
   }
   int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }
-  int64_t num_tokens() const { return nodes_[kRoot].count; }
+  int64_t num_tokens() const { return num_tokens_; }
 
   // Bytes held by the tree's containers (capacity, not size), for memory accounting.
   int64_t memory_bytes() const {
@@ -186,6 +204,7 @@ class GroupSuffixTree {
     edge_lists_.clear();
     free_lists_.clear();
     seqs_.clear();
+    num_tokens_ = 0;
   }
 
   // Builds a draft continuing `context`.  See the class docstring for the semantics.
@@ -217,8 +236,13 @@ class GroupSuffixTree {
   static constexpr int32_t kNoChild = -1;  // Node::tok: leaf
   static constexpr int32_t kMany = -2;     // Node::tok: `link` indexes edge_lists_
 
+ public:
+  static constexpr int32_t kMaxWeight = 1 << 16;
+
+ private:
+
   struct Node {
-    int32_t count = 0;        // occurrences of this node's string
+    int32_t count = 0;        // weighted occurrences of this node's string
     int32_t child_total = 0;  // sum of the children's counts
     int32_t tok = kNoChild;   // the only child's token, or kNoChild / kMany
     int32_t link = -1;        // the only child's node id, or an edge_lists_ index
@@ -228,6 +252,7 @@ class GroupSuffixTree {
     int32_t node;
   };
   struct Sequence {
+    int32_t weight = 1;
     std::vector<int32_t> tokens;
     // active[k] = node of the sequence's last k tokens, for k < max_depth: exactly
     // the nodes that the next token extends.
@@ -324,6 +349,23 @@ class GroupSuffixTree {
     free_nodes_.push_back(v);
   }
 
+  // Rejects bad tokens, and tokens whose weighted count would overflow: the root
+  // counts every weighted token and bounds every other count.
+  void check_tokens(const std::vector<int32_t>& tokens, int32_t weight) const {
+    for (int32_t t : tokens) {
+      if (t < 0) throw std::invalid_argument("token ids must be >= 0, got " + std::to_string(t));
+    }
+    const int64_t total = static_cast<int64_t>(nodes_[kRoot].count) +
+                          static_cast<int64_t>(tokens.size()) * weight;
+    if (total > INT32_MAX) throw std::length_error("tree too large: weighted token count overflows");
+  }
+
+  void append_all(Sequence& s, const std::vector<int32_t>& tokens) {
+    if (s.active.empty()) s.active.push_back(kRoot);
+    for (int32_t t : tokens) append_token(s, t);
+    num_tokens_ += static_cast<int64_t>(tokens.size());
+  }
+
   void append_token(Sequence& s, int32_t t) {
     // Every suffix shorter than max_depth gains the new token.  Going from the longest
     // down lets active[k + 1] be overwritten once active[k + 1] itself was used.
@@ -331,8 +373,8 @@ class GroupSuffixTree {
     for (size_t k = m; k-- > 0;) {
       const int32_t parent = s.active[k];
       const int32_t c = child_or_create(parent, t);
-      nodes_[c].count += 1;
-      nodes_[parent].child_total += 1;
+      nodes_[c].count += s.weight;
+      nodes_[parent].child_total += s.weight;
       if (k + 1 < static_cast<size_t>(max_depth_)) {
         if (k + 1 == m) {
           s.active.push_back(c);
@@ -341,7 +383,7 @@ class GroupSuffixTree {
         }
       }
     }
-    nodes_[kRoot].count += 1;
+    nodes_[kRoot].count += s.weight;
     s.tokens.push_back(t);
   }
 
@@ -515,6 +557,7 @@ class GroupSuffixTree {
   std::vector<std::vector<Edge>> edge_lists_;
   std::vector<int32_t> free_lists_;
   std::unordered_map<int64_t, Sequence> seqs_;
+  int64_t num_tokens_ = 0;  // tokens stored (unweighted)
 };
 
 }  // namespace seer
@@ -532,6 +575,7 @@ speculate(context, budget, multi_path, min_prob, max_spec_factor, max_match_len)
   at least one token.  0 means no match and an empty draft.
   budget: at most `budget` draft nodes; if max_spec_factor > 0, at most
   int(max_spec_factor * match_len).
+  Counts are weighted: a sequence added with weight k counts as k copies of it.
   Conditional probability of child c of v: count(c) / sum of v's children counts; a
   node's prob is the product along its path from the matched node; nodes need
   prob >= min_prob.
@@ -543,7 +587,8 @@ speculate(context, budget, multi_path, min_prob, max_spec_factor, max_match_len)
       .def(py::init<int>(), py::arg("max_depth") = 64)
       .def_property_readonly("max_depth", &seer::GroupSuffixTree::max_depth)
       .def("add_sequence", &seer::GroupSuffixTree::add_sequence, py::arg("key"),
-           py::arg("tokens"), "Start a new sequence (KeyError if the key exists).")
+           py::arg("tokens"), py::arg("weight") = 1,
+           "Start a new sequence whose occurrences count `weight` times (KeyError if the key exists).")
       .def("extend", &seer::GroupSuffixTree::extend, py::arg("key"), py::arg("tokens"),
            "Append tokens to a sequence, creating it if needed; O(max_depth) per token.")
       .def("remove_sequence", &seer::GroupSuffixTree::remove_sequence, py::arg("key"),
@@ -551,12 +596,13 @@ speculate(context, budget, multi_path, min_prob, max_spec_factor, max_match_len)
       .def("has_sequence", &seer::GroupSuffixTree::has_sequence, py::arg("key"))
       .def("__contains__", &seer::GroupSuffixTree::has_sequence, py::arg("key"))
       .def("sequence_length", &seer::GroupSuffixTree::sequence_length, py::arg("key"))
+      .def("sequence_weight", &seer::GroupSuffixTree::sequence_weight, py::arg("key"))
       .def("sequence_keys", &seer::GroupSuffixTree::sequence_keys)
       .def("count", &seer::GroupSuffixTree::count, py::arg("path"),
-           "Occurrences of a token path (0 if absent or longer than max_depth).")
+           "Weighted occurrences of a token path (0 if absent or longer than max_depth).")
       .def("num_nodes", &seer::GroupSuffixTree::num_nodes, "Live nodes, root included.")
       .def("num_sequences", &seer::GroupSuffixTree::num_sequences)
-      .def("num_tokens", &seer::GroupSuffixTree::num_tokens)
+      .def("num_tokens", &seer::GroupSuffixTree::num_tokens, "Tokens stored (unweighted).")
       .def("memory_bytes", &seer::GroupSuffixTree::memory_bytes)
       .def("dump", &seer::GroupSuffixTree::dump, "All (path, count) pairs; for tests.")
       .def("clear", &seer::GroupSuffixTree::clear)

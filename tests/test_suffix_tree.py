@@ -315,3 +315,93 @@ def test_bad_input_raises_clear_errors() -> None:
         tree.remove_sequence(99)
     with pytest.raises(TypeError):
         tree.extend(0, [2**40])
+
+
+# -- weighted sequences -----------------------------------------------------------------
+
+
+@st.composite
+def weighted_groups(draw: st.DrawFn) -> tuple[int, int, dict[int, list[int]], dict[int, int]]:
+    """``groups()`` with a weight per sequence."""
+    max_depth, vocab, seqs = draw(groups())
+    return max_depth, vocab, seqs, {key: draw(st.integers(1, 5)) for key in seqs}
+
+
+def build_weighted(
+    cls: type, max_depth: int, seqs: dict[int, list[int]], weights: dict[int, int]
+) -> GroupSuffixTree | RefGroupSuffixTree:
+    tree = cls(max_depth)
+    for key, s in seqs.items():
+        tree.add_sequence(key, s, weights[key])
+    return tree
+
+
+@SETTINGS
+@given(st.data())
+def test_weighted_tree_matches_reference_and_copies(data: st.DataObject) -> None:
+    max_depth, vocab, seqs, weights = data.draw(weighted_groups())
+    tree = build_weighted(GroupSuffixTree, max_depth, seqs, weights)
+    ref = build_weighted(RefGroupSuffixTree, max_depth, seqs, weights)
+    assert tree.dump() == ref.dump()
+    assert tree.count([]) == ref.count([]) == sum(len(s) * weights[k] for k, s in seqs.items())
+    assert tree.num_tokens() == sum(len(s) for s in seqs.values())
+    assert all(tree.sequence_weight(k) == w for k, w in weights.items())
+    # A sequence of weight k counts exactly as k copies of it would.
+    copies = GroupSuffixTree(max_depth)
+    next_key = 100
+    for key, s in seqs.items():
+        for _ in range(weights[key]):
+            copies.add_sequence(next_key, s)
+            next_key += 1
+    assert tree.dump() == copies.dump()
+    for _ in range(3):
+        ctx = data.draw(contexts(vocab, seqs))
+        args = data.draw(spec_args)
+        got = tree.speculate(ctx, *args)
+        assert got == ref.speculate(ctx, *args) == copies.speculate(ctx, *args)
+        key = data.draw(st.sampled_from(list(seqs)))
+        assert tree.speculate_sequence(key, *args) == ref.speculate_sequence(key, *args)
+
+
+@SETTINGS
+@given(st.data())
+def test_weighted_extend_and_remove(data: st.DataObject) -> None:
+    max_depth, vocab, seqs, weights = data.draw(weighted_groups())
+    # Extending keeps the weight the sequence was added with.
+    inc = GroupSuffixTree(max_depth)
+    for key, s in seqs.items():
+        half = len(s) // 2
+        inc.add_sequence(key, s[:half], weights[key])
+        inc.extend(key, s[half:])
+    assert inc.dump() == build_weighted(GroupSuffixTree, max_depth, seqs, weights).dump()
+    gone = data.draw(st.sampled_from(list(seqs)))
+    inc.remove_sequence(gone)
+    kept = {k: s for k, s in seqs.items() if k != gone}
+    assert inc.dump() == build_weighted(GroupSuffixTree, max_depth, kept, weights).dump()
+    assert inc.count([]) == sum(len(s) * weights[k] for k, s in kept.items())
+
+
+def test_a_light_sequence_yields_to_a_heavy_one() -> None:
+    tree = GroupSuffixTree(8)
+    tree.add_sequence(0, [1, 2, 3], 4)  # a live sibling
+    tree.add_sequence(1, [1, 2, 5], 1)  # three earlier responses, each a quarter as heavy
+    tree.add_sequence(2, [1, 2, 5], 1)
+    tree.add_sequence(3, [1, 2, 5], 1)
+    assert tree.speculate([1, 2], 2, True, 0.0) == ([3, 5], [-1, -1], [4 / 7, 3 / 7], 2)
+    alone = GroupSuffixTree(8)
+    alone.add_sequence(1, [1, 2, 5], 1)
+    assert alone.speculate([1, 2], 1, False, 0.0) == ([5], [-1], [1.0], 2)  # history drafts alone
+
+
+def test_bad_weights_raise_clear_errors() -> None:
+    tree = GroupSuffixTree(8)
+    for bad in (0, -1, (1 << 16) + 1):
+        with pytest.raises(ValueError, match="weight"):
+            tree.add_sequence(0, [1, 2], bad)
+    assert 0 not in tree
+    tree.add_sequence(0, [1] * 1000, 1 << 16)
+    with pytest.raises(ValueError, match="overflow"):
+        tree.add_sequence(1, [1] * 40_000, 1 << 16)
+    assert 1 not in tree and tree.num_tokens() == 1000  # rejected before anything was stored
+    with pytest.raises(KeyError):
+        tree.sequence_weight(5)

@@ -1,8 +1,9 @@
 """Pure-Python reference of the C++ GroupSuffixTree, for property tests only.
 
 It stores the raw sequences and recounts substrings by brute force on every query, so
-it is slow but easy to check by eye.  Its semantics (counts, match rule, probabilities,
-tie-breaking, output order) are the definition the C++ tree is tested against.
+it is slow but easy to check by eye.  Its semantics (weighted counts, match rule,
+probabilities, tie-breaking, output order) are the definition the C++ tree is tested
+against.
 """
 
 from __future__ import annotations
@@ -18,31 +19,39 @@ class RefGroupSuffixTree:
             raise ValueError(f"max_depth must be in [2, 4096], got {max_depth}")
         self.max_depth = max_depth
         self.seqs: dict[int, list[int]] = {}
+        self.weights: dict[int, int] = {}
 
     # -- sequences -------------------------------------------------------------------
 
-    def add_sequence(self, key: int, tokens: list[int]) -> None:
+    def add_sequence(self, key: int, tokens: list[int], weight: int = 1) -> None:
         if key in self.seqs:
             raise KeyError(key)
+        if not 1 <= weight <= 1 << 16:
+            raise ValueError(f"weight must be in [1, 65536], got {weight}")
         self.extend(key, tokens)
+        self.weights[key] = weight
 
     def extend(self, key: int, tokens: list[int]) -> None:
         if any(t < 0 for t in tokens):
             raise ValueError("token ids must be >= 0")
         self.seqs.setdefault(key, []).extend(tokens)
+        self.weights.setdefault(key, 1)
 
     def remove_sequence(self, key: int) -> None:
         del self.seqs[key]
+        del self.weights[key]
 
     # -- counts ----------------------------------------------------------------------
 
     def _counts(self) -> Counter[tuple[int, ...]]:
-        """Occurrences of every substring of length 1..max_depth."""
+        """Weighted occurrences of every substring of length 1..max_depth (a sequence
+        of weight k counts as k copies of it)."""
         counts: Counter[tuple[int, ...]] = Counter()
-        for s in self.seqs.values():
+        for key, s in self.seqs.items():
+            w = self.weights[key]
             for i in range(len(s)):
                 for j in range(i + 1, min(i + self.max_depth, len(s)) + 1):
-                    counts[tuple(s[i:j])] += 1
+                    counts[tuple(s[i:j])] += w
         return counts
 
     def _children(self) -> dict[tuple[int, ...], dict[int, int]]:
@@ -54,7 +63,7 @@ class RefGroupSuffixTree:
 
     def count(self, path: list[int]) -> int:
         if not path:
-            return self.num_tokens()
+            return sum(len(s) * self.weights[k] for k, s in self.seqs.items())
         return self._counts().get(tuple(path), 0)
 
     def num_tokens(self) -> int:

@@ -53,12 +53,16 @@ class GroupSuffixTrees:
         self.max_match_len = max_match_len
         self._trees: dict[Hashable, GroupSuffixTree] = {}
 
-    def append(self, group_id: Hashable, seq_key: int, tokens: Sequence[int]) -> None:
-        """Append tokens to one sequence of a group (prompt or a sibling's output)."""
+    def append(self, group_id: Hashable, seq_key: int, tokens: Sequence[int], weight: int = 1) -> None:
+        """Append tokens to one sequence of a group (prompt or a sibling's output).
+        ``weight`` applies when the sequence is new: its occurrences count that many times."""
         tree = self._trees.get(group_id)
         if tree is None:
             tree = self._trees[group_id] = GroupSuffixTree(self.max_depth)
-        tree.extend(seq_key, _as_list(tokens))
+        if seq_key in tree:
+            tree.extend(seq_key, _as_list(tokens))
+        else:
+            tree.add_sequence(seq_key, _as_list(tokens), weight)
 
     def speculate(
         self,
