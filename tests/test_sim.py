@@ -15,6 +15,7 @@ from seer_engine.sim import simulator
 from seer_engine.sim.instance import SimInstance
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 from seer_engine.sim.simulator import SimGroup, policy_for, simulate, synthetic_groups
+from seer_engine.sim.world import TokenCount
 from seer_engine.spec_decode.budget import AdaptiveBudget
 
 MAX_TOKENS = 4096
@@ -181,7 +182,7 @@ def test_the_context_managers_batch_order_is_its_one_by_one_order():
         [
             simulator.Group(
                 g.group_id,
-                simulator.TokenCount(g.prompt_len),
+                TokenCount(g.prompt_len),
                 simulator.SamplingParams(max_tokens=MAX_TOKENS),
                 len(g.lengths),
                 MAX_TOKENS,
@@ -191,7 +192,7 @@ def test_the_context_managers_batch_order_is_its_one_by_one_order():
     )
     flat = [s for ss in samples.values() for s in ss]
     for k, s in enumerate(flat):  # probes half done, some groups with finished responses, some starving
-        s.output_token_ids = simulator.TokenCount(k % 7 * 100)
+        s.output_token_ids = TokenCount(k % 7 * 100)
         s.enqueued_at = -100.0 if k % 11 == 0 else 0.0
         if k % 5 == 0 and s.sample_index:
             policy.context.on_finished(s)

@@ -331,3 +331,38 @@ def test_cli_trace_table(capsys):
         _run_cli(["trace-stats", "no-such-trace"])
     with pytest.raises(ValueError, match="invalid group spec"):
         _run_cli(["trace-stats", str(GAME24), "--groups", "x"])
+
+
+@pytest.mark.parametrize("setup_name", ["moonlight", "qwen2vl-72b", "kimi-k2"])
+def test_calibrated_setups_match_table3_mean_length(setup_name):
+    from seer_engine.sim.setups import get_setup
+    from seer_engine.sim.simulator import synthetic_groups
+
+    s = get_setup(setup_name)
+    groups = synthetic_groups(s.prompts, s.samples, s.max_tokens, s.prompt_len, 0, s.mean_tokens, 0, 0.0,
+                              s.prompt_len_sigma, s.prompt_len_corr)  # fmt: skip
+    lengths = [x for g in groups for x in g.lengths]
+    assert sum(lengths) / len(lengths) == pytest.approx(s.mean_tokens, rel=0.05)
+    assert max(lengths) <= s.max_tokens
+    st = trace_stats([g.lengths for g in groups])
+    assert st["within_cv"] == pytest.approx(0.31, abs=0.04), "calibration keeps the trace's spread"
+    prompts = [g.prompt_len for g in groups]
+    assert spearman(prompts, [sum(g.lengths) / len(g.lengths) for g in groups]) > 0.3
+    assert len(set(prompts)) > len(prompts) // 4, "prompt lengths vary"
+
+
+def test_repeated_prompts_keep_their_length_distribution():
+    kw = dict(mean_len=22386, prompt_len=1024, prompt_len_sigma=0.33, prompt_len_corr=0.5)
+    first = synthetic_workload(200, 8, 65536, seed=0, **kw)
+    again = synthetic_workload(200, 8, 65536, seed=0, iteration=1, **kw)
+    moved = synthetic_workload(200, 8, 65536, seed=0, iteration=1, drift=1.0, **kw)
+    assert [g.group_id for g in first] == [g.group_id for g in again]
+    assert [g.prompt_len for g in first] == [g.prompt_len for g in again]
+    assert all(a.lengths != b.lengths for a, b in zip(first, again)), "fresh samples"
+    means = [sum(g.lengths) for g in first]
+    assert spearman(means, [sum(g.lengths) for g in again]) > 0.7, "each prompt keeps its distribution"
+    assert spearman(means, [sum(g.lengths) for g in moved]) < 0.5, "drift moves it"
+    with pytest.raises(ValueError, match="mean_len"):
+        synthetic_workload(2, 8, 100, mean_len=100)
+    with pytest.raises(ValueError, match="drift"):
+        synthetic_workload(2, 8, 100, drift=-1.0)

@@ -68,10 +68,16 @@ def _setups(args: argparse.Namespace) -> list:
     for key in ("instances", "prompts", "samples", "max_tokens", "chunk_tokens"):
         if overrides[key] is not None and overrides[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
-    return [
-        dataclasses.replace(get_setup(n), **{k: v for k, v in overrides.items() if v is not None})
-        for n in names
-    ]
+    return [_override(get_setup(n), {k: v for k, v in overrides.items() if v is not None}) for n in names]
+
+
+def _override(setup, overrides: dict):
+    """The setup with the command's overrides; a new max length keeps the setup's
+    calibrated mean length in proportion."""
+    new_max = overrides.get("max_tokens")
+    if new_max is not None and setup.mean_tokens is not None:
+        overrides["mean_tokens"] = max(1, round(setup.mean_tokens * new_max / setup.max_tokens))
+    return dataclasses.replace(setup, **overrides)
 
 
 def _workload(args: argparse.Namespace, setup, iteration: int):
@@ -82,10 +88,14 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
         return simulator.bench_groups(args.trace, args.groups, setup.samples, setup.max_tokens)
     if args.trace:
         return simulator.trace_groups(args.trace, setup.prompts, setup.samples, setup.max_tokens, seed)
-    return simulator.synthetic_groups(setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed)
+    return simulator.synthetic_groups(
+        setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed, setup.mean_tokens,
+        prompt_len_sigma=setup.prompt_len_sigma, prompt_len_corr=setup.prompt_len_corr,
+    )  # fmt: skip
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    from seer_engine.sim.diagnostics import diagnostics, format_diagnostics
     from seer_engine.sim.simulator import policy_for, simulate
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
@@ -127,6 +137,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                       flush=True)  # fmt: skip
             runs.append(results)
             print(format_table(results))
+            if "baseline" in results:
+                print(format_diagnostics(setup.name, diagnostics(results["baseline"])))
         summary = _summary(runs)
         print(_format_summary(setup.name, summary))
         if args.report:
@@ -173,6 +185,8 @@ def _format_summary(setup: str, summary: dict[str, dict]) -> str:
 
 
 def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict, args) -> None:
+    from seer_engine.sim.diagnostics import PAPER_BASELINE, diagnostics
+
     meta = {
         "command": "seer_engine " + " ".join(sys.argv[1:]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -180,10 +194,16 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
         "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,
         "starvation_s": setup.starvation_s, "iterations": args.iterations, "seed": args.seed,
         "workload": args.trace or "synthetic", "kv_pool": not args.no_kv_pool,
+        "mean_tokens": setup.mean_tokens,
         "profile": dataclasses.asdict(setup.profile), "notes": setup.notes,
     }  # fmt: skip
     path = write_report(out, runs[0], meta)  # figures and per-policy keys: the first iteration
     report = json.loads(path.read_text())
     report["mean_over_iterations"] = summary
+    if "baseline" in runs[0]:
+        report["baseline_diagnostics"] = {
+            "simulated": [diagnostics(run["baseline"]) for run in runs],
+            "paper": PAPER_BASELINE,
+        }
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path} and {path.with_suffix('.png')}")

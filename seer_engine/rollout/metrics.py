@@ -58,6 +58,9 @@ class RolloutResult:
     samples: dict[str, list[RolloutSample]]  # group id -> samples in index order
     metrics: RolloutMetrics
     timelines: list[list] = field(default_factory=list)  # per instance: TimelinePoint list
+    # Sample key -> when an engine first / last admitted it (modeled engines report it).
+    started_at: dict[str, float] = field(default_factory=dict)
+    resumed_at: dict[str, float] = field(default_factory=dict)
 
 
 def rollout_metrics(policy: str, samples: dict[str, list[RolloutSample]], pool, counters: RolloutCounters):

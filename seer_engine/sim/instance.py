@@ -80,6 +80,8 @@ class SimInstance(InstanceHandle):
         self._undelivered: list[RequestOutput] = []  # chunks that ended while catching up to an arrival
         self._elapsed = 0.0  # step time since the last reply
         self.peak_kv_tokens = 0.0  # the most KV its running rows ever held (tests check the capacity)
+        self.started_at: dict[str, float] = {}  # response key -> when a step first admitted it
+        self.resumed_at: dict[str, float] = {}  # response key -> when a step last admitted it
 
     @property
     def clock(self) -> float:
@@ -340,6 +342,8 @@ class SimInstance(InstanceHandle):
         st.steps += 1
         st.scheduled_tokens += seg.rows * (1 + seg.drafted) + sum(n for _, n in seg.prefill)
         for req in seg.admit:
+            self.started_at.setdefault(req.key, seg.end - seg.seconds)
+            self.resumed_at[req.key] = seg.end - seg.seconds
             self.waiting.remove(req)
             if req.key in self.cache:  # a preempted row finds what was not evicted
                 self._uncache(req.key)

@@ -47,8 +47,11 @@ class Setup:
     samples: int  # responses per prompt
     max_tokens: int
     profile: InstanceProfile
+    mean_tokens: int | None = None  # Table 3's mean generation length: the synthetic workload's mean
     chunk_tokens: int = 8192  # the paper's chunk
-    prompt_len: int = 1024  # synthetic prompts (tokens)
+    prompt_len: int = 1024  # synthetic prompts (tokens): the median
+    prompt_len_sigma: float = 0.33  # sd of log prompt length (the Qwen3 trace's)
+    prompt_len_corr: float = 0.5  # its correlation with the group's log mean length (the trace's)
     starvation_s: float = 3600.0  # the Context Manager's guard, scaled to iterations of ~1 h
     notes: str = ""
 
@@ -111,7 +114,7 @@ def h800_profile(
 
 # Moonlight-16B-A3B: DeepSeek-V3 layout, 27 layers, MLA latent 512 + rope 64 in BF16.
 MOONLIGHT = Setup(
-    "moonlight", gpus=32, instances=32, prompts=400, samples=8, max_tokens=65536,
+    "moonlight", gpus=32, instances=32, prompts=400, samples=8, max_tokens=65536, mean_tokens=22386,
     profile=h800_profile(
         "moonlight-h800-tp1", gpus=1, total_params=16e9, active_params=3e9, bytes_per_param=2,
         kv_bytes_per_token=27 * 576 * 2, attention="mla-tp", overhead_s=5e-3, mfu=0.4, max_num_seqs=256,
@@ -121,7 +124,8 @@ MOONLIGHT = Setup(
 
 # Qwen2-VL-72B: 80 layers, GQA 8 KV heads x 128 in BF16, TP8.
 QWEN2VL_72B = Setup(
-    "qwen2vl-72b", gpus=128, instances=16, prompts=600, samples=16, max_tokens=40960, prompt_len=2048,
+    "qwen2vl-72b", gpus=128, instances=16, prompts=600, samples=16, max_tokens=40960, mean_tokens=7615,
+    prompt_len=2048,
     profile=h800_profile(
         "qwen2vl-72b-h800-tp8", gpus=8, total_params=72e9, active_params=72e9, bytes_per_param=2,
         kv_bytes_per_token=2 * 80 * 8 * 128 * 2, attention="tp", overhead_s=8e-3, mfu=0.4, max_num_seqs=256,
@@ -133,7 +137,7 @@ QWEN2VL_72B = Setup(
 # + EP over 32 GPUs; a token's all-to-all = 7168 hidden x 3 B (FP8 dispatch, BF16 combine)
 # x 8 experts x 61 layers.
 KIMI_K2 = Setup(
-    "kimi-k2", gpus=256, instances=8, prompts=800, samples=8, max_tokens=98304,
+    "kimi-k2", gpus=256, instances=8, prompts=800, samples=8, max_tokens=98304, mean_tokens=38959,
     profile=h800_profile(
         "kimi-k2-h800-ep32", gpus=32, total_params=1.04e12, active_params=32e9, bytes_per_param=1,
         kv_bytes_per_token=61 * 576 * 2, attention="dp", overhead_s=12e-3, mfu=0.3,

@@ -25,7 +25,7 @@ from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.instance import SimInstance
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.speculation import SimSpeculation
-from seer_engine.sim.world import SimWorld, TokenCount
+from seer_engine.sim.world import SimPrompt, SimWorld
 from seer_engine.spec_decode.budget import StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
 
@@ -37,6 +37,7 @@ class SimGroup:
     group_id: str
     prompt_len: int
     lengths: list[int]
+    prompt_key: str = ""  # the prompt's identity across iterations (default: the group id)
 
 
 class ModeledPool(KVConnector):
@@ -130,12 +131,25 @@ def simulate(
     ]
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
     rollout_groups = [
-        Group(g.group_id, TokenCount(g.prompt_len), params, len(g.lengths), max_tokens, order=k)
+        Group(
+            g.group_id,
+            SimPrompt(g.prompt_len, g.prompt_key or g.group_id),
+            params,
+            len(g.lengths),
+            max_tokens,
+            order=k,
+        )  # fmt: skip
         for k, g in enumerate(groups)
     ]
     pool = SimPool(sims, pooled)
     dispatcher = Dispatcher(pool, policy, chunk_tokens, on_sample_finished, placement or SeerPlacement())
-    return dispatcher.run(rollout_groups)
+    result = dispatcher.run(rollout_groups)
+    for sim in sims:
+        for key, t in sim.started_at.items():
+            result.started_at[key] = min(t, result.started_at.get(key, t))
+        for key, t in sim.resumed_at.items():
+            result.resumed_at[key] = max(t, result.resumed_at.get(key, t))
+    return result
 
 
 def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculation | None:
@@ -165,21 +179,44 @@ def policy_for(name: str, groups: Sequence[SimGroup], max_tokens: int, starvatio
 
 
 def synthetic_groups(
-    prompts: int, samples: int, max_tokens: int, prompt_len: int, seed: int
+    prompts: int,
+    samples: int,
+    max_tokens: int,
+    prompt_len: int,
+    seed: int,
+    mean_tokens: int | None = None,
+    iteration: int = 0,
+    drift: float = 0.0,
+    prompt_len_sigma: float = 0.0,
+    prompt_len_corr: float = 0.0,
 ) -> list[SimGroup]:
-    """The rollout issue's synthetic generator (fitted to the Qwen3 trace) at a setup's scale."""
+    """The rollout issue's synthetic generator (fitted to the Qwen3 trace) at a setup's scale:
+    its p99 at ``max_tokens``, or its mean at ``mean_tokens`` (a calibrated setup).
+    ``iteration`` > 0 samples the same prompts again; prompts have ``prompt_len`` tokens,
+    or with ``prompt_len_sigma`` log-normal lengths around it (see ``synthetic_workload``)."""
     from seer_engine.workloads.synthetic import synthetic_workload
 
-    return [
-        SimGroup(f"s{k}", prompt_len, g.lengths)
-        for k, g in enumerate(synthetic_workload(prompts, samples, max_tokens, seed=seed))
-    ]
+    workload = synthetic_workload(
+        prompts, samples, max_tokens, seed=seed, mean_len=mean_tokens, iteration=iteration, drift=drift,
+        prompt_len=prompt_len, prompt_len_sigma=prompt_len_sigma, prompt_len_corr=prompt_len_corr,
+    )  # fmt: skip
+    return [SimGroup(f"s{k}", g.prompt_len, g.lengths, g.group_id) for k, g in enumerate(workload)]
 
 
-def trace_groups(trace: str, prompts: int, samples: int, max_tokens: int, seed: int) -> list[SimGroup]:
+def trace_groups(
+    trace: str,
+    prompts: int,
+    samples: int,
+    max_tokens: int,
+    seed: int,
+    iteration: int = 0,
+    iterations: int = 1,
+) -> list[SimGroup]:
     """Replay a trace's groups, cycled to ``prompts`` groups, with lengths scaled so the
     trace's p99 lands on ``max_tokens`` (``scale_lengths``). Pass ``k`` of a trace group
-    takes the next ``samples`` of its responses (cyclically), shifted by ``seed``."""
+    takes the next ``samples`` of its responses (cyclically), shifted by ``seed``.
+    ``iteration`` of ``iterations`` that repeat the prompts takes the next sibling set
+    of every prompt (disjoint while the trace group has enough responses)."""
     from seer_engine.workloads.groups import scale_lengths
     from seer_engine.workloads.traces import load_trace
 
@@ -191,9 +228,9 @@ def trace_groups(trace: str, prompts: int, samples: int, max_tokens: int, seed: 
     for k in range(prompts):
         j = (k + seed) % len(source)
         lengths = scaled[j]
-        start = (k // len(source) + seed) * samples
+        start = ((k // len(source) + seed) * iterations + iteration) * samples
         picked = [lengths[(start + i) % len(lengths)] for i in range(samples)]
-        groups.append(SimGroup(f"t{k}", len(source[j].prompt_token_ids), picked))
+        groups.append(SimGroup(f"t{k}", len(source[j].prompt_token_ids), picked, f"trace-{k}"))
     return groups
 
 

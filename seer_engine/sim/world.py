@@ -26,6 +26,19 @@ class TokenCount(Sequence[int]):
         return f"TokenCount({self.n})"
 
 
+class SimPrompt(TokenCount):
+    """A simulated prompt: a length and an identity (the history store's key), no ids."""
+
+    __slots__ = ("history_key",)
+
+    def __init__(self, n: int, history_key: str) -> None:
+        super().__init__(n)
+        self.history_key = history_key
+
+    def __repr__(self) -> str:
+        return f"SimPrompt({self.n}, {self.history_key!r})"
+
+
 @dataclass
 class SimWorld:
     """What the modeled engines know and the scheduler must not: each response's real

@@ -48,6 +48,10 @@ FIT: dict[str, float] = {
     "group_phrase_prob": 0.36,
     "global_phrase_prob": 0.026,
     "phrase_reuse": 0.08,
+    # Prompt lengths (tokens) of the trace: sd of their log 0.33; Pearson correlation of
+    # log prompt length with a group's log mean response length 0.51 (Spearman 0.45).
+    "prompt_len_sigma": 0.33,
+    "prompt_len_corr": 0.5,
 }
 
 
@@ -63,6 +67,26 @@ def _population_quantile(across: float, within: float, spread: float, quantile: 
     mu = across * rng.standard_normal(size)
     s = within * np.exp(spread * rng.standard_normal(size))
     return float(np.quantile(np.exp(mu + s * rng.standard_normal(size) - s * s / 2), quantile))
+
+
+@lru_cache(maxsize=32)
+def _scale_for_mean(across: float, within: float, spread: float, mean_len: float, max_len: int) -> float:
+    """The scale that gives the generative lengths, clipped to ``max_len``, the population
+    mean ``mean_len`` (fixed-seed Monte Carlo, bisection on the scale)."""
+    if not 1 <= mean_len < max_len:
+        raise ValueError(f"mean_len must be in [1, max_len={max_len}), got {mean_len}")
+    rng = np.random.default_rng(0x5EE12)
+    size = 1 << 18
+    mu = across * rng.standard_normal(size)
+    s = within * np.exp(spread * rng.standard_normal(size))
+    unit = np.exp(mu + s * rng.standard_normal(size) - s * s / 2)
+    lo, hi = 1e-9, 1.0
+    while float(np.minimum(unit * hi, max_len).mean()) < mean_len:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(np.minimum(unit * mid, max_len).mean()) < mean_len else (lo, mid)
+    return (lo + hi) / 2
 
 
 def _pool_size(mean_len: float, phrase_len: int, prob: float, reuse: float) -> int:
@@ -92,6 +116,7 @@ class SyntheticGroup:
     global_pool_size: int = 16
     first_token_id: int = 3
     samples: int | None = None
+    iteration: int = 0  # > 0: the same prompt sampled again (fresh responses, same pools)
     _cache: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @property
@@ -141,7 +166,7 @@ class SyntheticGroup:
     def _response(self, i: int) -> np.ndarray:
         own, glob = self._pools()
         length = self.lengths_full[i]
-        rng = self._rng(3, i)
+        rng = self._rng(3, i, self.iteration) if self.iteration else self._rng(3, i)
         segments = -(-length // self.phrase_len)
         kind = rng.random(segments)
         rows = rng.integers(self.first_token_id, self._vocab(), size=(segments, self.phrase_len))
@@ -182,7 +207,12 @@ def synthetic_workload(
     within_sigma: float = FIT["within_sigma"],
     within_sigma_spread: float = FIT["within_sigma_spread"],
     scale_quantile: float = 0.99,
+    mean_len: float | None = None,
+    iteration: int = 0,
+    drift: float = 0.0,
     prompt_len: int = 128,
+    prompt_len_sigma: float = 0.0,
+    prompt_len_corr: float = 0.0,
     phrase_len: int = 32,
     group_phrase_prob: float = FIT["group_phrase_prob"],
     global_phrase_prob: float = FIT["global_phrase_prob"],
@@ -193,11 +223,25 @@ def synthetic_workload(
 
     Log-normal group means and log-normal within-group spread (see the fit notes
     above ``FIT``); lengths are scaled so the population's ``scale_quantile`` lands
-    on ``max_len`` (the rule :func:`scale_lengths` uses for traces) and clipped to
-    [1, max_len]. Deterministic for a seed, and group g is the same whatever
-    ``num_groups`` is. ``vocab_size`` enables ``prompt_token_ids`` and
-    ``response_token_ids``, with ids in [first_token_id, vocab_size) so that
-    special tokens such as EOS never occur inside a response.
+    on ``max_len`` (the rule :func:`scale_lengths` uses for traces), or, given
+    ``mean_len``, so that the population mean after clipping is ``mean_len`` (a
+    setup calibrated to a measured mean length), and clipped to [1, max_len].
+    Deterministic for a seed, and group g is the same whatever ``num_groups`` is.
+
+    ``iteration``: the same prompts sampled again (an RL epoch revisiting its
+    dataset): each group keeps its latent length distribution (group mean and
+    spread) and draws fresh responses; ``drift`` moves each group's log mean by a
+    random walk of that standard deviation per iteration (the policy changes
+    between iterations). Iteration 0 is the workload of ``seed``.
+
+    ``prompt_len`` is every prompt's length, or with ``prompt_len_sigma`` the median of
+    log-normal prompt lengths whose log correlates ``prompt_len_corr`` with the group's
+    log mean response length (the trace: ``FIT["prompt_len_sigma"]``,
+    ``FIT["prompt_len_corr"]``).
+
+    ``vocab_size`` enables ``prompt_token_ids`` and ``response_token_ids``, with ids
+    in [first_token_id, vocab_size) so that special tokens such as EOS never occur
+    inside a response.
     """
     if num_groups < 1 or samples < 1 or max_len < 1:
         raise ValueError(f"need num_groups, samples, max_len >= 1 (got {num_groups}, {samples}, {max_len})")
@@ -209,7 +253,15 @@ def synthetic_workload(
         raise ValueError("phrase_len must be >= 1, prompt_len and first_token_id >= 0")
     if vocab_size is not None and vocab_size <= first_token_id:
         raise ValueError(f"vocab_size {vocab_size} leaves no token ids at or above {first_token_id}")
-    scale = max_len / _population_quantile(across_sigma, within_sigma, within_sigma_spread, scale_quantile)
+    if iteration < 0 or drift < 0:
+        raise ValueError(f"iteration and drift must be >= 0, got {iteration} and {drift}")
+    if prompt_len_sigma < 0 or not -1.0 <= prompt_len_corr <= 1.0:
+        raise ValueError("prompt_len_sigma must be >= 0 and prompt_len_corr in [-1, 1]")
+    if mean_len is not None:
+        scale = _scale_for_mean(across_sigma, within_sigma, within_sigma_spread, float(mean_len), max_len)
+    else:
+        quantile = _population_quantile(across_sigma, within_sigma, within_sigma_spread, scale_quantile)
+        scale = max_len / quantile
     population_mean = min(scale * math.exp(across_sigma**2 / 2), max_len)
     global_pool = _pool_size(population_mean, phrase_len, global_phrase_prob, phrase_reuse)
     groups = []
@@ -217,6 +269,16 @@ def synthetic_workload(
         rng = np.random.default_rng([seed, g, 0])
         mu = across_sigma * rng.standard_normal()
         s = within_sigma * math.exp(within_sigma_spread * rng.standard_normal())
+        own_prompt = prompt_len
+        if prompt_len_sigma > 0:
+            shared = mu / across_sigma if across_sigma > 0 else 0.0
+            own = np.random.default_rng([seed, g, 3]).standard_normal()
+            x = prompt_len_corr * shared + math.sqrt(1 - prompt_len_corr**2) * own
+            own_prompt = max(1, round(prompt_len * math.exp(prompt_len_sigma * x)))
+        if iteration:
+            walk = np.random.default_rng([seed, g, 2]).standard_normal(iteration)
+            mu += drift * float(walk.sum())
+            rng = np.random.default_rng([seed, g, 1, iteration])
         z = rng.standard_normal(samples)
         lengths = np.clip(np.rint(np.exp(mu + s * z - s * s / 2) * scale), 1, max_len).astype(np.int64)
         group_mean = min(scale * math.exp(mu), max_len)
@@ -227,13 +289,14 @@ def synthetic_workload(
                 lengths_full=tuple(int(x) for x in lengths),
                 seed=seed,
                 vocab_size=vocab_size,
-                prompt_len=prompt_len,
+                prompt_len=own_prompt,
                 phrase_len=phrase_len,
                 group_phrase_prob=group_phrase_prob,
                 global_phrase_prob=global_phrase_prob,
                 group_pool_size=_pool_size(group_mean, phrase_len, group_phrase_prob, phrase_reuse),
                 global_pool_size=global_pool,
                 first_token_id=first_token_id,
+                iteration=iteration,
             )
         )
     return groups

@@ -1,0 +1,162 @@
+"""What earlier iterations of an RL run showed about each prompt (beyond Seer).
+
+RL revisits every prompt once per epoch. The store keeps, per prompt (keyed by its
+token ids), the lengths of its responses in earlier iterations and, capped, some of
+their token sequences. The Context Manager uses the lengths as the prior of a
+group's longest response; a grouped drafter can seed the group's suffix tree with
+the sequences, so drafts work from the first token.
+
+Bounded three ways: at most ``max_prompts`` prompts (least recently used goes
+first), ``max_lengths`` lengths per prompt (oldest first), and ``max_sequences``
+sequences of at most ``max_sequence_tokens`` tokens per prompt. Lengths carry the
+iteration they were seen in; ``weight`` halves a length's say every
+``half_life_iterations`` (the policy that wrote it has changed since).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+def prompt_key(prompt_token_ids: Sequence[int]) -> str:
+    """The store's key of a prompt: a digest of its token ids. Prompts that are only
+    counted (the simulator's ``TokenCount``) carry their own ``history_key`` instead."""
+    own = getattr(prompt_token_ids, "history_key", None)
+    if own is not None:
+        return str(own)
+    data = np.asarray(prompt_token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass
+class PromptHistory:
+    """One prompt's record: what its earlier responses were."""
+
+    lengths: deque = field(default_factory=deque)  # (iteration, length), oldest first
+    sequences: deque = field(default_factory=deque)  # token id lists, oldest first
+
+
+class HistoryStore:
+    """Per-prompt lengths and token sequences of earlier iterations, bounded (see module doc).
+
+    One store is shared by every instance's drafter and the Context Manager; it is plain
+    data (JSON ``save``/``load``), so a server can persist it between runs.
+    """
+
+    def __init__(
+        self,
+        max_prompts: int = 100_000,
+        max_lengths: int = 64,
+        max_sequences: int = 16,
+        max_sequence_tokens: int = 4096,
+        half_life_iterations: float | None = None,
+    ) -> None:
+        if min(max_prompts, max_lengths) < 1 or min(max_sequences, max_sequence_tokens) < 0:
+            raise ValueError("history bounds must be >= 1 (sequences: >= 0)")
+        if half_life_iterations is not None and half_life_iterations <= 0:
+            raise ValueError(f"half_life_iterations must be > 0, got {half_life_iterations}")
+        self.max_prompts = max_prompts
+        self.max_lengths = max_lengths
+        self.max_sequences = max_sequences
+        self.max_sequence_tokens = max_sequence_tokens
+        self.half_life = half_life_iterations
+        self.iteration = 0
+        self._prompts: OrderedDict[str, PromptHistory] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __contains__(self, prompt_token_ids: object) -> bool:
+        return prompt_key(prompt_token_ids) in self._prompts  # type: ignore[arg-type]
+
+    def next_iteration(self) -> None:
+        """A new rollout iteration begins (the weights moved on)."""
+        self.iteration += 1
+
+    def record(
+        self, prompt_token_ids: Sequence[int], length: int, token_ids: Sequence[int] | None = None
+    ) -> None:
+        """A response to the prompt finished with ``length`` tokens (its ids, optionally)."""
+        key = prompt_key(prompt_token_ids)
+        entry = self._prompts.get(key)
+        if entry is None:
+            entry = self._prompts[key] = PromptHistory()
+            while len(self._prompts) > self.max_prompts:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        entry.lengths.append((self.iteration, int(length)))
+        while len(entry.lengths) > self.max_lengths:
+            entry.lengths.popleft()
+        if token_ids is not None and self.max_sequences:
+            entry.sequences.append([int(t) for t in list(token_ids)[: self.max_sequence_tokens]])
+            while len(entry.sequences) > self.max_sequences:
+                entry.sequences.popleft()
+
+    def lengths(self, prompt_token_ids: Sequence[int], before: int | None = None) -> list[tuple[int, float]]:
+        """(length, weight) of the prompt's earlier responses (iterations before ``before``,
+        default: before the current one), most recent first."""
+        entry = self._prompts.get(prompt_key(prompt_token_ids))
+        if entry is None:
+            return []
+        limit = self.iteration if before is None else before
+        out = []
+        for it, length in reversed(entry.lengths):
+            if it < limit:
+                out.append((length, self.weight(it)))
+        return out
+
+    def weight(self, iteration: int) -> float:
+        """How much a length seen in ``iteration`` still says (1 without a half-life)."""
+        if self.half_life is None:
+            return 1.0
+        return 0.5 ** ((self.iteration - iteration) / self.half_life)
+
+    def sequences(self, prompt_token_ids: Sequence[int]) -> list[list[int]]:
+        """Copies of the prompt's stored responses (token ids, capped), oldest first."""
+        entry = self._prompts.get(prompt_key(prompt_token_ids))
+        return [list(s) for s in entry.sequences] if entry is not None else []
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the store as JSON (atomically: a crash leaves the old file)."""
+        data = {
+            "version": 1,
+            "iteration": self.iteration,
+            "bounds": [self.max_prompts, self.max_lengths, self.max_sequences, self.max_sequence_tokens],
+            "half_life_iterations": self.half_life,
+            "prompts": {
+                k: {"lengths": list(map(list, e.lengths)), "sequences": list(e.sequences)}
+                for k, e in self._prompts.items()
+            },
+        }
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> HistoryStore:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+            store = cls(*data["bounds"], half_life_iterations=data.get("half_life_iterations"))
+            store.iteration = int(data["iteration"])
+            for key, entry in data["prompts"].items():
+                item = store._prompts[key] = PromptHistory()
+                item.lengths.extend((int(it), int(n)) for it, n in entry["lengths"])
+                item.sequences.extend(entry["sequences"])
+        except FileNotFoundError:
+            raise ValueError(f"history store {str(p)!r} not found") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"history store {str(p)!r} is not valid: {e}") from None
+        return store
