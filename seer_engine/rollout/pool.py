@@ -14,6 +14,10 @@ processes or actors keep replicas of the group suffix trees that a ``DraftServer
 here keeps in sync (Seer's distributed grouped draft server): each step sends an
 instance the siblings' new tokens of the groups it runs and brings back its own.
 
+With a history store (a ``+history`` policy, or a server's ``--history``), a group's
+tree is seeded with earlier iterations' responses to its prompt before the group's
+first step anywhere: the shared proposer directly, replicas through the draft server.
+
 ``InstancePool`` is what the dispatcher drives; ``EnginePool`` (real engines) and the
 simulator's pool both implement it.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from seer_engine.engine.config import EngineConfig
@@ -32,6 +37,7 @@ from seer_engine.engine.llm_engine import TokenSource, resolve_model_path
 from seer_engine.kv_connector.base import KVConnector
 from seer_engine.kv_connector.factory import KVPool
 from seer_engine.rollout.books import InstanceBooks
+from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.instances.local import LocalInstance
 from seer_engine.rollout.instances.worker import build_worker
@@ -138,6 +144,15 @@ class WallClock:
         self._t0 = time.perf_counter()
 
 
+@dataclass
+class SeedStats:
+    """History seeds given to draft trees."""
+
+    groups: int = 0
+    responses: int = 0
+    tokens: int = 0
+
+
 class EnginePool:
     def __init__(
         self,
@@ -149,8 +164,10 @@ class EnginePool:
         draft_server: DraftServer | None = None,
         proposer: Proposer | None = None,
         timeline_points: int | None = None,
+        history: HistoryStore | None = None,
     ) -> None:
-        """Use ``EnginePool.start`` to build one; this only puts the parts together."""
+        """Use ``EnginePool.start`` to build one; this only puts the parts together.
+        ``history``: seeds each group's draft tree (grouped speculative decoding only)."""
         self.config = config  # the instances' own (with the policy's speculative decoding)
         self.instances = instances
         self.kv_pool = kv_pool
@@ -159,6 +176,12 @@ class EnginePool:
         self.backend = backend
         self.draft_server = draft_server
         self.proposer = proposer  # the draft source in-process instances share
+        spec = config.speculative_config
+        seeds = spec is not None and spec.method == "group_suffix" and spec.history_sequences > 0
+        self.history = history if seeds else None
+        self.history_sequences = spec.history_sequences if seeds else 0
+        self.seed_stats = SeedStats()
+        self._seeded: set[str] = set()  # live groups whose trees were seeded (or had nothing to seed)
         self._finished_groups: dict[int, list[str]] = {i.index: [] for i in instances}
         for inst in instances:
             inst.books = InstanceBooks(inst.info, timeline_points)
@@ -176,7 +199,8 @@ class EnginePool:
         step_timer: StepTimer | None = None,
     ) -> EnginePool:
         """Start ``num_instances`` engines on ``backend``, with the speculative decoding
-        ``policy`` asks for (``seer``: grouped suffix trees) unless the config names one.
+        ``policy`` asks for (``seer``: grouped suffix trees) unless the config names one,
+        and the policy's history store (if any) seeding the draft trees.
         ``step_timer``: run the instances on a modeled clock (one step at a time, in
         modeled-time order, whatever the backend). On failure everything started is
         stopped again."""
@@ -205,7 +229,10 @@ class EnginePool:
                 inst.close()
             kv_pool.close()
             raise
-        return cls(config, instances, kv_pool, clock, backend, draft_server, proposer, timeline_points)
+        history = getattr(policy.context, "history", None) if policy is not None else None
+        return cls(
+            config, instances, kv_pool, clock, backend, draft_server, proposer, timeline_points, history
+        )
 
     # -- stepping ------------------------------------------------------------------------
 
@@ -215,6 +242,8 @@ class EnginePool:
             return None
         for inst in self.clock.to_start(busy):
             if not inst.stepping:
+                if self.history is not None:
+                    self._seed_new_groups(inst)
                 inst.start_step(*self._draft_traffic(inst))
         stepping = [inst for inst in busy if inst.stepping]
         while True:
@@ -226,6 +255,25 @@ class EnginePool:
                         self.draft_server.publish(inst.index, reply.draft_updates)
                     return inst, reply
             type(stepping[0]).wait_any(stepping, timeout=1.0)
+
+    def _seed_new_groups(self, inst: InstanceHandle) -> None:
+        """Seed the draft trees of groups about to take their first step (anywhere)."""
+        for chunk in inst.books.in_flight.values():
+            group = chunk.sample.group
+            gid = group.group_id
+            if gid in self._seeded:
+                continue
+            self._seeded.add(gid)
+            responses = self.history.sequences(group.prompt_token_ids)[-self.history_sequences :]
+            if not responses:
+                continue
+            self.seed_stats.groups += 1
+            self.seed_stats.responses += len(responses)
+            if self.proposer is not None:
+                self.seed_stats.tokens += self.proposer.seed_group(gid, group.prompt_token_ids, responses)
+            elif self.draft_server is not None:
+                self.draft_server.seed(gid, group.prompt_token_ids, responses)
+                self.seed_stats.tokens += sum(len(r) for r in responses)
 
     def _draft_traffic(self, inst: InstanceHandle) -> tuple[list | None, list[str] | None]:
         """The draft-server messages riding on an instance's next step."""
@@ -243,6 +291,7 @@ class EnginePool:
 
     def finish_group(self, group_id: str) -> None:
         """Every response of the group is done: free its drafts."""
+        self._seeded.discard(group_id)
         if self.proposer is not None:
             self.proposer.finish_group(group_id)
         if self.draft_server is not None:

@@ -29,6 +29,10 @@ class SpeculativeConfig:
     max_depth: int = 64  # suffix trees: deepest suffix kept
     prompt_lookup_min: int = 2  # ngram: shortest suffix to match
     prompt_lookup_max: int = 5  # ngram: longest suffix to match
+    # group_suffix with a history store: a seed (an earlier iteration's response) counts
+    # this much of a live sibling (rounded to 1/k); at most history_sequences seeds per group.
+    history_weight: float = 0.25
+    history_sequences: int = 16
     # Adaptive budget: [fixed_s, per_token_s] of a step from an offline profile (Seer
     # profiles once per model and machine); None measures it at start-up.
     step_cost: tuple[float, float] | None = None
@@ -45,6 +49,10 @@ class SpeculativeConfig:
             raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
         if not isinstance(self.max_depth, int) or self.max_depth < 2:
             raise ValueError(f"max_depth must be an integer >= 2, got {self.max_depth!r}")
+        if not (isinstance(self.history_weight, (int, float)) and 0.0 < self.history_weight <= 1.0):
+            raise ValueError(f"history_weight must be in (0, 1], got {self.history_weight!r}")
+        if not isinstance(self.history_sequences, int) or self.history_sequences < 0:
+            raise ValueError(f"history_sequences must be an integer >= 0, got {self.history_sequences!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.step_cost is not None:
@@ -57,6 +65,11 @@ class SpeculativeConfig:
             ):
                 raise ValueError(f"step_cost must be [fixed_s > 0, per_token_s >= 0] seconds, got {cost!r}")
             object.__setattr__(self, "step_cost", (float(cost[0]), float(cost[1])))
+
+    @property
+    def live_weight(self) -> int:
+        """The suffix-tree weight of live sequences against a history seed's 1."""
+        return max(1, round(1.0 / self.history_weight))
 
     @property
     def trees(self) -> bool:

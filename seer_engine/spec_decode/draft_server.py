@@ -22,7 +22,12 @@ The protocol, per engine step of instance ``i``::
     main:    server.publish(i, reply.draft_updates)   # before acting on the outputs
              updates = server.updates_for(i, groups instance i runs now)  # sent with the next step
 
-and when a group is done: ``server.finish_group(g)`` and ``replica.finish_group(g)`` on
+With a history store, the rollout's process seeds a group before its first step:
+``server.seed(g, prompt, responses)`` puts a ``HistorySeed`` at the head of the group's
+log, so every replica that runs the group builds the same seeded tree (and proposes
+the drafts one shared, seeded proposer would).
+
+When a group is done: ``server.finish_group(g)`` and ``replica.finish_group(g)`` on
 every worker (its pipe is FIFO, so no record of the group arrives after that). Group
 ids may come back (a later iteration, a caller's ``group_id``): a worker that is given
 a request of group ``g`` calls ``replica.reopen(g)``, or the records it receives for
@@ -32,7 +37,7 @@ worse). ``take_updates`` must be called every step: the outbox only grows until 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,6 +48,7 @@ from seer_engine.spec_decode.proposers import SuffixProposer
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY
 
 MAX_TOMBSTONES = 4096  # finished groups a replica remembers (records in flight are a few steps old)
+SEED_SOURCE = -1  # the publisher of history seeds: no instance, so every instance gets them
 
 
 class TokenAppend(NamedTuple):
@@ -63,6 +69,15 @@ class TokenAppend(NamedTuple):
         return self.start + len(self.tokens)
 
 
+class HistorySeed(NamedTuple):
+    """Earlier iterations' responses to a group's prompt, for every replica's tree of the
+    group (``SuffixProposer.seed_group``)."""
+
+    group_id: str | None
+    prompt_token_ids: tuple[int, ...]
+    responses: tuple[tuple[int, ...], ...]
+
+
 @dataclass
 class ReplicaStats:
     published_records: int = 0  # returned by take_updates
@@ -72,6 +87,7 @@ class ReplicaStats:
     overlap_tokens: int = 0  # already in the tree (own or earlier records): trimmed
     gap_records: int = 0  # started beyond what the replica had: dropped
     finished_records: int = 0  # for groups finished here: ignored
+    seed_tokens: int = 0  # history tokens seeded into trees
 
 
 class ReplicaProposer(SuffixProposer):
@@ -140,14 +156,18 @@ class ReplicaProposer(SuffixProposer):
         self.stats.published_tokens += sum(len(r.tokens) for r in out)
         return out
 
-    def apply(self, updates: Iterable[TokenAppend]) -> None:
-        """Append other instances' tokens; see the class docstring for overlaps and gaps."""
+    def apply(self, updates: Iterable[TokenAppend | HistorySeed]) -> None:
+        """Append other instances' tokens and history seeds; see the class docstring for
+        overlaps and gaps."""
         stats = self.stats
         for rec in updates:
-            gid, sid, start, tokens, prompt = rec
-            if gid in self._finished:
+            if rec.group_id in self._finished:
                 stats.finished_records += 1
                 continue
+            if type(rec) is HistorySeed:
+                stats.seed_tokens += self.seed_group(rec.group_id, rec.prompt_token_ids, rec.responses)
+                continue
+            gid, sid, start, tokens, prompt = rec
             tree = gid if self.grouped else sid
             if prompt is not None and not self._has_prompt(tree):
                 self.trees.append(tree, PROMPT_KEY, prompt)
@@ -229,6 +249,8 @@ class DraftServerStats:
     served_records: int = 0  # after merging a response's adjacent records
     served_tokens: int = 0  # output tokens
     served_prompt_tokens: int = 0
+    seeded_groups: int = 0
+    seed_tokens: int = 0  # history tokens published as seeds
     calls: int = 0  # updates_for calls
 
 
@@ -257,12 +279,24 @@ class DraftServer:
             stats.published_records += 1
             stats.published_tokens += len(rec.tokens)
 
-    def updates_for(self, instance: int, group_ids: Iterable[str | None]) -> list[TokenAppend]:
+    def seed(
+        self, group_id: str | None, prompt_token_ids: Sequence[int], responses: Sequence[Sequence[int]]
+    ) -> None:
+        """History seeds for a group, served to every instance that runs it; call it
+        before the group's first step anywhere, so the seed heads its log."""
+        if not responses:
+            return
+        rec = HistorySeed(group_id, tuple(prompt_token_ids), tuple(tuple(r) for r in responses))
+        self._logs.setdefault(group_id, []).append((SEED_SOURCE, rec))
+        self.stats.seeded_groups += 1
+        self.stats.seed_tokens += sum(len(r) for r in rec.responses)
+
+    def updates_for(self, instance: int, group_ids: Iterable[str | None]) -> list[TokenAppend | HistorySeed]:
         """Records of these groups that other instances published since this instance last
         asked, each given once; a response's adjacent or overlapping records are merged."""
         stats = self.stats
         stats.calls += 1
-        out: list[TokenAppend] = []
+        out: list[TokenAppend | HistorySeed] = []
         for gid in group_ids:
             log = self._logs.get(gid)
             if not log:
@@ -276,6 +310,9 @@ class DraftServer:
             for source, rec in log[read:] if read else log:
                 if source == instance:
                     continue
+                if source == SEED_SOURCE:
+                    out.append(rec)
+                    continue
                 at = last.get(rec.sequence_id)
                 if at is not None and out[at].start <= rec.start <= out[at].end:
                     out[at] = _merged(out[at], rec)
@@ -284,6 +321,8 @@ class DraftServer:
                     out.append(rec)
         stats.served_records += len(out)
         for rec in out:
+            if type(rec) is HistorySeed:
+                continue
             stats.served_tokens += len(rec.tokens)
             if rec.prompt_token_ids is not None:
                 stats.served_prompt_tokens += len(rec.prompt_token_ids)

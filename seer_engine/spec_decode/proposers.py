@@ -10,7 +10,7 @@ that resumes a response on another instance finds its tokens already there.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -33,6 +33,13 @@ class Proposer:
     def finish_group(self, group_id: str) -> None:
         """Every response of the group is done: drop what is kept for it."""
 
+    def seed_group(
+        self, group_id: str, prompt_token_ids: Sequence[int], responses: Sequence[Sequence[int]]
+    ) -> int:
+        """Earlier iterations' responses to the group's prompt, to draft from before its
+        own siblings have written anything; returns the tokens taken (0: not used)."""
+        return 0
+
 
 class SuffixProposer(Proposer):
     """Suffix-tree drafts. ``grouped``: one tree per group holding the prompt and every
@@ -42,8 +49,11 @@ class SuffixProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, grouped: bool) -> None:
         self.name = "group_suffix" if grouped else "suffix"
         self.grouped = grouped
-        self.trees = GroupSuffixTrees(max_depth=config.max_depth, min_prob=config.min_prob)
+        self.trees = GroupSuffixTrees(
+            max_depth=config.max_depth, min_prob=config.min_prob, live_weight=config.live_weight
+        )
         self.match_cap = config.max_depth // 2
+        self.history_sequences = config.history_sequences
         self._seq_keys: dict[str, int] = {}  # sequence id -> its key inside its tree
         self._appended: dict[str, int] = {}  # sequence id -> output tokens already in the tree
         self._sequences: dict[str, list[str]] = {}  # group id -> its sequence ids
@@ -71,9 +81,23 @@ class SuffixProposer(Proposer):
         if sid not in self._seq_keys:
             self.observe(request)
         tree = self._tree_of(request)
-        if self._appended[sid] >= self.match_cap:  # its own output is context enough: no walk
+        done = self._appended[sid]
+        # Its own output is context enough: no walk. In a seeded tree a walk through the
+        # prompt would match only the seeds (they start with the prompt's tail), so once
+        # the response has a token its output is the context there.
+        if done >= self.match_cap or (done and self.grouped and self.trees.seeded(tree)):
             return self.trees.speculate_sequence(tree, self._seq_keys[sid], budget, multi_path)
         return self.trees.speculate(tree, request.all_token_ids[-self.match_cap :], budget, multi_path)
+
+    def seed_group(
+        self, group_id: str, prompt_token_ids: Sequence[int], responses: Sequence[Sequence[int]]
+    ) -> int:
+        """Grouped trees only (a per-response tree is its own response's); the newest
+        ``history_sequences`` responses, at the config's ``history_weight``."""
+        if not self.grouped or not self.history_sequences or not responses:
+            return 0
+        newest = list(responses)[-self.history_sequences :]
+        return self.trees.seed(group_id, prompt_token_ids, newest)
 
     def finish_group(self, group_id: str) -> None:
         for sid in self._sequences.pop(group_id, []):

@@ -8,6 +8,14 @@ drafts into ``DraftTree`` records.
 The per-request baseline (SuffixDecoding-style, where a request drafts only from its
 own prompt and output) uses the same class: give every request its own tree id and
 append only that request's prompt and output to it, i.e. a "group" of one request.
+
+History seeds (beyond Seer): a group's tree may start with responses to the same
+prompt from earlier iterations (``seed``), so drafts work from a group's first
+token. They weigh 1 against ``live_weight`` for the prompt and live siblings, so a
+sibling that disagrees with history soon outvotes it. Each seed starts with the
+prompt's last tokens, so a response's very first tokens match it; once a response
+has a token, it drafts from its own output only (``SuffixProposer``), where seeds
+and live siblings match equally deep and their weights decide.
 """
 
 from __future__ import annotations
@@ -17,10 +25,13 @@ from collections.abc import Hashable, Sequence
 from seer_engine._C import GroupSuffixTree
 from seer_engine.core.draft import DraftTree
 
-__all__ = ["PROMPT_KEY", "DraftTree", "GroupSuffixTree", "GroupSuffixTrees"]
+__all__ = ["HISTORY_KEY", "PROMPT_KEY", "DraftTree", "GroupSuffixTree", "GroupSuffixTrees"]
 
 # Sequence key for a group's prompt; responses use their own (non-negative) keys.
 PROMPT_KEY = -1
+# History seed j of a group has key HISTORY_KEY - j.
+HISTORY_KEY = -2
+HISTORY_WEIGHT = 1  # a seed's weight; live sequences weigh ``live_weight``
 
 
 def _as_list(tokens: Sequence[int]) -> Sequence[int]:
@@ -45,24 +56,56 @@ class GroupSuffixTrees:
         min_prob: float = 0.1,
         max_spec_factor: float = 0.0,
         max_match_len: int | None = None,
+        live_weight: int = 1,
     ) -> None:
         GroupSuffixTree(max_depth)  # validate max_depth now rather than on first append
+        if not isinstance(live_weight, int) or live_weight < 1:
+            raise ValueError(f"live_weight must be an integer >= 1, got {live_weight!r}")
         self.max_depth = max_depth
+        self.live_weight = live_weight
         self.min_prob = min_prob
         self.max_spec_factor = max_spec_factor
         self.max_match_len = max_match_len
         self._trees: dict[Hashable, GroupSuffixTree] = {}
 
-    def append(self, group_id: Hashable, seq_key: int, tokens: Sequence[int], weight: int = 1) -> None:
+    def append(
+        self, group_id: Hashable, seq_key: int, tokens: Sequence[int], weight: int | None = None
+    ) -> None:
         """Append tokens to one sequence of a group (prompt or a sibling's output).
-        ``weight`` applies when the sequence is new: its occurrences count that many times."""
+        ``weight`` (default ``live_weight``) applies when the sequence is new: its
+        occurrences count that many times."""
         tree = self._trees.get(group_id)
         if tree is None:
             tree = self._trees[group_id] = GroupSuffixTree(self.max_depth)
         if seq_key in tree:
             tree.extend(seq_key, _as_list(tokens))
         else:
-            tree.add_sequence(seq_key, _as_list(tokens), weight)
+            tree.add_sequence(seq_key, _as_list(tokens), self.live_weight if weight is None else weight)
+
+    def seed(self, group_id: Hashable, prompt: Sequence[int], responses: Sequence[Sequence[int]]) -> int:
+        """Put earlier iterations' responses to the group's prompt into its tree (creating
+        it with the prompt if needed), each after the prompt's last ``max_depth // 2``
+        tokens (a fresh response's first context) and at weight ``HISTORY_WEIGHT``.
+        Seeds already there are kept as they are; returns the tokens added."""
+        prompt = _as_list(prompt)
+        tree = self._trees.get(group_id)
+        if tree is None or PROMPT_KEY not in tree:
+            self.append(group_id, PROMPT_KEY, prompt)
+            tree = self._trees[group_id]
+        tail = list(prompt[len(prompt) - min(len(prompt), self.max_depth // 2) :])
+        added = 0
+        for j, response in enumerate(r for r in responses if len(r)):
+            key = HISTORY_KEY - j
+            if key in tree:
+                continue
+            tree.add_sequence(key, tail + list(_as_list(response)), HISTORY_WEIGHT)
+            added += len(response)
+        return added
+
+    def seeded(self, group_id: Hashable) -> bool:
+        """The group's tree holds history seeds."""
+        tree = self._trees.get(group_id)
+        return tree is not None and HISTORY_KEY in tree
 
     def speculate(
         self,
