@@ -181,3 +181,21 @@ def http(server):
 def model(server) -> str:
     """The name clients use for the served model."""
     return server.model
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """``start_server(args, name) -> ServerProcess``: a server of a test module's own
+    (its model, its flags), with its own data folder; stopped at the end of the session
+    at the latest (a module fixture may stop it sooner)."""
+    started: list[ServerProcess] = []
+
+    def start(args: list[str], name: str = "own") -> ServerProcess:
+        root = tmp_path_factory.mktemp(f"server-{name}")
+        proc = ServerProcess([*args, "--data-dir", str(root / "data")], root / "server.log").start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
