@@ -460,7 +460,7 @@ def run_grpo(cfg: GRPOConfig, reward: Reward | None = None, log: Callable[[str],
                 "mean_reward": round(statistics.fmean(s.reward for s in samples), 4),
                 "mixed_groups": sum(len({s.reward for s in g}) > 1 for g in groups),
                 "mean_len": round(statistics.fmean(lengths), 1), "max_len": max(lengths),
-                **{k: round(v, 6) for k, v in figures.items()},
+                **{k: float(f"{v:.4g}") for k, v in figures.items()},
                 "train_s": round(train_s, 2), "update_s": round(update_s, 2),
                 "weight_version": new_version, "checkpoint": str(checkpoint),
             }  # fmt: skip
@@ -488,7 +488,7 @@ HEADER = (f"{'iter':>4} {'rollout_s':>9} {'tok/s':>7} {'reward':>6} {'mixed':>5}
 def format_row(r: dict, groups: int) -> str:
     return (f"{r['iteration']:>4} {r['rollout_s']:>9.1f} {r['tokens_per_s']:>7.1f} {r['mean_reward']:>6.3f} "
             f"{r['mixed_groups']:>2}/{groups:<2} {r['mean_len']:>8.1f} {r['max_len']:>7} {r['loss']:>9.5f} "
-            f"{r['grad_norm']:>7.3f} {r['logp_gap']:>8.4f} {r['train_s']:>7.1f} "
+            f"{r['grad_norm']:>7.3f} {r['logp_gap']:>8.1e} {r['train_s']:>7.1f} "
             f"{r['weight_version']:>7}")  # fmt: skip
 
 
