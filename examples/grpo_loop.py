@@ -25,6 +25,7 @@ Against ``make run``'s server (SmolLM2-135M-Instruct on 127.0.0.1:8000)::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import shutil
@@ -40,6 +41,7 @@ from typing import Any
 import httpx
 import torch
 
+from seer_engine.rollout.machine import machine_info
 from seer_engine.tasks import TASKS, TaskPrompt, get_task, parse_knobs, task_prompts
 
 BATCH_TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -513,6 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("temperature", "lr", "clip", "kl_coef", "max_grad_norm", "format_bonus", "timeout_s"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     args = p.parse_args(argv)
+    meta = {
+        "command": " ".join(["python", "examples/grpo_loop.py", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),  # the load as the run starts
+    }
     try:
         values = {k: v for k, v in vars(args).items() if k not in ("knob", "log_json")}
         cfg = GRPOConfig(**values, knobs=parse_knobs(args.task, args.knob))
@@ -521,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo_loop: error: {e}", file=sys.stderr)
         return 1
     if args.log_json:
-        log = {"config": asdict(cfg), "iterations": records}
+        log = {"meta": meta, "config": asdict(cfg), "iterations": records}
         Path(args.log_json).write_text(json.dumps(_jsonable(log), indent=2) + "\n")
     return 0
 
