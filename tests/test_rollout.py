@@ -334,3 +334,20 @@ def test_bench_rollout_task_errors(model, capsys, change, message):
     with pytest.raises(SystemExit) as err:
         main(args)
     assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rollout_cli_task_needs_a_chat_template(model, tmp_path, capsys):
+    import json
+    import shutil
+
+    from seer_engine.entrypoints.cli import main
+
+    plain = tmp_path / "plain"
+    shutil.copytree(model, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        main(_task_rollout_args(plain, tmp_path / "out.jsonl"))
+    assert "needs a chat model: the model's tokenizer has no chat template" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
-from seer_engine.tasks import TASKS, Task, TaskPrompt, get_task, parse_knobs, task_prompts
+from seer_engine.tasks import TASKS, Grade, Task, TaskPrompt, get_task, parse_knobs, task_prompts
 from seer_engine.tasks.summary import format_summary, rollout_summary
 
 _SAMPLING_FIELDS = {
@@ -79,10 +79,9 @@ def task_groups(
 ) -> tuple[list[TaskPrompt], list[Group]]:
     """The first ``count`` problems of ``seed`` through the model's chat template, as groups
     of ``n`` responses; group k samples with seed ``child_seed(seed, k)``."""
-    try:
-        prompts = task_prompts(task, count, seed, chat_template=processor.tokenizer.apply_chat_template)
-    except ValueError as e:  # transformers: the tokenizer has no chat template
-        raise ValueError(f"--task needs a chat model: the tokenizer's chat template failed ({e})") from e
+    if not getattr(processor.tokenizer.tokenizer, "chat_template", None):
+        raise ValueError("--task needs a chat model: the model's tokenizer has no chat template")
+    prompts = task_prompts(task, count, seed, chat_template=processor.tokenizer.apply_chat_template)
     groups = []
     for k, p in enumerate(prompts):
         checked = processor.process(p.text or "", params.clone(seed=child_seed(seed, k)))
@@ -91,12 +90,13 @@ def task_groups(
     return prompts, groups
 
 
-def grade_result(task: Task, prompts: list[TaskPrompt], result: RolloutResult) -> list[list]:
+def grade_result(task: Task, prompts: list[TaskPrompt], result: RolloutResult) -> list[list[Grade]]:
     """The grade of every response, group by group in prompt order."""
     return [[task.grade(p, s.text) for s in result.samples[p.id]] for p in prompts]
 
 
-def summarize(prompts: list[TaskPrompt], result: RolloutResult, grades: list[list]) -> dict:
+def summarize(prompts: list[TaskPrompt], result: RolloutResult, grades: list[list[Grade]]) -> dict:
+    """Rewards and output lengths of a graded rollout, group by group (tasks.summary)."""
     samples = [result.samples[p.id] for p in prompts]
     return rollout_summary(
         [[s.num_generated for s in group] for group in samples],
