@@ -20,8 +20,8 @@ import pytest
 pytest_plugins = ["server_harness"]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_loop.py"
-API_KEY = "grpo-key"
-SERVED = "tiny-grpo"
+API_KEY = "test-key"  # what the harness's start_server sets
+SERVED = "tiny-test"
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +34,13 @@ def grpo():
     sys.modules.pop("grpo_loop", None)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def served(start_server, tiny_model):
+    """A rollout-mode server of the tiny model (weights change, so each test gets its own)."""
     model = tiny_model("qwen3")
-    proc = start_server(
-        ["--model", str(model), "--served-model-name", SERVED, "--api-key", API_KEY, "--rollout-mode",
-         "--chunk-tokens", "16", "--max-model-len", "512", "--num-kv-blocks", "256", "--num-threads", "1",
-         "--log-level", "warning"],
-        name="grpo",
-    )  # fmt: skip
-    yield proc, model
-    proc.stop()
+    proc = start_server("--model", str(model), "--rollout-mode", "--chunk-tokens", "16", "--max-model-len",
+                        "512", "--num-kv-blocks", "256", "--num-threads", "1")  # fmt: skip
+    return proc, model
 
 
 def _greedy(server) -> list[str]:

@@ -351,3 +351,60 @@ def test_rollout_cli_task_needs_a_chat_template(model, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(_task_rollout_args(plain, tmp_path / "out.jsonl"))
     assert "needs a chat model: the model's tokenizer has no chat template" in capsys.readouterr().err
+
+
+def test_a_modeled_clock_times_the_work_not_the_machine(model):
+    """On a modeled clock each step costs what the step-time model says its shape costs:
+    the same rollout takes the same modeled time every run and on either backend,
+    whatever the machine was doing."""
+    from seer_engine.sim.profile import StepTimeModel
+
+    timer = StepTimeModel(a_s=0.02, b_s_per_token=1e-4, c_s_per_kv_token=1e-6, d_s_per_logit=1e-5)
+
+    def run(backend: str):
+        cfg = EngineConfig(model=str(model), num_kv_blocks=64, max_num_seqs=8, num_threads=1)
+        policy = make_rollout_policy("context")
+        with EnginePool.start(cfg, 2, backend=backend, policy=policy, step_timer=timer) as pool:
+            return Dispatcher(pool, policy, chunk_tokens=8).run(_groups()).metrics
+
+    first, again, processes = run("inproc"), run("inproc"), run("mp")
+    assert first.makespan_s > 0 and first.makespan_s == again.makespan_s == processes.makespan_s
+    assert first.instance_busy_s == processes.instance_busy_s and first.steps == processes.steps
+    # every step costs at least the fixed term, so the busy time bounds the step count
+    assert sum(first.instance_busy_s) >= first.steps * timer.a_s
+
+
+def test_step_shapes_count_what_the_rows_compute():
+    from seer_engine.engine.stats import StepShape
+
+    # a decode row (20 computed, 1 new) with a 3-node draft, and a prompt span of 8 tokens
+    shape = StepShape.of([(20, 4, 10, 21), (0, 8, 30, 30)])
+    assert shape.scheduled_tokens == 12 and shape.kv_tokens == 24 + 8
+    assert shape.kv_pairs == (4 * 20 + 10) + (0 + 36)
+    assert shape.logit_tokens == 4 and shape.kind == "mixed"
+    assert StepShape.of([(29, 1, 10, 30)]).kind == "decode"
+
+
+def test_bench_rollout_on_a_modeled_clock(tmp_path):
+    import json
+
+    from conftest import SHARED
+
+    from seer_engine.entrypoints.cli import main
+
+    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
+    if not trace.is_file():
+        pytest.skip(f"traces not found at {trace}")
+    args = ["bench", "rollout", "--trace", str(trace), "--groups", "2", "--samples", "2",
+            "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "64",
+            "--distributed-backend", "inproc", "--policy", "divided,context"]  # fmt: skip
+    with pytest.raises(SystemExit) as bad:
+        main([*args, "--clock", "no-such-setup"])
+    assert bad.value.code == 2
+    reports = []
+    for run in ("a", "b"):
+        assert main([*args, "--clock", "moonlight", "--report", str(tmp_path / run)]) == 0
+        reports.append(json.loads((tmp_path / run / "report.json").read_text()))
+    assert reports[0]["meta"]["clock"] == "moonlight"
+    for name in ("divided", "context"):
+        assert reports[0]["policies"][name]["makespan_s"] == reports[1]["policies"][name]["makespan_s"]

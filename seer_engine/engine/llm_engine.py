@@ -17,11 +17,12 @@ from seer_engine.core.policies import SchedulingPolicy, make_policy
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig
 from seer_engine.core.seeds import child_seed
+from seer_engine.engine.client import Health
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.output_processor import OutputProcessor, UserRequest
-from seer_engine.engine.stats import EngineStats
+from seer_engine.engine.stats import EngineStats, StepShape
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
     ModelRunner,
@@ -112,6 +113,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         # Trace replay swaps sampled tokens for recorded ones; None in normal serving.
         self.token_source: TokenSource | None = None
+        self.last_step_shape: StepShape | None = None  # what the latest step computed
         self._sleeping = False  # KV cache freed (and weights off the accelerator)
         self.outputs = OutputProcessor(self.detokenizer, self._release_group)
         self.drafter = self._make_drafter(config.speculative_config, proposer)
@@ -257,7 +259,11 @@ class LLMEngine:
         """Run one scheduled batch; returns finished user requests (and streaming progress)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.last_step_shape = None
             return []
+        self.last_step_shape = StepShape.of(
+            [(r.num_computed_tokens, n, r.num_prompt_tokens, r.num_tokens) for r, n in sched.scheduled]
+        )
         batch = [
             ScheduledRequest(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]
@@ -357,6 +363,9 @@ class LLMEngine:
             drafter_s=self.drafter.stats.observe_s + self.drafter.stats.propose_s if self.drafter else 0.0,
             **asdict(sched.stats),
         )
+
+    def health(self) -> Health:
+        return Health()
 
     @property
     def is_sleeping(self) -> bool:

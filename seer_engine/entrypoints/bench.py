@@ -37,6 +37,8 @@ from seer_engine.rollout.policies import ROLLOUT_POLICIES, make_rollout_policy
 from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, write_report
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+from seer_engine.sim.setups import SETUPS
 from seer_engine.tasks import get_task, parse_knobs
 from seer_engine.tasks.summary import format_summary
 from seer_engine.workloads.replay import ReplayWorkload
@@ -76,8 +78,29 @@ def add_cli(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--report", default=None, help="write report.json and report.png here")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        help="wall: instances' clocks follow measured step times; or a modeled clock, a setup name "
+        f"({', '.join(SETUPS)}) or an instance profile JSON (seer_engine profile): the engines run and "
+        "decide everything for real, each instance's clock advances by the profile's price of the work "
+        "its step did (instances then step one at a time, in modeled-time order)",
+    )
     RolloutConfig.add_cluster_args(p)
     p.set_defaults(func=run_bench_rollout)
+
+
+def step_timer(clock: str) -> StepTimeModel | None:
+    """``--clock``: None for the wall clock, else the step-time model to run on."""
+    if clock == "wall":
+        return None
+    if clock in SETUPS:
+        return SETUPS[clock].profile.step
+    if Path(clock).suffix == ".json" or Path(clock).is_file():
+        return InstanceProfile.load(clock).step
+    raise ValueError(
+        f"--clock must be 'wall', a setup ({', '.join(SETUPS)}) or a profile JSON, got {clock!r}"
+    )
 
 
 def _trace_model(args: argparse.Namespace, max_len: int) -> str:
@@ -101,8 +124,9 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     check_source_args(args, "--trace")
     machine = machine_info()
     policies = _parse_policies(args.policy)
+    timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
     if args.task is not None:
-        return _run_task_bench(args, policies, machine)
+        return _run_task_bench(args, policies, machine, timer)
     from seer_engine.workloads.groups import select_groups
     from seer_engine.workloads.traces import load_trace
 
@@ -121,10 +145,9 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
           f"{sum(true_lengths.values())} output tokens to replay, {args.instances} instances, "
           f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}, backend "
           f"{cluster.distributed_backend}, KV pool {cluster.kv_connector}", flush=True)  # fmt: skip
-    results = {
-        name: _run_policy(args, name, cfg, cluster, workload.groups(), true_lengths, replay)
-        for name in policies
-    }
+    results = {}
+    for name in policies:
+        results[name] = _run_policy(args, name, cfg, cluster, workload.groups(), true_lengths, replay, timer)
     print(format_table(results))
     if args.report:
         meta = _meta(args, machine, model, cluster, groups=len(workload.prompts))
@@ -174,11 +197,12 @@ def _run_policy(
     groups: list[Group],
     true_lengths: dict[str, int],
     token_source=None,
+    timer: StepTimeModel | None = None,
 ) -> RolloutResult:
-    """One policy on a fresh engine pool (clocks from zero)."""
+    """One policy on a fresh engine pool (clocks from zero; ``timer``: a modeled clock)."""
     policy = _bench_policy(name, true_lengths, args.starvation_s)
     progress = Progress(name, sum(g.n for g in groups))
-    with cluster.make_pool(cfg, policy, token_source) as pool:
+    with cluster.make_pool(cfg, policy, token_source, step_timer=timer) as pool:
         pool.reset_clocks()
         start = time.perf_counter()
         dispatcher = Dispatcher(
@@ -198,10 +222,13 @@ def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutC
         "instances": args.instances, "num_threads": args.num_threads,
         "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
         "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
+        "clock": args.clock,
     }  # fmt: skip
 
 
-def _run_task_bench(args: argparse.Namespace, policies: list[str], machine: dict) -> int:
+def _run_task_bench(
+    args: argparse.Namespace, policies: list[str], machine: dict, timer: StepTimeModel | None
+) -> int:
     """Every policy samples the same problems with the same seeds; ``oracle`` runs last,
     handed the lengths the first policy's responses came out at."""
     if args.model is None:
@@ -235,7 +262,8 @@ def _run_task_bench(args: argparse.Namespace, policies: list[str], machine: dict
     results: dict[str, RolloutResult] = {}
     true_lengths: dict[str, int] = {}
     for name in policies:
-        results[name] = _run_policy(args, name, cfg, cluster, [replace(g) for g in groups], true_lengths)
+        fresh = [replace(g) for g in groups]
+        results[name] = _run_policy(args, name, cfg, cluster, fresh, true_lengths, timer=timer)
         if name == first:
             true_lengths = {s.key: s.num_generated for v in results[name].samples.values() for s in v}
     reference = results[first].samples
