@@ -312,6 +312,16 @@ def test_bench_rollout_task_samples_the_same_responses_under_every_policy(model,
         for key in REPORT_KEYS:
             assert key in figures, (name, key)
     assert (tmp_path / "lengths.png").stat().st_size > 5_000
+    # on a modeled clock the same responses take the same modeled time in every run
+    modeled = [*args[:-2], "--policy", "divided", "--clock", "moonlight", "--report"]
+    makespans = []
+    for run in ("a", "b"):
+        assert main([*modeled, str(tmp_path / run)]) == 0
+        again = json.loads((tmp_path / run / "report.json").read_text())
+        assert again["meta"]["clock"] == "moonlight"
+        assert again["policies"]["divided"]["identical_responses"] == 9
+        makespans.append(again["policies"]["divided"]["makespan_s"])
+    assert makespans[0] == makespans[1] > 0
 
 
 @pytest.mark.parametrize(
