@@ -110,7 +110,7 @@ def test_placement_breaks_prefix_ties_by_load_then_free_blocks():
 
 
 def test_context_manager_order():
-    ctx = ContextManager(starvation_s=100.0)
+    ctx = ContextManager(starvation_s=100.0, rule="seer")
     params = SamplingParams(max_tokens=1000)
     groups = [Group(f"g{i}", [1], params, 3, 1000, order=i) for i in range(4)]
     for g in groups:

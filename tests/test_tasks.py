@@ -242,3 +242,52 @@ def test_evaluate_refuses_code():
     for bad in bad_ones:
         with pytest.raises(ExpressionError):
             evaluate(bad)
+
+
+# ----------------------------------------------------------------------------- command line and summary
+
+
+def test_parse_knobs_converts_to_the_knob_types():
+    from seer_engine.tasks import parse_knobs
+
+    knobs = parse_knobs("arith", ["steps=2", "ops=add, sub,mul", "require_marker=true"])
+    assert knobs == {"steps": 2, "ops": ("add", "sub", "mul"), "require_marker": True}
+    assert get_task("arith", **knobs).ops == ("add", "sub", "mul")
+    assert parse_knobs("countdown", ["numbers=5", "max_target=90"]) == {"numbers": 5, "max_target": 90}
+    for pairs, message in [
+        (["steps"], "'steps' is not KEY=VALUE"),
+        (["=3"], "is not KEY=VALUE"),
+        (["depth=3"], "task 'arith' has no knob depth; its knobs: steps"),
+        (["steps=2.5"], "knob steps wants int, got '2.5'"),
+        (["require_marker=maybe"], "wants true or false"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_knobs("arith", pairs)
+    with pytest.raises(ValueError, match="unknown task 'gsm8k'"):
+        parse_knobs("gsm8k", [])
+
+
+def test_rollout_summary_figures():
+    from seer_engine.tasks.summary import format_summary, rollout_summary
+
+    lengths = [[10, 10, 20, 20], [100, 100, 100, 100]]
+    rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    s = rollout_summary(lengths, rewards, ["a", "b"], ["stop"] * 7 + ["length"])
+    assert s["groups"] == 2 and s["responses"] == 8
+    assert s["mean_reward"] == 0.125 and s["mixed_groups"] == 1
+    assert s["per_group"][0] == {"group": "a", "n": 4, "mean_len": 15.0, "max_len": 20, "min_len": 10,
+                                 "std_len": 5.0, "mean_reward": 0.25, "mixed": True}  # fmt: skip
+    assert s["within_group_std"] == 2.5  # (5 + 0) / 2
+    assert s["across_group_std"] == 42.5  # means 15 and 100
+    assert s["length"]["max_len"] == 100 and s["finish_reasons"] == {"stop": 7, "length": 1}
+    assert 0 < s["length"]["within_share"] < 0.05  # nearly all of the variance is across groups
+    text = format_summary(s)
+    assert "accuracy (mean reward) 0.125" in text and "mixed rewards 1/2" in text
+    assert "std of group means 42.5" in text
+    same = rollout_summary([[5, 5], [5, 5]])
+    assert same["length"]["within_share"] is None and "mean_reward" not in same  # no variance, no rewards
+    assert "n/a" in format_summary(same)
+    with pytest.raises(ValueError, match="same groups and sizes"):
+        rollout_summary(lengths, [[1.0]])
+    with pytest.raises(ValueError, match="at least one group"):
+        rollout_summary([[]])

@@ -1,79 +1,152 @@
 """Seer's Context Manager: what the rollout has learned about each group's length.
 
-Siblings of a group have similar lengths, so the first finished response of a group
-is a good hint for the rest. The estimate of a group is the longest finished
-response so far, else the original max_tokens. One request per group (the probe)
-runs first, shortest-generated-first, so short groups finish early and reveal
-themselves; everything else runs approximately longest-first by estimate. A
-starvation guard lets a request that waited too long go first.
+Two ranking rules, both online (they see finishes and progress at chunk ends, never
+a true length):
+
+- ``seer`` (the paper's rule): a group's estimate is its longest finished response,
+  else the original max_tokens. The probe of each group runs first,
+  shortest-generated-first, until its group has a finished response, so short groups
+  finish early and reveal themselves; everything else runs longest-first by estimate.
+- ``groupmax`` (the default): a group's estimate is the expected longest response given
+  all its evidence (``GroupMaxEstimator``: finished siblings, lower bounds from
+  responses in flight, the rollout's population of groups refitted on prompt length,
+  and, with a history store, earlier iterations of the same prompt). Samples run by
+  estimated group maximum, longest first; within a group, most progress first (the
+  likeliest longest). The probe runs its first chunk before everything else, unless
+  the history store already knows the prompt.
+
+Why the group maximum: a group is done when its longest response is, so it is what
+longest-first must rank by; Seer's rule ties every group without a finished response
+at max_tokens (FCFS until the first finishes) and drops a group below all unknown ones
+as soon as its shortest response finishes. A starvation guard lets a request that
+waited too long go first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from seer_engine.rollout.group_estimator import GroupMaxEstimator
+from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.types import Group, RolloutSample
 
 PROBE_INDEX = 0  # the sample of each group that runs as its probe
+RULES = ("seer", "groupmax")
 
 
 @dataclass
 class _GroupState:
     max_tokens: int
     finished_lengths: list[int] = field(default_factory=list)
+    seen_before: bool = False  # the history store knows the prompt
 
 
 class ContextManager:
-    def __init__(self, starvation_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        starvation_s: float = 120.0,
+        rule: str = "groupmax",
+        probes: bool = True,
+        estimator: GroupMaxEstimator | None = None,
+        history: HistoryStore | None = None,
+    ) -> None:
+        """``history``: earlier iterations' lengths per prompt, the prior of each group
+        (``groupmax``), recorded into as responses finish."""
+        if rule not in RULES:
+            raise ValueError(f"unknown context rule {rule!r}; choose from {RULES}")
         self.starvation_s = starvation_s
+        self.rule = rule
+        self.probes = probes
+        self.history = history
+        self.estimator = estimator or GroupMaxEstimator()
         self._groups: dict[str, _GroupState] = {}
+        self._changed: set[str] = set()  # groups whose samples' rank keys changed (take_changes)
+        self._epoch = self.estimator.epoch
 
     def register(self, group: Group, max_tokens: int) -> None:
-        self._groups[group.group_id] = _GroupState(max_tokens)
+        gid = group.group_id
+        self._groups[gid] = _GroupState(max_tokens)
+        if self.rule != "groupmax":
+            return
+        self.estimator.register(gid, group.n, max_tokens, len(group.prompt_token_ids))
+        if self.history is not None:
+            seen = self.history.lengths(group.prompt_token_ids)
+            if seen:
+                self.estimator.set_history(gid, seen)
+                self._groups[gid].seen_before = True
 
     def raise_budget(self, group_id: str, max_tokens: int) -> None:
         """A response with a larger budget joined the group (online serving)."""
         state = self._groups[group_id]
         state.max_tokens = max(state.max_tokens, max_tokens)
+        self._changed.add(group_id)
+        if self.rule == "groupmax":
+            self.estimator.raise_budget(group_id, max_tokens)
+
+    def take_changes(self) -> tuple[bool, set[str]]:
+        """(every key may have changed, groups whose keys changed) since the last call."""
+        everything = self.estimator.epoch != self._epoch
+        self._epoch = self.estimator.epoch
+        changed, self._changed = self._changed, set()
+        return everything, changed
 
     def forget(self, group_id: str) -> None:
         self._groups.pop(group_id, None)
+        if self.rule == "groupmax":
+            self.estimator.forget(group_id)
+
+    def on_chunk_end(self, sample: RolloutSample) -> None:
+        """A response's chunk ended and it runs on: its length is at least what it has."""
+        gid = sample.group.group_id
+        self._changed.add(gid)
+        if self.rule == "groupmax":
+            self.estimator.observe_progress(gid, sample.sample_index, sample.num_generated)
 
     def on_finished(self, sample: RolloutSample) -> None:
-        self._groups[sample.group.group_id].finished_lengths.append(sample.num_generated)
+        gid = sample.group.group_id
+        self._groups[gid].finished_lengths.append(sample.num_generated)
+        self._changed.add(gid)
+        if self.history is not None:
+            self.history.record(sample.group.prompt_token_ids, sample.num_generated)
+        if self.rule == "groupmax":
+            self.estimator.observe_finished(gid, sample.sample_index, sample.num_generated)
 
     def estimate(self, group_id: str) -> int:
+        """The group's expected longest response (``seer``: longest finished, else max_tokens)."""
+        if self.rule == "groupmax":
+            return round(self.estimator.estimate(group_id))
         state = self._groups[group_id]
         return max(state.finished_lengths) if state.finished_lengths else state.max_tokens
 
     def has_finished_sample(self, group_id: str) -> bool:
         return bool(self._groups[group_id].finished_lengths)
 
+    def _probing(self, sample: RolloutSample) -> bool:
+        if not self.probes or sample.sample_index != PROBE_INDEX:
+            return False
+        state = self._groups[sample.group.group_id]
+        if state.finished_lengths or state.seen_before:
+            return False  # the group has shown (or an earlier iteration showed) its length
+        return self.rule == "seer" or sample.chunks == 0
+
     def priorities(self, samples: list[RolloutSample], now: float) -> list[tuple]:
-        """``priority`` of many samples: one pass over the group states (a dispatch
-        orders thousands of buffered samples in the simulator)."""
-        keys = []
-        states, starvation = self._groups, self.starvation_s
-        for sample in samples:
-            waited = now - sample.enqueued_at
-            if waited > starvation:
-                keys.append((0, -waited))
-                continue
-            group = sample.group
-            done = states[group.group_id].finished_lengths
-            if sample.sample_index == PROBE_INDEX and not done:
-                keys.append((1, len(sample.output_token_ids), group.order))
-            else:
-                estimate = max(done) if done else states[group.group_id].max_tokens
-                keys.append((2, -estimate, group.order, sample.sample_index))
-        return keys
+        """``priority`` of many samples."""
+        return [self.priority(sample, now) for sample in samples]
 
     def priority(self, sample: RolloutSample, now: float) -> tuple:
         """Smaller runs first: starving requests, then probes, then longest-first."""
         waited = now - sample.enqueued_at
         if waited > self.starvation_s:
             return (0, -waited)
+        return self.rank_key(sample)
+
+    def rank_key(self, sample: RolloutSample) -> tuple:
+        """The priority of a sample that is not starving (it changes only when its
+        group's evidence does, which ``take_changes`` reports)."""
         gid = sample.group.group_id
-        if sample.sample_index == PROBE_INDEX and not self.has_finished_sample(gid):
+        if self._probing(sample):
             return (1, sample.num_generated, sample.group.order)
+        if self.rule == "groupmax":
+            value = self.estimate(gid)
+            return (2, -value, -sample.num_generated, sample.group.order, sample.sample_index)
         return (2, -self.estimate(gid), sample.group.order, sample.sample_index)

@@ -350,6 +350,7 @@ class Dispatcher:
             and not at_context_limit
         )
         if chunk_end:  # the instance saved its KV to the pool, if there is one
+            self.policy.context.on_chunk_end(sample)
             sample.enqueued_at = self.now
             self.buffer.add(sample)
             return

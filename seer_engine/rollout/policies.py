@@ -7,9 +7,11 @@ dispatcher over modeled instances).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from seer_engine.rollout.context_manager import ContextManager
+from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.types import RolloutSample
 
 
@@ -18,6 +20,7 @@ class RolloutPolicy:
     chunked = True  # divided rollout: at most chunk_tokens per dispatch
     pin_groups_up_front = False  # veRL-style: every group sent to one instance at the start
     speculative: dict | None = None  # the speculative decoding the engines need (a --speculative-config)
+    starvation_s: float | None = None  # a sample waiting longer goes first (None: no guard)
 
     def __init__(self, context: ContextManager | None = None) -> None:
         self.context = context or ContextManager()
@@ -29,6 +32,20 @@ class RolloutPolicy:
     def order(self, samples: list[RolloutSample], now: float) -> list[RolloutSample]:
         """``samples`` in dispatch order (a policy may compute many keys at once faster)."""
         return sorted(samples, key=lambda s: self.priority(s, now))
+
+    def rank_key(self, sample: RolloutSample) -> Any:
+        """``priority`` before any starvation: it changes only as ``take_changes`` says."""
+        return self.priority(sample, sample.enqueued_at)
+
+    def take_changes(self) -> tuple[bool, set[str]]:
+        """(every rank key may have changed, groups whose samples' keys changed) since the
+        last call (the buffer's priority index re-keys only those)."""
+        return False, set()
+
+    def engine_priority(self, sample: RolloutSample) -> int:
+        """The dispatched chunk's priority inside its engine (smaller runs first; under the
+        engine's priority policy the largest is cut or preempted first)."""
+        return sample.group.order
 
 
 class BaselinePolicy(RolloutPolicy):
@@ -52,6 +69,21 @@ class ContextAwarePolicy(RolloutPolicy):
 
     def priority(self, sample: RolloutSample, now: float) -> Any:
         return self.context.priority(sample, now)
+
+    @property
+    def starvation_s(self) -> float | None:  # type: ignore[override]
+        return self.context.starvation_s
+
+    def rank_key(self, sample: RolloutSample) -> Any:
+        if type(self).priority is not ContextAwarePolicy.priority:
+            return super().rank_key(sample)  # a subclass changed the key: use it
+        return self.context.rank_key(sample)
+
+    def take_changes(self) -> tuple[bool, set[str]]:
+        return self.context.take_changes()
+
+    def engine_priority(self, sample: RolloutSample) -> int:
+        return -self.context.estimate(sample.group.group_id)
 
     def order(self, samples: list[RolloutSample], now: float) -> list[RolloutSample]:
         if type(self).priority is not ContextAwarePolicy.priority:
@@ -80,17 +112,48 @@ class OraclePolicy(RolloutPolicy):
     def priority(self, sample: RolloutSample, now: float) -> Any:
         return (-self.true_lengths[sample.key], sample.group.order, sample.sample_index)
 
+    def engine_priority(self, sample: RolloutSample) -> int:
+        return -self.true_lengths[sample.key]
+
 
 ROLLOUT_POLICIES: dict[str, type[RolloutPolicy]] = {
     p.name: p for p in (BaselinePolicy, DividedPolicy, ContextAwarePolicy, SeerPolicy, OraclePolicy)
 }
 
 
+HISTORY_SUFFIX = "+history"  # a context-aware policy whose Context Manager learns across iterations
+HISTORY_POLICIES = tuple(
+    name + HISTORY_SUFFIX for name, cls in ROLLOUT_POLICIES.items() if issubclass(cls, ContextAwarePolicy)
+)
+
+
+def policy_choices() -> list[str]:
+    return sorted(ROLLOUT_POLICIES) + list(HISTORY_POLICIES)
+
+
+def rollout_policy_names(names: str | Sequence[str]) -> list[str]:
+    """Check policy names (``context+history``: a context-aware one with a history store)."""
+    out = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    out = [n for n in out if n]
+    for name in out:
+        if name not in ROLLOUT_POLICIES and name not in HISTORY_POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose from {policy_choices()}")
+    return out
+
+
 def make_rollout_policy(
-    name: str, true_lengths: dict[str, int] | None = None, **context_args
+    name: str, true_lengths: dict[str, int] | None = None, history: HistoryStore | None = None, **context_args
 ) -> RolloutPolicy:
+    """``name`` may end in ``+history``: its Context Manager then uses ``history`` (a store
+    kept across iterations; a fresh one if None) as each group's prior."""
+    if name in HISTORY_POLICIES:
+        base = name.removesuffix(HISTORY_SUFFIX)
+        context = ContextManager(history=history if history is not None else HistoryStore(), **context_args)
+        policy = ROLLOUT_POLICIES[base](context)
+        policy.name = name
+        return policy
     if name not in ROLLOUT_POLICIES:
-        raise ValueError(f"unknown rollout policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}")
+        raise ValueError(f"unknown rollout policy {name!r}; choose from {policy_choices()}")
     context = ContextManager(**context_args)
     if name == "oracle":
         if true_lengths is None:

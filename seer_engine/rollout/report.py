@@ -67,9 +67,18 @@ def format_table(results: dict[str, RolloutResult]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path, results: dict[str, RolloutResult], meta: dict) -> Path:
+def write_report(
+    out_dir: Path, results: dict[str, RolloutResult], meta: dict, extras: dict[str, dict] | None = None
+) -> Path:
+    """report.json (``extras[policy]`` joins that policy's figures) and the plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"meta": meta, "policies": {name: policy_summary(r) for name, r in results.items()}}
+    extras = extras or {}
+    report = {
+        "meta": meta,
+        "policies": {
+            name: {**policy_summary(r), **(extras or {}).get(name, {})} for name, r in results.items()
+        },
+    }
     for ref in ("baseline", "context"):
         base = results.get(ref)
         if base is not None and base.metrics.throughput_tokens_per_s:
@@ -113,6 +122,29 @@ def plot_acceptance(results: dict[str, RolloutResult], path: Path) -> None:
 
 
 LEGEND_INSTANCES = 8  # more instances than this are told apart by colour only
+
+
+def plot_group_lengths(lengths: list[list[int]], path: Path, title: str) -> None:
+    """Output lengths of every response, one column per group (groups by mean length):
+    the spread within a group against the spread across groups at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = sorted(range(len(lengths)), key=lambda k: sum(lengths[k]) / len(lengths[k]))
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(lengths) + 2), 3.6))
+    for x, k in enumerate(order):
+        ax.scatter([x] * len(lengths[k]), lengths[k], s=10, alpha=0.6, color="tab:blue")
+        ax.plot([x - 0.3, x + 0.3], [sum(lengths[k]) / len(lengths[k])] * 2, color="black", lw=1.5)
+    ax.set_xticks(range(len(order)), [str(k) for k in order], fontsize=7)
+    ax.set_xlabel("group (prompt index, sorted by mean length; bar: mean)")
+    ax.set_ylabel("output tokens")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_timelines(results: dict[str, RolloutResult], path: Path) -> None:
