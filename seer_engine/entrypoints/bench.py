@@ -5,6 +5,12 @@ With ``--trace`` the model runs real forward passes and the tokens come from the
 responses to a verifiable task's problems; seeded sampling (``core.seeds``) makes them
 the same under every policy, which the report checks response by response. Every
 policy gets a fresh engine pool, so the figures compare side by side.
+
+``--iterations N`` revisits the same prompts N times, as RL epochs do: with ``--trace``
+iteration k replays trace responses k*samples .. (k+1)*samples-1 of each group
+(disjoint sibling sets), with ``--task`` the same problems with fresh sampling seeds.
+A ``+history`` policy carries its own history store across its iterations (it ranks
+by it and its grouped drafts are seeded from it); other policies start fresh each time.
 """
 
 from __future__ import annotations
@@ -29,11 +35,17 @@ from seer_engine.entrypoints.rollout_cli import (
     task_groups,
 )
 from seer_engine.model_executor.model_config import ModelConfig
-from seer_engine.rollout.config import RolloutConfig
+from seer_engine.rollout.config import RolloutConfig, history_help, open_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.metrics import RolloutResult
-from seer_engine.rollout.policies import ROLLOUT_POLICIES, make_rollout_policy
+from seer_engine.rollout.policies import (
+    HISTORY_POLICIES,
+    HISTORY_SUFFIX,
+    ROLLOUT_POLICIES,
+    make_rollout_policy,
+)
 from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, write_report
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
@@ -86,6 +98,15 @@ def add_cli(subparsers) -> None:
         "decide everything for real, each instance's clock advances by the profile's price of the work "
         "its step did (instances then step one at a time, in modeled-time order)",
     )
+    p.add_argument(
+        "--iterations", type=int, default=1,
+        help="rollouts of the same prompts (--trace: disjoint sibling sets; --task: fresh seeds)",
+    )  # fmt: skip
+    p.add_argument(
+        "--history", default="memory", metavar="off|memory|DIR",
+        help=history_help("default: memory; with DIR each +history policy keeps DIR/POLICY/") + "; "
+        "only +history policies use one",
+    )  # fmt: skip
     RolloutConfig.add_cluster_args(p)
     p.set_defaults(func=run_bench_rollout)
 
@@ -122,9 +143,13 @@ def _trace_model(args: argparse.Namespace, max_len: int) -> str:
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
     check_source_args(args, "--trace")
+    if args.iterations < 1:
+        raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
     machine = machine_info()
     policies = _parse_policies(args.policy)
     timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
+    if args.history == "off" and any(p in HISTORY_POLICIES for p in policies):
+        raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
     if args.task is not None:
         return _run_task_bench(args, policies, machine, timer)
     from seer_engine.workloads.groups import select_groups
@@ -136,34 +161,76 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     max_len = max(len(g.prompt_token_ids) for g in trace) + args.max_tokens + 1
     model = _trace_model(args, max_len)
     cfg = _engine_config(args, model, max_len)
-    workload = ReplayWorkload(trace, args.samples, args.max_tokens)
-    replay = workload.replay(min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids))
+    workloads = [
+        ReplayWorkload(trace, args.samples, args.max_tokens, first=it * args.samples)
+        for it in range(args.iterations)
+    ]
+    eos = min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids)
     cluster = _cluster(args)
-    true_lengths = workload.true_lengths
-    total = len(true_lengths)
-    print(f"bench rollout: {len(workload.prompts)} groups x {args.samples} samples = {total} responses, "
-          f"{sum(true_lengths.values())} output tokens to replay, {args.instances} instances, "
-          f"{args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}, backend "
+    total = sum(len(w.true_lengths) for w in workloads)
+    print(f"bench rollout: {len(workloads[0].prompts)} groups x {args.samples} samples x "
+          f"{args.iterations} iterations = {total} responses, "
+          f"{sum(sum(w.true_lengths.values()) for w in workloads)} output tokens to replay, "
+          f"{args.instances} instances, {args.kv_blocks} KV blocks each, chunk {args.chunk_tokens}, backend "
           f"{cluster.distributed_backend}, KV pool {cluster.kv_connector}", flush=True)  # fmt: skip
-    results = {}
+    iterations: list[dict[str, RolloutResult]] = [{} for _ in workloads]
     for name in policies:
-        results[name] = _run_policy(args, name, cfg, cluster, workload.groups(), true_lengths, replay, timer)
-    print(format_table(results))
+        history = _open_history(args, name)
+        for it, w in enumerate(workloads):
+            iterations[it][name] = _run_policy(
+                args, name, cfg, cluster, w.groups(), w.true_lengths, w.replay(eos), timer, history, it
+            )
+            if history is not None:
+                history.next_iteration()
+        _save_history(args, name, history)
+    _print_iterations(iterations)
     if args.report:
-        meta = _meta(args, machine, model, cluster, groups=len(workload.prompts))
-        path = write_report(Path(args.report), results, meta)
+        meta = _meta(args, machine, model, cluster, groups=len(workloads[0].prompts))
+        path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
         print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def _open_history(args: argparse.Namespace, policy: str) -> HistoryStore | None:
+    """The policy's history store (+history policies only): fresh, or from ``--history DIR``."""
+    if policy not in HISTORY_POLICIES:
+        return None
+    return open_history(_history_dir(args, policy))
+
+
+def _save_history(args: argparse.Namespace, policy: str, store: HistoryStore | None) -> None:
+    if store is not None:
+        save_history(store, _history_dir(args, policy))
+
+
+def _history_dir(args: argparse.Namespace, policy: str) -> str:
+    if args.history in ("off", "memory"):
+        return args.history
+    return str(Path(args.history) / policy)
+
+
+def _print_iterations(iterations: list[dict[str, RolloutResult]]) -> None:
+    for it, results in enumerate(iterations):
+        if len(iterations) > 1:
+            print(f"iteration {it + 1}/{len(iterations)}")
+        print(format_table(results))
+
+
+def _if_many(iterations: list[dict[str, RolloutResult]]) -> list[dict[str, RolloutResult]] | None:
+    return iterations if len(iterations) > 1 else None
 
 
 def _parse_policies(text: str) -> list[str]:
     policies = [p.strip() for p in text.split(",") if p.strip()]
     for name in policies:
+        if name in HISTORY_POLICIES:
+            continue
         base, _, spec = name.partition("+")
         if base not in ROLLOUT_POLICIES or (spec and spec not in SPEC_VARIANTS):
             raise ValueError(
                 f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}, optionally with "
-                f"+{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
+                f"+{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top), "
+                f"or one of {list(HISTORY_POLICIES)}"
             )
     if not policies:
         raise ValueError("--policy names no policy")
@@ -198,18 +265,28 @@ def _run_policy(
     true_lengths: dict[str, int],
     token_source=None,
     timer: StepTimeModel | None = None,
+    history: HistoryStore | None = None,
+    iteration: int = 0,
 ) -> RolloutResult:
-    """One policy on a fresh engine pool (clocks from zero; ``timer``: a modeled clock)."""
-    policy = _bench_policy(name, true_lengths, args.starvation_s)
-    progress = Progress(name, sum(g.n for g in groups))
-    with cluster.make_pool(cfg, policy, token_source, step_timer=timer) as pool:
+    """One policy on a fresh engine pool (clocks from zero; ``timer``: a modeled clock;
+    ``history``: a +history policy's store, filled and seeding drafts)."""
+    policy = _bench_policy(name, true_lengths, args.starvation_s, history)
+    label = name if args.iterations == 1 else f"{name} iter {iteration + 1}"
+    progress = Progress(label, sum(g.n for g in groups))
+    with cluster.make_pool(cfg, policy, token_source, step_timer=timer, history=history) as pool:
         pool.reset_clocks()
         start = time.perf_counter()
         dispatcher = Dispatcher(
             pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement()
         )
         result = dispatcher.run(groups)
-    print(f"[{name}] done in {time.perf_counter() - start:.1f}s wall", flush=True)
+        seeded = pool.seed_stats
+    seeds = (
+        f", drafts seeded from history: {seeded.groups} groups, {seeded.tokens} tokens"
+        if seeded.groups
+        else ""
+    )
+    print(f"[{label}] done in {time.perf_counter() - start:.1f}s wall{seeds}", flush=True)
     return result
 
 
@@ -313,8 +390,13 @@ SPEC_VARIANTS: dict[str, dict] = {
 }
 
 
-def _bench_policy(name: str, true_lengths: dict[str, int], starvation_s: float):
-    """A rollout policy by name; ``base+variant`` adds that speculative decoding."""
+def _bench_policy(
+    name: str, true_lengths: dict[str, int], starvation_s: float, history: HistoryStore | None = None
+):
+    """A rollout policy by name; ``base+variant`` adds that speculative decoding
+    (``+history``: ranks by ``history``)."""
+    if name.endswith(HISTORY_SUFFIX):
+        return make_rollout_policy(name, starvation_s=starvation_s, history=history)
     base, _, spec = name.partition("+")
     policy = make_rollout_policy(base, true_lengths=true_lengths, starvation_s=starvation_s)
     if spec:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import InputProcessor
-from seer_engine.rollout.config import RolloutConfig
+from seer_engine.rollout.config import RolloutConfig, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.policies import make_rollout_policy
@@ -149,8 +149,11 @@ def run_rollout(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ValueError(f"input file {str(path)!r} not found")
     rollout_config = RolloutConfig.from_cli_args(args)
-    policy = make_rollout_policy(rollout_config.policy, starvation_s=rollout_config.starvation_s)
-    with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy) as pool:
+    history = rollout_config.open_history()
+    policy = make_rollout_policy(
+        rollout_config.policy, starvation_s=rollout_config.starvation_s, history=history
+    )
+    with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy, history=history) as pool:
         defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
         processor = pool.make_input_processor()
         if task is not None:
@@ -169,6 +172,9 @@ def run_rollout(args: argparse.Namespace) -> int:
                 placement=rollout_config.placement(),
             )
             result = dispatcher.run(groups)
+    if history is not None:
+        history.next_iteration()  # this rollout is an earlier iteration to the next one
+        save_history(history, rollout_config.history_spec())
     grades = grade_result(task, prompts, result) if task is not None else None
     with open(args.output, "w") as out:
         for k, g in enumerate(groups):

@@ -8,6 +8,10 @@ the Context Manager learns a group's length from siblings that arrived as separa
 requests (veRL and slime send n=1 requests). A finished group is forgotten: the next
 iteration's identical prompt, on new weights, starts a new group.
 
+With a history store (``--history``), finished responses fill it for the next
+iteration (a weight update starts one, and saves the store into its directory, as
+``close`` does): grouped drafts are seeded from it, +history policies rank by it.
+
 Per-response seeds follow the plain engine's rule (``child_seed``), so seeded requests
 give the same tokens with or without rollout mode.
 """
@@ -26,7 +30,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.stats import EngineStats, total
 from seer_engine.outputs import CompletionOutput, RequestOutput
-from seer_engine.rollout.config import RolloutConfig
+from seer_engine.rollout.config import RolloutConfig, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.types import Group, InstanceDied, RolloutSample
@@ -71,9 +75,12 @@ def _completion(index: int, sample: RolloutSample) -> CompletionOutput:
 
 
 class RolloutBackend:
-    def __init__(self, config: EngineConfig, rollout: RolloutConfig) -> None:
-        policy = make_rollout_policy(rollout.policy, starvation_s=rollout.starvation_s)
-        self.pool = rollout.make_pool(config, policy, timeline_points=SERVER_LOG_LIMIT)
+    def __init__(self, config: EngineConfig, rollout: RolloutConfig, data_dir: Path | None = None) -> None:
+        """``data_dir``: the server's; a +history policy keeps its store under it by default."""
+        self.history_spec = rollout.history_spec(data_dir)
+        self.history = rollout.open_history(data_dir)
+        policy = make_rollout_policy(rollout.policy, starvation_s=rollout.starvation_s, history=self.history)
+        self.pool = rollout.make_pool(config, policy, timeline_points=SERVER_LOG_LIMIT, history=self.history)
         self.dispatcher = Dispatcher(
             self.pool,
             policy,
@@ -233,14 +240,22 @@ class RolloutBackend:
         self._sleeping = False
 
     def update_weights(self, path: str | Path) -> None:
+        """New weights on every instance; the history store starts its next iteration
+        (its lengths decay by ``--history-half-life``) and is saved."""
         self._call_all("update_weights", str(path))
+        if self.history is not None:
+            self.history.next_iteration()
+            save_history(self.history, self.history_spec)
 
     def reset_prefix_cache(self) -> None:
         self._call_all("reset_prefix_cache")
 
     def close(self) -> None:
-        """Stop the instances (processes) and release the KV pool."""
-        self.pool.close()
+        """Stop the instances (processes) and release the KV pool; save the history store."""
+        try:
+            save_history(self.history, self.history_spec)
+        finally:
+            self.pool.close()
 
     def stats(self) -> EngineStats:
         """The sum over instances, as of their last replies (asking them would wait on

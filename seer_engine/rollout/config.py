@@ -4,15 +4,53 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import TokenSource
 from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS, kv_pool_for
+from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREAD_THRESHOLD, SeerPlacement
-from seer_engine.rollout.policies import ROLLOUT_POLICIES, RolloutPolicy
+from seer_engine.rollout.policies import HISTORY_POLICIES, HISTORY_SUFFIX, ROLLOUT_POLICIES, RolloutPolicy
 from seer_engine.rollout.pool import BACKENDS, EnginePool, StepTimer
 
-SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle")  # oracle needs a trace
+# oracle needs a trace
+SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle") + HISTORY_POLICIES
+HISTORY_FILE = "history.json"  # the store's file in a --history directory
+
+
+def history_help(default: str) -> str:
+    return (
+        "the cross-iteration history store (per prompt: earlier responses' lengths and capped "
+        "token sequences), shared by every instance: grouped drafts are seeded from it, +history "
+        "policies rank by it. off, memory, or a directory it is loaded from and saved to "
+        f"({HISTORY_FILE}); {default}"
+    )
+
+
+def open_history(spec: str, half_life: float | None = None) -> HistoryStore | None:
+    """``off``: None; ``memory``: a fresh store; else a directory: the store saved there
+    (``HISTORY_FILE``), or a fresh one if there is none yet."""
+    if spec == "off":
+        return None
+    if spec != "memory":
+        path = Path(spec).expanduser() / HISTORY_FILE
+        if path.is_file():
+            store = HistoryStore.load(path)
+            if half_life is not None:
+                store.half_life = half_life
+            return store
+    return HistoryStore(half_life_iterations=half_life)
+
+
+def save_history(store: HistoryStore | None, spec: str) -> Path | None:
+    """Write the store into its ``--history`` directory (nothing for off / memory)."""
+    if store is None or spec in ("off", "memory"):
+        return None
+    directory = Path(spec).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    store.save(directory / HISTORY_FILE)
+    return directory / HISTORY_FILE
 
 
 @dataclass
@@ -34,6 +72,10 @@ class RolloutConfig:
     kv_pool_gib: float = DEFAULT_LOCAL_POOL_GIB
     migration_spread: int = SEER_SPREAD_THRESHOLD
     pool_pull_tokens: int = SEER_PULL_THRESHOLD_TOKENS
+    # "off", "memory" or a directory; None: off, unless the policy ranks by history
+    # (then under the server's data dir, or in memory).
+    history: str | None = None
+    history_half_life: float | None = None  # iterations (weight updates) that halve a length's say
 
     def __post_init__(self) -> None:
         if self.distributed_backend is None:
@@ -68,11 +110,30 @@ class RolloutConfig:
             raise ValueError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
         if self.starvation_s <= 0:
             raise ValueError(f"--starvation-s must be > 0, got {self.starvation_s}")
+        if self.history == "":
+            raise ValueError("--history must be off, memory or a directory, got ''")
+        if self.history_half_life is not None and self.history_half_life <= 0:
+            raise ValueError(f"--history-half-life must be > 0, got {self.history_half_life}")
+        if self.history == "off" and self.policy.endswith(HISTORY_SUFFIX):
+            raise ValueError(f"policy {self.policy!r} ranks by the history store: it needs --history on")
+
+    def history_spec(self, data_dir: Path | None = None) -> str:
+        """What ``--history`` resolves to: off, memory or a directory (the default for a
+        +history policy: ``data_dir/history`` in server mode, else memory)."""
+        if self.history is not None:
+            return self.history
+        if not self.policy.endswith(HISTORY_SUFFIX):
+            return "off"
+        return str(Path(data_dir).expanduser() / "history") if data_dir is not None else "memory"
+
+    def open_history(self, data_dir: Path | None = None) -> HistoryStore | None:
+        return open_history(self.history_spec(data_dir), self.history_half_life)
 
     @property
     def needs_pool(self) -> bool:
         """Whether serving needs the rollout backend rather than one plain engine."""
-        return self.rollout_mode or self.instances > 1 or self.policy != "baseline"
+        history = self.history not in (None, "off")
+        return self.rollout_mode or self.instances > 1 or self.policy != "baseline" or history
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +146,22 @@ class RolloutConfig:
             "--rollout-policy",
             default=None,
             choices=SERVABLE_POLICIES,
-            help="override the policy (default: seer with --rollout-mode, else baseline)",
+            help="override the policy (default: seer with --rollout-mode, else baseline; +history: "
+            "ranked with the history store's lengths as each group's prior)",
+        )
+        parser.add_argument(
+            "--history",
+            default=None,
+            metavar="off|memory|DIR",
+            help=history_help("default: off, or for a +history policy DATA_DIR/history when serving, "
+                              "else memory"),
+        )  # fmt: skip
+        parser.add_argument(
+            "--history-half-life",
+            type=float,
+            default=None,
+            help="a length in the history store says half as much after this many weight updates "
+            "(default: no decay)",
         )
         parser.add_argument("--instances", type=int, default=1, help="engine instances behind one scheduler")
         parser.add_argument(
@@ -150,6 +226,8 @@ class RolloutConfig:
             kv_pool_gib=args.kv_pool_gib,
             migration_spread=args.migration_spread,
             pool_pull_tokens=args.pool_pull_tokens,
+            history=args.history,
+            history_half_life=args.history_half_life,
         )
 
     def placement(self) -> SeerPlacement:
@@ -162,13 +240,14 @@ class RolloutConfig:
         token_source: TokenSource | None = None,
         timeline_points: int | None = None,
         step_timer: StepTimer | None = None,
+        history: HistoryStore | None = None,
     ) -> EnginePool:
         """The engine pool (with its KV pool) this configuration describes; ``step_timer``
-        runs it on a modeled clock."""
+        runs it on a modeled clock; ``history``: the store it fills and seeds drafts from."""
         kv_pool = kv_pool_for(
             self.kv_connector, config, mooncake_master=self.mooncake_master, capacity_gib=self.kv_pool_gib
         )
         return EnginePool.start(
             config, self.instances, token_source, self.distributed_backend, kv_pool, policy, timeline_points,
-            step_timer,
+            step_timer, history,
         )  # fmt: skip

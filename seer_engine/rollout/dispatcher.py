@@ -68,6 +68,8 @@ class Dispatcher:
         self._live: dict[str, RolloutSample] = {}  # key -> unfinished sample
         self._live_per_group: dict[str, int] = {}
         self._group_instances: dict[str, set[int]] = {}  # group -> instances that ran a sibling
+        # Engine pools with a history store learn every finished response (the simulator's don't).
+        self._record_finished = getattr(pool, "record_finished", None)
 
     # -- the offline loop ------------------------------------------------------------
 
@@ -367,6 +369,8 @@ class Dispatcher:
         group = sample.group
         if record:
             self.policy.context.on_finished(sample)
+            if self._record_finished is not None:
+                self._record_finished(sample)
         self._live_per_group[group.group_id] -= 1
         if self._live_per_group[group.group_id] == 0:
             self._group_done(group)

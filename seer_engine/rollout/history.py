@@ -85,6 +85,19 @@ class HistoryStore:
         self, prompt_token_ids: Sequence[int], length: int, token_ids: Sequence[int] | None = None
     ) -> None:
         """A response to the prompt finished with ``length`` tokens (its ids, optionally)."""
+        entry = self._entry(prompt_token_ids)
+        entry.lengths.append((self.iteration, int(length)))
+        while len(entry.lengths) > self.max_lengths:
+            entry.lengths.popleft()
+        if token_ids is not None:
+            self._add_sequence(entry, token_ids)
+
+    def add_sequence(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """A finished response's tokens alone (its length is recorded elsewhere)."""
+        self._add_sequence(self._entry(prompt_token_ids), token_ids)
+
+    def _entry(self, prompt_token_ids: Sequence[int]) -> PromptHistory:
+        """The prompt's record (new, or moved to the most recently used end)."""
         key = prompt_key(prompt_token_ids)
         entry = self._prompts.get(key)
         if entry is None:
@@ -93,10 +106,10 @@ class HistoryStore:
                 self._prompts.popitem(last=False)
         else:
             self._prompts.move_to_end(key)
-        entry.lengths.append((self.iteration, int(length)))
-        while len(entry.lengths) > self.max_lengths:
-            entry.lengths.popleft()
-        if token_ids is not None and self.max_sequences:
+        return entry
+
+    def _add_sequence(self, entry: PromptHistory, token_ids: Sequence[int]) -> None:
+        if self.max_sequences and len(token_ids):
             entry.sequences.append([int(t) for t in list(token_ids)[: self.max_sequence_tokens]])
             while len(entry.sequences) > self.max_sequences:
                 entry.sequences.popleft()

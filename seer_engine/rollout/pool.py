@@ -42,7 +42,7 @@ from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.instances.local import LocalInstance
 from seer_engine.rollout.instances.worker import build_worker
 from seer_engine.rollout.policies import RolloutPolicy
-from seer_engine.rollout.types import StepReply
+from seer_engine.rollout.types import RolloutSample, StepReply
 from seer_engine.spec_decode.draft_server import DraftServer
 from seer_engine.spec_decode.proposers import Proposer, make_proposer
 
@@ -165,9 +165,12 @@ class EnginePool:
         proposer: Proposer | None = None,
         timeline_points: int | None = None,
         history: HistoryStore | None = None,
+        record_lengths: bool = True,
     ) -> None:
         """Use ``EnginePool.start`` to build one; this only puts the parts together.
-        ``history``: seeds each group's draft tree (grouped speculative decoding only)."""
+        ``history``: filled from finished responses (``record_finished``; lengths too
+        unless ``record_lengths`` is off, when the policy's Context Manager records
+        them) and seeding each group's draft tree (grouped speculative decoding only)."""
         self.config = config  # the instances' own (with the policy's speculative decoding)
         self.instances = instances
         self.kv_pool = kv_pool
@@ -178,8 +181,9 @@ class EnginePool:
         self.proposer = proposer  # the draft source in-process instances share
         spec = config.speculative_config
         seeds = spec is not None and spec.method == "group_suffix" and spec.history_sequences > 0
-        self.history = history if seeds else None
-        self.history_sequences = spec.history_sequences if seeds else 0
+        self.history = history
+        self.record_lengths = record_lengths
+        self.history_sequences = spec.history_sequences if seeds and history is not None else 0
         self.seed_stats = SeedStats()
         self._seeded: set[str] = set()  # live groups whose trees were seeded (or had nothing to seed)
         self._finished_groups: dict[int, list[str]] = {i.index: [] for i in instances}
@@ -197,10 +201,12 @@ class EnginePool:
         policy: RolloutPolicy | None = None,
         timeline_points: int | None = None,
         step_timer: StepTimer | None = None,
+        history: HistoryStore | None = None,
     ) -> EnginePool:
         """Start ``num_instances`` engines on ``backend``, with the speculative decoding
         ``policy`` asks for (``seer``: grouped suffix trees) unless the config names one,
-        and the policy's history store (if any) seeding the draft trees.
+        and ``history`` (default: the policy's store, if any) kept up to date and
+        seeding the draft trees.
         ``step_timer``: run the instances on a modeled clock (one step at a time, in
         modeled-time order, whatever the backend). On failure everything started is
         stopped again."""
@@ -229,10 +235,12 @@ class EnginePool:
                 inst.close()
             kv_pool.close()
             raise
-        history = getattr(policy.context, "history", None) if policy is not None else None
+        own = getattr(policy.context, "history", None) if policy is not None else None
+        history = history if history is not None else own
         return cls(
-            config, instances, kv_pool, clock, backend, draft_server, proposer, timeline_points, history
-        )
+            config, instances, kv_pool, clock, backend, draft_server, proposer, timeline_points, history,
+            record_lengths=history is not own,
+        )  # fmt: skip
 
     # -- stepping ------------------------------------------------------------------------
 
@@ -242,7 +250,7 @@ class EnginePool:
             return None
         for inst in self.clock.to_start(busy):
             if not inst.stepping:
-                if self.history is not None:
+                if self.history_sequences:
                     self._seed_new_groups(inst)
                 inst.start_step(*self._draft_traffic(inst))
         stepping = [inst for inst in busy if inst.stepping]
@@ -288,6 +296,16 @@ class EnginePool:
 
     def wait_until(self, inst: InstanceHandle, t: float) -> None:
         self.clock.wait_until(inst, t)
+
+    def record_finished(self, sample: RolloutSample) -> None:
+        """A response finished for real (not aborted): the history store learns it."""
+        if self.history is None:
+            return
+        prompt, tokens = sample.group.prompt_token_ids, sample.output_token_ids
+        if self.record_lengths:
+            self.history.record(prompt, sample.num_generated, tokens)
+        else:
+            self.history.add_sequence(prompt, tokens)
 
     def finish_group(self, group_id: str) -> None:
         """Every response of the group is done: free its drafts."""

@@ -68,9 +68,14 @@ def format_table(results: dict[str, RolloutResult]) -> str:
 
 
 def write_report(
-    out_dir: Path, results: dict[str, RolloutResult], meta: dict, extras: dict[str, dict] | None = None
+    out_dir: Path,
+    results: dict[str, RolloutResult],
+    meta: dict,
+    extras: dict[str, dict] | None = None,
+    iterations: list[dict[str, RolloutResult]] | None = None,
 ) -> Path:
-    """report.json (``extras[policy]`` joins that policy's figures) and the plots."""
+    """report.json (``extras[policy]`` joins that policy's figures; ``iterations``: every
+    iteration's results, ``results`` being the last's) and the plots (of ``results``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     extras = extras or {}
     report = {
@@ -83,6 +88,10 @@ def write_report(
         base = results.get(ref)
         if base is not None and base.metrics.throughput_tokens_per_s:
             report[f"vs_{ref}"] = {name: _ratios(r, base) for name, r in results.items()}
+    if iterations is not None:
+        report["iterations"] = [
+            {"policies": {name: policy_summary(r) for name, r in it.items()}} for it in iterations
+        ]
     path = out_dir / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     plot_timelines(results, out_dir / "report.png")

@@ -34,17 +34,24 @@ class ReplayWorkload:
     each, the responses for ``TraceReplay``, and the true lengths (the trace's tokens
     plus EOS, capped at ``max_tokens``) that only the oracle policy is handed."""
 
-    def __init__(self, trace_groups: Sequence[WorkloadGroup], samples: int, max_tokens: int) -> None:
+    def __init__(
+        self, trace_groups: Sequence[WorkloadGroup], samples: int, max_tokens: int, first: int = 0
+    ) -> None:
+        """``first``: the trace response that is sample 0 (iteration ``k`` of a rollout that
+        revisits its prompts takes ``first = k * samples``: disjoint sibling sets)."""
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.samples = samples
         self.prompts: list[tuple[str, list[int]]] = []
         self.responses: dict[str, list[int]] = {}
         for tg in trace_groups:
-            if len(tg.response_token_ids) < samples:
-                raise ValueError(f"trace group {tg.group_id} has only {len(tg.response_token_ids)} responses")
+            if len(tg.response_token_ids) < first + samples:
+                raise ValueError(
+                    f"trace group {tg.group_id} has only {len(tg.response_token_ids)} responses, "
+                    f"{first + samples} needed (responses {first}..{first + samples - 1})"
+                )
             gid = f"t{tg.group_id}"
             self.prompts.append((gid, list(tg.prompt_token_ids)))
-            for j, tokens in enumerate(tg.response_token_ids[:samples]):
+            for j, tokens in enumerate(tg.response_token_ids[first : first + samples]):
                 self.responses[f"{gid}/{j}"] = list(tokens)
         self.true_lengths = {k: min(len(v) + 1, max_tokens) for k, v in self.responses.items()}
 

@@ -74,7 +74,10 @@ def build_engine_client(config: EngineConfig, settings: ServerSettings) -> Engin
         return AsyncEngine.for_engine(config, model_name=name).start()
     tokenizer = str(config.tokenizer or resolve_model_path(config.model))
     rollout = settings.rollout
-    return AsyncEngine(lambda: RolloutBackend(config, rollout), name, tokenizer_path=tokenizer).start()
+    data_dir = settings.data_dir
+    return AsyncEngine(
+        lambda: RolloutBackend(config, rollout, data_dir), name, tokenizer_path=tokenizer
+    ).start()
 
 
 # ---------------------------------------------------------------------------------- app
