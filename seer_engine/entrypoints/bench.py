@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import InputProcessor
@@ -191,6 +192,15 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fresh_seeds(group: Group, iteration: int) -> Group:
+    """The group as iteration ``iteration`` samples it: the same prompt, fresh seeds
+    (iteration 0: the group's own)."""
+    if iteration == 0:
+        return replace(group)
+    seed = child_seed(group.sampling_params.seed or 0, iteration)
+    return replace(group, sampling_params=group.sampling_params.clone(seed=seed))
+
+
 def _open_history(args: argparse.Namespace, policy: str) -> HistoryStore | None:
     """The policy's history store (+history policies only): fresh, or from ``--history DIR``."""
     if policy not in HISTORY_POLICIES:
@@ -336,13 +346,25 @@ def _run_task_bench(
           f"{len(groups) * args.samples} responses sampled by {args.model} (temperature {args.temperature}, "
           f"max_tokens {args.max_tokens}), {args.instances} instances, {args.kv_blocks} KV blocks each, "
           f"chunk {args.chunk_tokens}, backend {cluster.distributed_backend}", flush=True)  # fmt: skip
-    results: dict[str, RolloutResult] = {}
-    true_lengths: dict[str, int] = {}
-    for name in policies:
-        fresh = [replace(g) for g in groups]
-        results[name] = _run_policy(args, name, cfg, cluster, fresh, true_lengths, timer=timer)
-        if name == first:
-            true_lengths = {s.key: s.num_generated for v in results[name].samples.values() for s in v}
+    stores = {name: _open_history(args, name) for name in policies}
+    iterations: list[dict[str, RolloutResult]] = []
+    for it in range(args.iterations):
+        results: dict[str, RolloutResult] = {}
+        true_lengths: dict[str, int] = {}
+        for name in policies:
+            fresh = [_fresh_seeds(g, it) for g in groups]
+            results[name] = _run_policy(
+                args, name, cfg, cluster, fresh, true_lengths, None, timer, stores[name], it
+            )
+            if stores[name] is not None:
+                stores[name].next_iteration()
+            if name == first:
+                true_lengths = {s.key: s.num_generated for v in results[name].samples.values() for s in v}
+        iterations.append(results)
+    for name, store in stores.items():
+        _save_history(args, name, store)
+    if len(iterations) > 1:
+        _print_iterations(iterations[:-1])  # the last one is printed with its grades below
     reference = results[first].samples
     extras, summary = {}, None
     for name, result in results.items():
@@ -371,7 +393,7 @@ def _run_task_bench(
         meta["reference_policy"] = first
         meta["workload"] = summary  # of the reference policy's responses
         out = Path(args.report)
-        path = write_report(out, results, meta, extras)
+        path = write_report(out, results, meta, extras, iterations=_if_many(iterations))
         lengths = [[s.num_generated for s in reference[p.id]] for p in prompts]
         plot_group_lengths(lengths, out / "lengths.png", f"{args.model}: {task.name}, {first}'s responses")
         print(f"wrote {path}, {path.with_suffix('.png')} and {out / 'lengths.png'}")

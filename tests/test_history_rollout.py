@@ -1,0 +1,163 @@
+"""Cross-iteration history on real engines: finished responses fill the store, the
+next iteration's grouped drafts are seeded from it (speculation stays lossless), the
+server keeps it under its data dir across restarts and weight updates, ``--history
+off`` turns it off, and ``bench rollout --iterations`` revisits the same prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.rollout.backend import RolloutBackend
+from seer_engine.rollout.config import HISTORY_FILE, RolloutConfig
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.history import HistoryStore
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
+from seer_engine.rollout.types import Group
+from seer_engine.sampling_params import SamplingParams
+
+SPEC = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
+PROMPTS = [list(range(10, 10 + n)) for n in (7, 23, 40)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3")
+
+
+def _groups(temperature: float) -> list[Group]:
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=11)
+    return [Group(f"g{i}", p, params, 3, 24) for i, p in enumerate(PROMPTS)]
+
+
+def _rollout(model, policy_name: str, temperature: float, history: HistoryStore | None, speculate=True):
+    cfg = EngineConfig(model=str(model), num_kv_blocks=64, max_num_seqs=8)
+    policy = make_rollout_policy(policy_name, history=history)
+    policy.speculative = SPEC if speculate else None
+    with EnginePool.start(cfg, 2, policy=policy, history=history) as pool:
+        result = Dispatcher(pool, policy, chunk_tokens=8).run(_groups(temperature))
+        seeded = pool.seed_stats
+    outputs = {gid: [s.output_token_ids for s in v] for gid, v in result.samples.items()}
+    return result, outputs, seeded
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_history_seeds_the_next_iterations_drafts_and_outputs_stay_the_same(model, temperature):
+    """Greedy and seeded sampling: the same tokens with no speculation, with unseeded
+    grouped drafts (iteration 1) and with drafts seeded from iteration 1 (iteration 2),
+    which accept more and draft from a response's first tokens."""
+    _, reference, _ = _rollout(model, "context", temperature, None, speculate=False)
+    store = HistoryStore()
+    first, outputs, seeded = _rollout(model, "seer+history", temperature, store)
+    assert outputs == reference and seeded.groups == 0
+    for prompt in PROMPTS:
+        assert (
+            len(store.sequences(prompt)) == 3 and [n for n, _ in store.lengths(prompt, before=1)] == [24] * 3
+        )
+    store.next_iteration()
+    second, outputs, seeded = _rollout(model, "seer+history", temperature, store)
+    assert outputs == reference
+    assert seeded.groups == 3 and seeded.responses == 9 and seeded.tokens == 9 * 24
+    m1, m2 = first.metrics, second.metrics
+    assert m2.accepted_tokens_per_step > m1.accepted_tokens_per_step
+    assert m2.accepted_tokens_per_step_thirds[0] > 0, "drafts work from the start of the rollout"
+
+
+def test_history_off_disables_seeding(model):
+    store = HistoryStore()
+    _rollout(model, "seer", 0.0, store)  # a plain policy given a store still fills it
+    assert len(store) == 3
+    _, _, seeded = _rollout(model, "seer", 0.0, None)
+    assert seeded.groups == 0
+    config = RolloutConfig(rollout_mode=True, history="off")
+    assert config.open_history() is None and config.history_spec("/tmp/x") == "off"
+    assert RolloutConfig(rollout_mode=True).history_spec("/tmp/x") == "off"  # seer: off unless asked
+    with pytest.raises(ValueError, match="needs --history on"):
+        RolloutConfig(policy="seer+history", history="off")
+    with pytest.raises(ValueError, match="history-half-life"):
+        RolloutConfig(history="memory", history_half_life=0)
+
+
+def _serve(model, data_dir, **kw) -> RolloutBackend:
+    """The backend ``seer_engine serve --rollout-policy seer+history --data-dir D`` builds."""
+    rollout = RolloutConfig(
+        policy="seer+history", instances=2, chunk_tokens=8, distributed_backend="inproc", **kw
+    )
+    return RolloutBackend(EngineConfig(model=str(model), num_kv_blocks=64, max_num_seqs=8), rollout, data_dir)
+
+
+def _serve_group(backend: RolloutBackend, rid: str) -> list[list[int]]:
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=5, n=3)
+    backend.add_request(rid, PROMPTS[1], params)
+    done = {}
+    while backend.has_unfinished_requests():
+        for out in backend.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [c.token_ids for c in done[rid].outputs]
+
+
+def test_server_keeps_history_under_its_data_dir_across_restarts_and_weight_updates(model, tmp_path):
+    path = tmp_path / "history" / HISTORY_FILE
+    backend = _serve(model, tmp_path)
+    try:
+        first = _serve_group(backend, "a")
+        assert not path.exists(), "saved at a weight update or at close"
+        backend.update_weights(str(model))  # the next iteration begins, the store is saved
+        assert HistoryStore.load(path).iteration == 1
+    finally:
+        backend.close()
+    saved = HistoryStore.load(path)
+    assert saved.sequences(PROMPTS[1]) == first and [n for n, _ in saved.lengths(PROMPTS[1])] == [16] * 3
+
+    restarted = _serve(model, tmp_path, history_half_life=1.0)
+    try:
+        assert restarted.history.iteration == 1 and PROMPTS[1] in restarted.history
+        assert restarted.history.lengths(PROMPTS[1]) == [(16, 0.5)] * 3  # one update old, half-life 1
+        again = _serve_group(restarted, "b")
+        assert again == first, "seeded drafts change no token"
+        assert restarted.pool.seed_stats.groups == 1 and restarted.pool.seed_stats.tokens == 3 * 16
+    finally:
+        restarted.close()
+    assert len(HistoryStore.load(path).sequences(PROMPTS[1])) == 6
+    memory = _serve(model, tmp_path / "other", history="memory")
+    memory.close()
+    assert not (tmp_path / "other").exists()
+
+
+def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys):
+    from conftest import SHARED
+
+    from seer_engine.entrypoints.cli import main
+    from seer_engine.workloads.groups import select_groups
+    from seer_engine.workloads.traces import load_trace
+
+    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
+    if not trace.is_file():
+        pytest.skip(f"traces not found at {trace}")
+    args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
+            "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
+            "--distributed-backend", "inproc", "--iterations", "3", "--clock", "moonlight",
+            "--history", str(tmp_path / "hist"), "--policy", "seer,seer+history",
+            "--report", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["iterations"]) == 3 and report["policies"] == report["iterations"][-1]["policies"]
+    groups = select_groups(load_trace(str(trace)), "2:4")
+    for it, figures in enumerate(report["iterations"]):
+        # iteration k replays trace responses 3k..3k+2 of the same groups (plus EOS each)
+        want = sum(
+            min(len(g.response_token_ids[j]) + 1, 96) for g in groups for j in range(3 * it, 3 * it + 3)
+        )
+        for name in ("seer", "seer+history"):
+            assert figures["policies"][name]["output_tokens"] == want, (it, name)
+    store = HistoryStore.load(tmp_path / "hist" / "seer+history" / HISTORY_FILE)
+    assert store.iteration == 3 and len(store) == 2
+    assert all(len(store.sequences(g.prompt_token_ids)) == 9 for g in groups)
+    assert not (tmp_path / "hist" / "seer").exists(), "only +history policies keep a store"
+    with pytest.raises(SystemExit):
+        main(args[:-6] + ["--history", "off", "--policy", "context+history"])
+    assert "need --history memory or DIR" in capsys.readouterr().err
