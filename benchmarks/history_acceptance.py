@@ -102,12 +102,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--history-weight", type=float, default=SpeculativeConfig.history_weight)
+    parser.add_argument(
+        "--history-sequences", type=int, default=SpeculativeConfig.history_sequences, help="seeds per group"
+    )
+    parser.add_argument(
+        "--max-sequence-tokens", type=int, default=HistoryStore().max_sequence_tokens, help="a seed's cap"
+    )
     parser.add_argument("--no-history", action="store_true", help="never seed (the plain grouped tree)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     groups = select_groups(load_trace(args.trace), args.groups)
-    config = SpeculativeConfig(method="group_suffix", history_weight=args.history_weight)
-    store = HistoryStore()
+    config = SpeculativeConfig(
+        method="group_suffix", history_weight=args.history_weight, history_sequences=args.history_sequences
+    )
+    store = HistoryStore(max_sequences=args.history_sequences, max_sequence_tokens=args.max_sequence_tokens)
     proposer = SuffixProposer(config, grouped=True)
     start = time.perf_counter()
     per_iteration = []
@@ -154,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": machine_info(),
             "trace": Path(args.trace).name, "groups": len(groups), "samples": args.samples,
             "budget": args.budget, "history_weight": args.history_weight, "history": not args.no_history,
+            "history_sequences": args.history_sequences, "max_sequence_tokens": args.max_sequence_tokens,
         }  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "iterations": per_iteration}, indent=2) + "\n")

@@ -141,7 +141,7 @@ def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys):
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
             "--distributed-backend", "inproc", "--iterations", "3", "--clock", "moonlight",
-            "--history", str(tmp_path / "hist"), "--policy", "seer,seer+history",
+            "--history", str(tmp_path / "hist"), "--policy", "seer,context+history+group_tree",
             "--report", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -152,12 +152,17 @@ def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys):
         want = sum(
             min(len(g.response_token_ids[j]) + 1, 96) for g in groups for j in range(3 * it, 3 * it + 3)
         )
-        for name in ("seer", "seer+history"):
+        for name in ("seer", "context+history+group_tree"):
             assert figures["policies"][name]["output_tokens"] == want, (it, name)
-    store = HistoryStore.load(tmp_path / "hist" / "seer+history" / HISTORY_FILE)
+    store = HistoryStore.load(tmp_path / "hist" / "context+history+group_tree" / HISTORY_FILE)
     assert store.iteration == 3 and len(store) == 2
     assert all(len(store.sequences(g.prompt_token_ids)) == 9 for g in groups)
     assert not (tmp_path / "hist" / "seer").exists(), "only +history policies keep a store"
+    tree = [
+        it["policies"]["context+history+group_tree"]["accepted_tokens_per_step"]
+        for it in report["iterations"]
+    ]
+    assert tree[1] > tree[0] and tree[2] > tree[0], "drafts seeded from earlier iterations accept more"
     with pytest.raises(SystemExit):
         main(args[:-6] + ["--history", "off", "--policy", "context+history"])
     assert "need --history memory or DIR" in capsys.readouterr().err

@@ -149,7 +149,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     machine = machine_info()
     policies = _parse_policies(args.policy)
     timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
-    if args.history == "off" and any(p in HISTORY_POLICIES for p in policies):
+    if args.history == "off" and any(_split(p)[0] in HISTORY_POLICIES for p in policies):
         raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
     if args.task is not None:
         return _run_task_bench(args, policies, machine, timer)
@@ -203,7 +203,7 @@ def _fresh_seeds(group: Group, iteration: int) -> Group:
 
 def _open_history(args: argparse.Namespace, policy: str) -> HistoryStore | None:
     """The policy's history store (+history policies only): fresh, or from ``--history DIR``."""
-    if policy not in HISTORY_POLICIES:
+    if _split(policy)[0] not in HISTORY_POLICIES:
         return None
     return open_history(_history_dir(args, policy))
 
@@ -233,14 +233,15 @@ def _if_many(iterations: list[dict[str, RolloutResult]]) -> list[dict[str, Rollo
 def _parse_policies(text: str) -> list[str]:
     policies = [p.strip() for p in text.split(",") if p.strip()]
     for name in policies:
-        if name in HISTORY_POLICIES:
-            continue
-        base, _, spec = name.partition("+")
-        if base not in ROLLOUT_POLICIES or (spec and spec not in SPEC_VARIANTS):
+        base, spec = _split(name)
+        if (
+            base not in ROLLOUT_POLICIES
+            and base not in HISTORY_POLICIES
+            or spec not in (None, *SPEC_VARIANTS)
+        ):
             raise ValueError(
-                f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}, optionally with "
-                f"+{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top), "
-                f"or one of {list(HISTORY_POLICIES)}"
+                f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES) + list(HISTORY_POLICIES)}, "
+                f"optionally with +{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
             )
     if not policies:
         raise ValueError("--policy names no policy")
@@ -416,12 +417,23 @@ def _bench_policy(
     name: str, true_lengths: dict[str, int], starvation_s: float, history: HistoryStore | None = None
 ):
     """A rollout policy by name; ``base+variant`` adds that speculative decoding
-    (``+history``: ranks by ``history``)."""
-    if name.endswith(HISTORY_SUFFIX):
-        return make_rollout_policy(name, starvation_s=starvation_s, history=history)
-    base, _, spec = name.partition("+")
-    policy = make_rollout_policy(base, true_lengths=true_lengths, starvation_s=starvation_s)
+    (``seer+history``, ``context+history+group_tree``: ranks by ``history``)."""
+    base, spec = _split(name)
+    if base.endswith(HISTORY_SUFFIX):
+        policy = make_rollout_policy(base, starvation_s=starvation_s, history=history)
+    else:
+        policy = make_rollout_policy(base, true_lengths=true_lengths, starvation_s=starvation_s)
     if spec:
         policy.name = name
         policy.speculative = SPEC_VARIANTS[spec]
     return policy
+
+
+def _split(name: str) -> tuple[str, str | None]:
+    """``context+history+group_tree`` -> (``context+history``, ``group_tree``)."""
+    head, _, tail = name.rpartition("+")
+    if head and tail in SPEC_VARIANTS:
+        return head, tail
+    if head and tail != HISTORY_SUFFIX[1:]:
+        return head, tail  # an unknown variant: refused by _parse_policies
+    return name, None

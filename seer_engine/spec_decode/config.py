@@ -31,7 +31,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5  # ngram: longest suffix to match
     # group_suffix with a history store: a seed (an earlier iteration's response) counts
     # this much of a live sibling (rounded to 1/k); at most history_sequences seeds per group.
-    history_weight: float = 0.25
+    history_weight: float = 0.5
     history_sequences: int = 16
     # Adaptive budget: [fixed_s, per_token_s] of a step from an offline profile (Seer
     # profiles once per model and machine); None measures it at start-up.
