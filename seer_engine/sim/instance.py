@@ -35,7 +35,7 @@ from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.requests import Segment, SimRequest
 from seer_engine.sim.speculation import SimSpeculation
-from seer_engine.sim.world import SimWorld, TokenCount
+from seer_engine.sim.world import SimWorld
 from seer_engine.spec_decode.budget import StepCostModel
 
 EPS = 1e-9
@@ -174,13 +174,10 @@ class SimInstance(InstanceHandle):
             if outputs or nxt is None or nxt.end > horizon:
                 break
         loads, self._loads = self._loads, []
-        reply = StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads)
-        reply.progress = {r.request_id: int(r.generated) for r in self.prefilling}
-        grown = self.progress
-        reply.progress.update(
-            (rid, int(r.generated + grown - r.progress_start)) for rid, r in self.decoding.items()
-        )
-        return reply
+        # Rows still prefilling are where they were dispatched (the admission rule's default).
+        done = {rid: int(r.generated + self.progress - r.progress_start) for rid, r in self.decoding.items()}
+        return StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads,
+                         progress=done)  # fmt: skip
 
     def _engine_stats(self) -> EngineStats:
         return EngineStats(
