@@ -25,7 +25,10 @@ def _run(model, policy: str, instances: int, chunk: int, kv_blocks: int = 64, **
     cfg = EngineConfig(model=str(model), num_kv_blocks=kv_blocks, max_num_seqs=8)
     pool = EnginePool.start(cfg, instances)
     true = {f"g{i}/{j}": 40 for i in range(3) for j in range(4)}
-    rollout = Dispatcher(pool, make_rollout_policy(policy, true_lengths=true), chunk_tokens=chunk)
+    admission = {"admission": kw["admission"]} if "admission" in kw else {}
+    rollout = Dispatcher(
+        pool, make_rollout_policy(policy, true_lengths=true), chunk_tokens=chunk, **admission
+    )
     return rollout, rollout.run(kw.get("groups") or _groups())
 
 
@@ -88,6 +91,21 @@ def test_sampled_outputs_do_not_depend_on_chunking(model):
     b = {k: [s.output_token_ids for s in v] for k, v in chunked.samples.items()}
     assert a == b
     assert len({tuple(x) for x in a["g0"]}) > 1, "samples of a group must differ"
+
+
+def test_peak_admission_keeps_seeded_outputs_and_never_preempts(model):
+    """Tight KV, so the admission rule decides what runs together: every policy returns
+    every sample once with the same seeded tokens, and the divided ones never preempt."""
+    outs = {}
+    for policy in ("baseline", "divided", "context"):
+        _, r = _run(model, policy, 2, 8, kv_blocks=20, groups=_groups(temperature=1.0), admission="peak")
+        assert sorted(s.key for v in r.samples.values() for s in v) == sorted(
+            f"g{i}/{j}" for i in range(3) for j in range(4)
+        )
+        if policy != "baseline":
+            assert r.metrics.preemptions == 0
+        outs[policy] = {k: [s.output_token_ids for s in v] for k, v in r.samples.items()}
+    assert all(o == outs["baseline"] for o in outs.values())
 
 
 def test_policies_cannot_see_trace_lengths(model):

@@ -45,6 +45,7 @@ class SchedulerOutput:
 class SchedulerStats:
     steps: int = 0
     preemptions: int = 0
+    chunk_cuts: int = 0  # rollout chunks ended early for KV instead of preempted (modeled engines)
     recomputed_tokens: int = 0  # tokens computed again because preemption dropped their KV
     scheduled_tokens: int = 0
     generated_tokens: int = 0

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.policies import ROLLOUT_POLICIES
-from seer_engine.rollout.report import Progress, format_table, write_report
+from seer_engine.rollout.policies import HISTORY_SUFFIX, rollout_policy_names
+from seer_engine.rollout.report import Progress, format_table, policy_summary, write_report
 
 
 def add_cli(subparsers) -> None:
@@ -29,6 +29,17 @@ def add_cli(subparsers) -> None:
     p.add_argument("--setup", default="moonlight", help="comma-separated: moonlight, qwen2vl-72b, kimi-k2")
     p.add_argument("--policy", default="baseline,divided,context,seer,oracle", help="comma-separated")
     p.add_argument("--iterations", type=int, default=1, help="rollout iterations (a fresh workload each)")
+    p.add_argument(
+        "--repeat-prompts", action="store_true",
+        help="every iteration samples the same prompts again (fresh responses; +history policies learn)",
+    )  # fmt: skip
+    p.add_argument("--drift", type=float, default=0.0, help="with --repeat-prompts: per-iteration "
+                   "random walk (SD) of each prompt's log mean length (the policy changing)")  # fmt: skip
+    p.add_argument(
+        "--admission", default=None,
+        help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
+    )  # fmt: skip
+    p.add_argument("--backfill", default="none", help="none (strict priority) | any")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"
@@ -83,27 +94,50 @@ def _override(setup, overrides: dict):
 def _workload(args: argparse.Namespace, setup, iteration: int):
     from seer_engine.sim import simulator
 
-    seed = args.seed + iteration
+    repeat = args.repeat_prompts
+    seed = args.seed if repeat else args.seed + iteration
     if args.trace and args.groups:
         return simulator.bench_groups(args.trace, args.groups, setup.samples, setup.max_tokens)
     if args.trace:
-        return simulator.trace_groups(args.trace, setup.prompts, setup.samples, setup.max_tokens, seed)
+        return simulator.trace_groups(
+            args.trace, setup.prompts, setup.samples, setup.max_tokens, seed,
+            iteration=iteration if repeat else 0, iterations=args.iterations if repeat else 1,
+        )  # fmt: skip
     return simulator.synthetic_groups(
         setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed, setup.mean_tokens,
+        iteration=iteration if repeat else 0, drift=args.drift if repeat else 0.0,
         prompt_len_sigma=setup.prompt_len_sigma, prompt_len_corr=setup.prompt_len_corr,
     )  # fmt: skip
 
 
+def _acceptance(history, samples: int):
+    """A history store that holds earlier iterations seeds every group's suffix tree:
+    the acceptance model fitted with history (None: the default one)."""
+    if history is None or not history.iteration or not len(history):
+        return None
+    from seer_engine.sim.acceptance import history_acceptance
+
+    return history_acceptance(samples)
+
+
 def run_simulate(args: argparse.Namespace) -> int:
+    from seer_engine.rollout.admission import make_admission
+    from seer_engine.rollout.dispatcher import BACKFILL_RULES, DEFAULT_ADMISSION
+    from seer_engine.rollout.history import HistoryStore
     from seer_engine.sim.diagnostics import diagnostics, format_diagnostics
     from seer_engine.sim.simulator import policy_for, simulate
 
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in ROLLOUT_POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policy {unknown[0]!r}; choose from {sorted(ROLLOUT_POLICIES)}")
+    policies = rollout_policy_names(args.policy)
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.drift < 0:
+        raise ValueError(f"--drift must be >= 0, got {args.drift}")
+    if args.drift and not args.repeat_prompts:
+        raise ValueError("--drift moves repeated prompts: pass --repeat-prompts too")
+    args.admission = args.admission or DEFAULT_ADMISSION
+    make_admission(args.admission)  # a bad rule is named before anything runs
+    if args.backfill not in BACKFILL_RULES:
+        raise ValueError(f"--backfill must be one of {', '.join(BACKFILL_RULES)}, got {args.backfill!r}")
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
     if args.trace:
@@ -120,6 +154,7 @@ def run_simulate(args: argparse.Namespace) -> int:
               f"{setup.prompts} prompts x {setup.samples} responses, max {setup.max_tokens:,} tokens, "
               f"chunk {setup.chunk_tokens:,}; step = {p.step.describe()}", flush=True)  # fmt: skip
         runs: list[dict[str, RolloutResult]] = []
+        stores = {name: HistoryStore() for name in policies if name.endswith(HISTORY_SUFFIX)}
         for it in range(args.iterations):
             groups = _workload(args, setup, it)
             total = sum(len(g.lengths) for g in groups)
@@ -127,11 +162,16 @@ def run_simulate(args: argparse.Namespace) -> int:
             for name in policies:
                 label = f"{setup.name} iter {it + 1}/{args.iterations} {name}"
                 start = time.perf_counter()
+                store = stores.get(name)
+                policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store)
                 results[name] = simulate(
-                    groups, policy_for(name, groups, setup.max_tokens, setup.starvation_s), p,
-                    setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
-                    pooled=not args.no_kv_pool, on_sample_finished=Progress(label, total),
+                    groups, policy, p, setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
+                    acceptance=_acceptance(store, setup.samples), pooled=not args.no_kv_pool,
+                    on_sample_finished=Progress(label, total), admission=args.admission,
+                    backfill=args.backfill,
                 )  # fmt: skip
+                if store is not None:
+                    store.next_iteration()
                 m = results[name].metrics
                 print(f"[{label}] simulated {m.makespan_s:,.0f}s in {time.perf_counter() - start:.1f}s wall",
                       flush=True)  # fmt: skip
@@ -156,6 +196,7 @@ def _summary(runs: list[dict[str, RolloutResult]]) -> dict[str, dict]:
             "makespan_s": statistics.mean(m.makespan_s for m in ms),
             "tail_s": statistics.mean(m.tail_s for m in ms),
             "preemptions": statistics.mean(m.preemptions for m in ms),
+            "chunk_cuts": statistics.mean(m.chunk_cuts for m in ms),
             "idle_fraction": statistics.mean(m.idle_fraction for m in ms),
         }
         if "baseline" in runs[0]:
@@ -165,6 +206,11 @@ def _summary(runs: list[dict[str, RolloutResult]]) -> dict[str, dict]:
             )
             row["tail_reduction_vs_baseline"] = statistics.mean(
                 1 - m.tail_s / b.tail_s if b.tail_s else 0.0 for m, b in zip(ms, base)
+            )
+        if "oracle" in runs[0]:
+            row["throughput_x_oracle"] = statistics.mean(
+                m.throughput_tokens_per_s / r["oracle"].metrics.throughput_tokens_per_s
+                for m, r in zip(ms, runs)
             )
         out[name] = {k: round(v, 4) for k, v in row.items()}
     return out
@@ -194,11 +240,13 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
         "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,
         "starvation_s": setup.starvation_s, "iterations": args.iterations, "seed": args.seed,
         "workload": args.trace or "synthetic", "kv_pool": not args.no_kv_pool,
-        "mean_tokens": setup.mean_tokens,
+        "mean_tokens": setup.mean_tokens, "repeat_prompts": args.repeat_prompts, "drift": args.drift,
+        "admission": args.admission, "backfill": args.backfill,
         "profile": dataclasses.asdict(setup.profile), "notes": setup.notes,
     }  # fmt: skip
     path = write_report(out, runs[0], meta)  # figures and per-policy keys: the first iteration
     report = json.loads(path.read_text())
+    report["iterations"] = [{"policies": {n: policy_summary(r) for n, r in run.items()}} for run in runs]
     report["mean_over_iterations"] = summary
     if "baseline" in runs[0]:
         report["baseline_diagnostics"] = {

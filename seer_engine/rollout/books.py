@@ -18,10 +18,14 @@ from seer_engine.spec_decode.drafter import SpecDecodeStats
 
 @dataclass
 class InFlight:
-    """A dispatched chunk: whose it is and the KV blocks reserved for it."""
+    """A dispatched chunk: whose it is, the KV blocks of its end-of-chunk footprint, and
+    the output tokens it starts from and stops at (admission rules read them)."""
 
     sample: RolloutSample
     blocks: int
+    start: int = 0
+    end: int = 0
+    prompt_blocks: int = 0  # the prompt's full blocks, held once per group on the instance
 
 
 @dataclass
@@ -42,7 +46,10 @@ class InstanceBooks:
         an offline rollout keeps them all for its report)."""
         self.info = info
         self.in_flight: dict[str, InFlight] = {}  # engine request id -> its chunk
-        self.reserved_blocks = 0
+        self.reserved_blocks = 0  # end-of-chunk footprints, a group's prompt blocks counted once
+        self.group_chunks: dict[str, int] = {}  # group -> its chunks in flight here
+        self.progress: dict[str, int] = {}  # engine request id -> output tokens, as of the last reply
+        self.outlook: object | None = None  # an admission rule's cache; None whenever the books change
         self.clock = 0.0  # the time of its last step's end (simulated or wall)
         self.busy_s = 0.0
         self.timeline: deque[TimelinePoint] = deque(maxlen=timeline_points)
@@ -65,22 +72,40 @@ class InstanceBooks:
     def has_free_seq(self) -> bool:
         return len(self.in_flight) < self.info.max_num_seqs
 
-    def reserve(self, request_id: str, sample: RolloutSample, blocks: int) -> None:
-        self.in_flight[request_id] = InFlight(sample, blocks)
-        self.reserved_blocks += blocks
+    def reserve(
+        self, request_id: str, sample: RolloutSample, blocks: int, start: int = 0, end: int = 0,
+        prompt_blocks: int = 0,
+    ) -> None:  # fmt: skip
+        """``blocks``: the chunk's end-of-chunk footprint; ``prompt_blocks`` of it are
+        not held again while a sibling's chunk is in flight here (prefix-cached)."""
+        gid = sample.group.group_id
+        siblings = self.group_chunks.get(gid, 0)
+        self.in_flight[request_id] = InFlight(sample, blocks, start, end, prompt_blocks)
+        self.group_chunks[gid] = siblings + 1
+        self.reserved_blocks += blocks - (prompt_blocks if siblings else 0)
+        self.outlook = None
 
     def release(self, request_id: str) -> InFlight | None:
         """The chunk ended or was aborted; None if it was not in flight."""
         chunk = self.in_flight.pop(request_id, None)
         if chunk is not None:
-            self.reserved_blocks -= chunk.blocks
+            gid = chunk.sample.group.group_id
+            left = self.group_chunks.pop(gid) - 1
+            if left:
+                self.group_chunks[gid] = left
+            self.reserved_blocks -= chunk.blocks - (chunk.prompt_blocks if left else 0)
+            self.progress.pop(request_id, None)
+            self.outlook = None
         return chunk
 
     def lose(self) -> list[InFlight]:
         """The instance is gone: every chunk in flight, released."""
         lost = list(self.in_flight.values())
         self.in_flight.clear()
+        self.group_chunks.clear()
+        self.progress.clear()
         self.reserved_blocks = 0
+        self.outlook = None
         return lost
 
     def group_ids(self) -> list[str]:
@@ -95,6 +120,9 @@ class InstanceBooks:
         self.stats = reply.stats
         self.drafter_stats = reply.drafter
         self.connector_stats = reply.connector
+        if reply.progress:
+            self.progress.update(reply.progress)
+            self.outlook = None
         s = reply.stats
         reserved = self.reserved_blocks / self.info.num_blocks
         self.timeline.append(

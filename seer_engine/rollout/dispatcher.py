@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from seer_engine.core.seeds import sample_seed
 from seer_engine.outputs import RequestOutput
+from seer_engine.rollout.admission import Admission, make_admission
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.metrics import RolloutCounters, RolloutMetrics, RolloutResult, rollout_metrics
 from seer_engine.rollout.placement import Placement, SeerPlacement
@@ -30,6 +31,9 @@ from seer_engine.rollout.request_buffer import RequestBuffer
 from seer_engine.rollout.types import ChunkRequest, Group, InstanceDied, RolloutSample, StepReply
 
 logger = logging.getLogger(__name__)
+
+BACKFILL_RULES = ("none", "any")
+DEFAULT_ADMISSION = "peak"
 
 
 class Dispatcher:
@@ -48,11 +52,26 @@ class Dispatcher:
         placement: Placement | None = None,
         on_group_finished: Callable[[Group], None] | None = None,
         log_limit: int | None = None,
+        admission: Admission | str = DEFAULT_ADMISSION,
+        backfill: str = "none",
     ) -> None:
         """``log_limit``: keep only the most recent dispatches in ``dispatch_log`` (a
-        server runs for days; an offline rollout keeps them all)."""
+        server runs for days; an offline rollout keeps them all). ``admission``: the
+        rule that decides a chunk fits an instance (``rollout/admission.py``).
+        ``backfill``: when a sample fits no instance, ``none`` stops the dispatch there
+        (strict priority: nothing passes a higher-priority sample), ``any`` goes on
+        with lower-priority samples that fit."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if backfill not in BACKFILL_RULES:
+            raise ValueError(f"backfill must be one of {', '.join(BACKFILL_RULES)}, got {backfill!r}")
+        self.admission = make_admission(admission) if isinstance(admission, str) else admission
+        if self.admission.may_overflow and getattr(pool, "backend", None) != "sim":
+            raise ValueError(
+                f"admission {self.admission.name!r} relies on engines cutting chunks short, "
+                "which only modeled engines do; use reserve or peak"
+            )
+        self.backfill = backfill
         self.pool = pool
         self.policy = policy
         self.chunk_tokens = chunk_tokens
@@ -61,7 +80,7 @@ class Dispatcher:
         self.placement = placement or SeerPlacement()
         self.kv_connector = pool.kv_connector  # this process's handle: frees finished entries
         self.pooled = self.kv_connector.name != "recompute"
-        self.buffer = RequestBuffer(lambda s: self._blocks_for(self.pool.instances[0], s))
+        self.buffer = RequestBuffer(lambda s: self._blocks_for(self.pool.instances[0], s), policy)
         self.now = 0.0  # the time of the latest event (the clock of the last reply)
         self.counters = RolloutCounters()
         self.dispatch_log: deque[tuple[str, int]] = deque(maxlen=log_limit)  # (sample key, instance)
@@ -209,38 +228,52 @@ class Dispatcher:
         return inst.info.blocks_needed(len(sample.group.prompt_token_ids) + self._chunk_limit(sample))
 
     def _dispatch(self, now: float) -> None:
-        """Send buffered samples, in policy order, to instances with room for a whole
-        chunk (only those that fit the roomiest instance are ordered at all)."""
-        room = self._room()
-        if room is None or not self.buffer:
+        """Send buffered samples, in policy order, to instances where the admission
+        rule fits their chunk."""
+        if not self.buffer or not self._open_instances():
             return
-        for sample in self.policy.order(self.buffer.fitting(room), now):
-            if room is None:
-                return
-            if self.buffer.need(sample) > room:
-                continue
-            inst = self._place(sample)
-            if inst is not None:
+        ranked = self.buffer.ranked(now)
+        try:
+            failed: dict[int, int] = {}  # instance -> the smallest need it turned down in this dispatch
+            for sample in ranked:
+                inst = self._place(sample, failed)
+                if inst is None:
+                    if self.backfill == "none" or self._nothing_fits(failed):
+                        return
+                    continue
                 self.buffer.remove(sample)  # a lost instance puts its samples back
                 self._submit_or_recover(inst, sample, self._chunk_limit(sample), reserve=True)
-                room = self._room()
+                if not self._open_instances():
+                    return
+        finally:
+            ranked.close()
 
-    def _room(self) -> int | None:
-        """The most free KV blocks on an instance with a free sequence slot (None: no slot)."""
-        free = [inst.books.free_blocks for inst in self.pool.alive if inst.books.has_free_seq]
-        return max(free) if free else None
+    def _open_instances(self) -> list[InstanceHandle]:
+        return [inst for inst in self.pool.alive if inst.books.has_free_seq]
 
-    def _place(self, sample: RolloutSample) -> InstanceHandle | None:
-        """An instance with room for the sample's whole chunk, chosen by the placement
-        policy. An in-process instance busy in the past of this event is skipped."""
+    def _nothing_fits(self, failed: dict[int, int]) -> bool:
+        """Every open instance has turned down a chunk no larger than the buffer's smallest."""
+        smallest = self.buffer.smallest_need
+        return all(failed.get(inst.index, smallest + 1) <= smallest for inst in self._open_instances())
+
+    def _place(self, sample: RolloutSample, failed: dict[int, int] | None = None) -> InstanceHandle | None:
+        """An instance the sample's chunk fits, chosen by the placement policy. An
+        in-process instance busy in the past of this event is skipped. ``failed``: per
+        instance, the smallest need that did not fit it in this dispatch (a larger one
+        is not tried there again)."""
         alive = self.pool.alive
-        fits = [
-            inst
-            for inst in alive
-            if self.pool.accepts_at(inst, sample.enqueued_at)
-            and inst.books.has_free_seq
-            and self._blocks_for(inst, sample) <= inst.books.free_blocks
-        ]
+        need = self.buffer.need(sample) if sample in self.buffer else 0
+        limit = self._chunk_limit(sample)
+        fits = []
+        for inst in alive:
+            if not inst.books.has_free_seq or not self.pool.accepts_at(inst, sample.enqueued_at):
+                continue
+            if failed is not None and need >= failed.get(inst.index, need + 1):
+                continue
+            if self.admission.fits(inst.books, sample, sample.num_generated, limit):
+                fits.append(inst)
+            elif failed is not None:
+                failed[inst.index] = need
         if not fits:
             return None
         loads = [len(inst.books.in_flight) for inst in alive]
@@ -281,7 +314,10 @@ class Dispatcher:
         sample.chunks += 1
         sample.chunk_start = sample.num_generated
         rid = sample.chunk_request_id()
-        inst.books.reserve(rid, sample, self._blocks_for(inst, sample) if reserve else 0)
+        inst.books.reserve(
+            rid, sample, self._blocks_for(inst, sample) if reserve else 0, sample.num_generated, limit,
+            self.admission.prompt_blocks(inst.books, sample) if reserve else 0,
+        )  # fmt: skip
         sample.instance = inst.index
         self._group_instances.setdefault(g.group_id, set()).add(inst.index)
         self.dispatch_log.append((sample.key, inst.index))
@@ -296,6 +332,7 @@ class Dispatcher:
                 stream=sample.stream,
                 load_kv=load,
                 save_kv=self.pooled and limit < sample.max_tokens,
+                cuttable=reserve and self.admission.may_overflow,
             )
         )
 

@@ -50,6 +50,7 @@ class RolloutMetrics:
     pool_load_s: float = 0.0
     pool_failures: int = 0  # pool calls that failed (those requests recomputed)
     instance_failures: int = 0
+    chunk_cuts: int = 0  # chunks an engine ended early for KV (admission peak:N), not preempted
 
 
 @dataclass
@@ -104,6 +105,7 @@ def rollout_metrics(policy: str, samples: dict[str, list[RolloutSample]], pool, 
         pool_load_s=sum(p.load_s for p in pools),
         pool_failures=sum(p.failures for p in pools) + connector.stats.failures,
         instance_failures=counters.instance_failures,
+        chunk_cuts=stats.chunk_cuts,
     )
 
 

@@ -11,12 +11,17 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator
 
+from seer_engine.rollout.priority_index import PriorityIndex, RankedPolicy
 from seer_engine.rollout.types import RolloutSample
 
 
 class RequestBuffer:
-    def __init__(self, blocks_needed: Callable[[RolloutSample], int]) -> None:
+    def __init__(
+        self, blocks_needed: Callable[[RolloutSample], int], policy: RankedPolicy | None = None
+    ) -> None:
+        """``policy``: keep the samples in its priority order too (``ranked``)."""
         self._blocks_needed = blocks_needed
+        self.index = PriorityIndex(policy) if policy is not None else None
         self._needs: list[int] = []  # ascending
         self._samples: list[RolloutSample] = []  # in the order of _needs
         self._need_of: dict[RolloutSample, int] = {}
@@ -28,6 +33,8 @@ class RequestBuffer:
         self._needs.insert(i, need)
         self._samples.insert(i, sample)
         self._need_of[sample] = need
+        if self.index is not None:
+            self.index.add(sample)
 
     def remove(self, sample: RolloutSample) -> None:
         need = self._need_of.pop(sample)
@@ -35,6 +42,18 @@ class RequestBuffer:
         while self._samples[i] is not sample:
             i += 1
         del self._needs[i], self._samples[i]
+        if self.index is not None:
+            self.index.remove(sample)
+
+    def ranked(self, now: float) -> Iterator[RolloutSample]:
+        """The samples in the policy's priority order (``PriorityIndex.ranked``)."""
+        if self.index is None:
+            raise RuntimeError("this buffer keeps no priority order")
+        return self.index.ranked(now)
+
+    @property
+    def smallest_need(self) -> int:
+        return self._needs[0] if self._needs else 0
 
     def need(self, sample: RolloutSample) -> int:
         return self._need_of[sample]

@@ -93,6 +93,7 @@ class ChunkRequest:
     stream: bool = False
     load_kv: bool = False  # pull the context's KV from the pool before admitting it
     save_kv: bool = False  # push the context's KV to the pool if the chunk ends by length
+    cuttable: bool = False  # out of KV, the engine may end the chunk early (KV kept) instead of preempting
 
     @property
     def context(self) -> list[int]:
@@ -126,6 +127,7 @@ class StepReply:
     loads: list = field(default_factory=list)  # (request id, context tokens, LoadResult) per pool load
     shapes: list[StepShape] = field(default_factory=list)  # what each engine step in it computed
     draft_updates: list = field(default_factory=list)  # new tokens for the draft server (processes)
+    progress: dict[str, int] = field(default_factory=dict)  # request id -> output tokens, chunks held
 
 
 class InstanceDied(RuntimeError):

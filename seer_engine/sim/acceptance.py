@@ -44,6 +44,7 @@ __all__ = [
     "AcceptanceModel",
     "accepted_len",
     "default_acceptance",
+    "history_acceptance",
     "fit_acceptance",
     "main",
     "replay_group",
@@ -55,6 +56,7 @@ DEFAULT_STAGE_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 # The drafter's defaults: the fit must see the tree the engine uses.
 DEFAULT_MAX_DEPTH = SpeculativeConfig.max_depth
 DEFAULT_MIN_PROB = SpeculativeConfig.min_prob
+HISTORY_KEY_BASE = 1 << 20  # tree keys of history responses (siblings use their index)
 
 
 class ReplayGroup(Protocol):
@@ -187,14 +189,20 @@ def default_acceptance(samples: int = 8) -> AcceptanceModel:
     return _load_default(16 if samples >= 16 else 8)
 
 
+def history_acceptance(samples: int = 8) -> AcceptanceModel:
+    """The fit on the Qwen3 trace with every group's tree seeded by as many other
+    responses of its prompt (an earlier iteration's, drafted from by a history store)."""
+    return _load_default(16 if samples >= 16 else 8, "_history")
+
+
 @cache
-def _load_default(samples: int) -> AcceptanceModel:
+def _load_default(samples: int, variant: str = "") -> AcceptanceModel:
     path = (
         DEFAULT_ACCEPTANCE_PATH
         if samples == 8
         else DEFAULT_ACCEPTANCE_PATH.with_name(f"acceptance_qwen3_{samples}.json")
     )
-    return AcceptanceModel.load(path)
+    return AcceptanceModel.load(path.with_name(path.stem + variant + path.suffix))
 
 
 # ------------------------------------------------------------------------ replay
@@ -221,6 +229,7 @@ def replay_group(
     multi_path: bool = True,
     max_depth: int = DEFAULT_MAX_DEPTH,
     min_prob: float = DEFAULT_MIN_PROB,
+    history: Sequence[Sequence[int]] = (),
 ) -> list[tuple[float, int, int]]:
     """Speculative decoding of one group in lock-step engine steps; ``(stage, accepted,
     drafted nodes)`` per live sibling and step.
@@ -230,13 +239,16 @@ def replay_group(
     stored sequence after), accepts the longest draft path matching its real
     continuation, and advances by that plus the bonus token; then the new tokens go
     into the tree. ``stage`` is the fraction of the group's siblings finished at the
-    step's start.
+    step's start. ``history``: responses of the same prompt from an earlier iteration,
+    in the tree from the start (a history-seeded drafter).
     """
     trees = GroupSuffixTrees(max_depth=max_depth, min_prob=min_prob)
     gid = group.group_id
     prompt = list(group.prompt_token_ids)
     responses = group.response_token_ids
     trees.append(gid, PROMPT_KEY, prompt)
+    for j, earlier in enumerate(history):
+        trees.append(gid, HISTORY_KEY_BASE + j, list(earlier))
     cap = max_depth // 2
     prompt_tail = prompt[-cap:] if cap else []
     size = len(responses)
@@ -273,10 +285,12 @@ def fit_acceptance(
     max_depth: int = DEFAULT_MAX_DEPTH,
     min_prob: float = DEFAULT_MIN_PROB,
     progress: bool = True,
+    history: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> AcceptanceModel:
     """Replay every group at every budget (a fresh tree each) and average accepted tokens
     per request-step by stage bin. Bins no step fell into copy the nearest bin with data
-    (``measured["filled_bins"]`` says which)."""
+    (``measured["filled_bins"]`` says which). ``history``: per group, earlier responses
+    that seed its tree (see ``replay_group``)."""
     if not groups:
         raise ValueError("fit_acceptance: no groups to replay")
     budgets, edges = tuple(budgets), tuple(float(e) for e in stage_edges)
@@ -289,7 +303,10 @@ def fit_acceptance(
     every = max(1, len(groups) // 10)
     for gi, group in enumerate(groups, 1):
         for bi, budget in enumerate(budgets):
-            for stage, accepted, drafted in replay_group(group, budget, multi_path, max_depth, min_prob):
+            seeded = history[gi - 1] if history is not None else ()
+            for stage, accepted, drafted in replay_group(
+                group, budget, multi_path, max_depth, min_prob, seeded
+            ):
                 row = _stage_bin(edges, stage)
                 sums[row][bi] += accepted
                 nodes[row][bi] += drafted
@@ -318,6 +335,7 @@ def fit_acceptance(
     measured: dict[str, Any] = {
         "groups": len(groups),
         "samples_per_group": sorted({len(g.response_token_ids) for g in groups}),
+        "history_per_group": sorted({len(h) for h in history}) if history is not None else [0],
         "multi_path": multi_path,
         "max_depth": max_depth,
         "min_prob": min_prob,
@@ -357,11 +375,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--single-path", action="store_true", help="drafts are single paths, not trees")
     parser.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
     parser.add_argument("--min-prob", type=float, default=DEFAULT_MIN_PROB)
+    parser.add_argument(
+        "--history-samples", type=int, default=0,
+        help="seed each group's tree with this many other responses of its trace group (those after "
+        "--samples), as a drafter seeded from an earlier iteration would be",
+    )  # fmt: skip
     parser.add_argument("--output", default=str(DEFAULT_ACCEPTANCE_PATH))
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
 
-    groups = select_groups(load_trace(args.trace), args.groups, args.samples)
+    full = select_groups(load_trace(args.trace), args.groups, args.samples + args.history_samples)
+    groups = [g.head(args.samples) for g in full]
+    history = None
+    if args.history_samples:
+        history = [g.response_token_ids[args.samples :] for g in full]
     model = fit_acceptance(
         groups,
         _numbers(args.budgets, int),
@@ -369,13 +396,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         multi_path=not args.single_path,
         max_depth=args.max_depth,
         min_prob=args.min_prob,
+        history=history,
     )
     command = " ".join(["python -m seer_engine.sim.acceptance", *argv])
     derivation = (
         f"`{command}`: exact-match lock-step replay of {len(groups)} groups (--groups {args.groups}) x "
         f"{args.samples} responses of {Path(args.trace).name} through the engine's C++ GroupSuffixTrees "
         f"(max_depth {args.max_depth}, min_prob {args.min_prob}, multi_path {not args.single_path}); "
-        "per group and budget a fresh tree holding the prompt; every step each live response drafts "
+        "per group and budget a fresh tree holding the prompt"
+        + (
+            f" and {args.history_samples} other responses of the trace group (a drafter seeded from an "
+            "earlier iteration; same policy, so an upper bound of what history gives)"
+            if args.history_samples
+            else ""
+        )
+        + "; every step each live response drafts "
         "(context tail, or its stored sequence once it has max_depth // 2 tokens), accepts the longest "
         "draft path matching its real continuation and advances by that + 1 bonus token. Stage = fraction "
         "of the group's responses finished at the step's start; values are mean accepted draft tokens "

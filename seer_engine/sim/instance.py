@@ -6,7 +6,8 @@ dispatcher, policies, Context Manager and placement over it. Only the engine bel
 that line is modeled, after the real scheduler: each step runs the decode rows, then
 prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in the
 engine's scheduling-policy order while sequences and KV allow; when KV runs out the
-policy's victim is preempted and recomputed later. A chunk that ran here before
+policy's victim is preempted and recomputed later (a ``cuttable`` chunk is cut instead:
+it ends where it is, keeping its KV, and its response returns to the buffer). A chunk that ran here before
 finds its context in the prefix cache (LRU, evicted when running requests need the
 room), a chunk pulled from the KV pool pays the transfer, anything else recomputes.
 
@@ -27,14 +28,14 @@ from seer_engine.core.policies import SchedulingPolicy
 from seer_engine.core.scheduler import SchedulerStats
 from seer_engine.engine.stats import EngineStats
 from seer_engine.kv_connector.base import ConnectorStats, LoadResult
-from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.requests import Segment, SimRequest
 from seer_engine.sim.speculation import SimSpeculation
-from seer_engine.sim.world import SimWorld, TokenCount
+from seer_engine.sim.world import SimWorld
 from seer_engine.spec_decode.budget import StepCostModel
 
 EPS = 1e-9
@@ -116,7 +117,8 @@ class SimInstance(InstanceHandle):
         self._arrivals += 1
         self.waiting.append(
             SimRequest(chunk.request_id, chunk.sequence_id, chunk.group_id, len(chunk.prompt_token_ids),
-                       generated, end, reason, self._arrivals, hit=min(hit, context - 1))
+                       generated, end, reason, self._arrivals, hit=min(hit, context - 1),
+                       cuttable=chunk.cuttable)
         )  # fmt: skip
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -125,15 +127,15 @@ class SimInstance(InstanceHandle):
         outputs = []
         for req in [r for r in self.waiting if r.request_id in wanted]:
             self.waiting.remove(req)
-            outputs.append(_output(req, "abort"))
+            outputs.append(req.output("abort"))
         for req in [r for r in self.prefilling if r.request_id in wanted]:
             self.prefilling.remove(req)
             self._leave(req)
-            outputs.append(_output(req, "abort"))
+            outputs.append(req.output("abort"))
         for rid in wanted & set(self.decoding):
             req = self._stop_decoding(rid)
             self._leave(req)
-            outputs.append(_output(req, "abort"))
+            outputs.append(req.output("abort"))
         return outputs
 
     def call(self, method: str, *args):
@@ -154,6 +156,8 @@ class SimInstance(InstanceHandle):
 
     def next_event_at(self) -> float:
         seg = self._plan()
+        if self._undelivered:  # planning cut chunks: they end now
+            return self.clock
         return seg.end if seg is not None else math.inf
 
     def step(self, horizon: float = math.inf) -> StepReply:
@@ -162,14 +166,18 @@ class SimInstance(InstanceHandle):
         outputs, self._undelivered = self._undelivered, []
         while not outputs:
             seg = self._plan()
-            if seg is None:
+            outputs, self._undelivered = self._undelivered, []
+            if seg is None or outputs:
                 break
             outputs += self._commit(seg)
             nxt = self._plan()
             if outputs or nxt is None or nxt.end > horizon:
                 break
         loads, self._loads = self._loads, []
-        return StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads)
+        # Rows still prefilling are where they were dispatched (the admission rule's default).
+        done = {rid: int(r.generated + self.progress - r.progress_start) for rid, r in self.decoding.items()}
+        return StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads,
+                         progress=done)  # fmt: skip
 
     def _engine_stats(self) -> EngineStats:
         return EngineStats(
@@ -310,6 +318,9 @@ class SimInstance(InstanceHandle):
                 return
             running = list(self.decoding.values()) + self.prefilling
             victim = self.scheduling.select_victim(running)
+            if victim.cuttable:
+                self._undelivered.append(self._cut(victim))
+                continue
             if victim.request_id in self.decoding:
                 self._stop_decoding(victim.request_id)
                 victim.lost = victim.context
@@ -403,7 +414,21 @@ class SimInstance(InstanceHandle):
             self._cache(req.key, int(req.context))  # the next chunk may resume here
         else:
             self.world.on_response_end(req.group_id)
-        return _output(req, req.finish_reason)
+        return req.output(req.finish_reason)
+
+    def _cut(self, req: SimRequest) -> RequestOutput:
+        """End a chunk where it is because KV ran out: its context stays in the prefix
+        cache (the pool has it too), its response goes back to the Request Buffer."""
+        if req.request_id in self.decoding:
+            self._stop_decoding(req.request_id)
+            kept = req.context
+        else:
+            self.prefilling.remove(req)
+            kept = req.computed
+        self._leave(req)
+        self._cache(req.key, int(kept))
+        self._stats.chunk_cuts += 1
+        return req.output("length")
 
     def _note_kv(self) -> None:
         self.peak_kv_tokens = max(self.peak_kv_tokens, self._running_kv())
@@ -471,9 +496,3 @@ class SimInstance(InstanceHandle):
         tokens = self.cache.pop(key)
         self.cached_tokens -= tokens
         return tokens
-
-
-def _output(req: SimRequest, reason: str) -> RequestOutput:
-    n = int(round(req.generated))
-    completion = CompletionOutput(0, "", TokenCount(n), None, None, finish_reason=reason)
-    return RequestOutput(req.request_id, None, TokenCount(req.prompt_len), [completion], finished=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.sim.world import TokenCount
+
 
 @dataclass(eq=False)
 class SimRequest:
@@ -22,10 +25,17 @@ class SimRequest:
     lost: float = 0.0  # computed tokens a preemption dropped
     progress_start: float = 0.0
     priority: int = 0  # the engine's scheduling policies read this and arrival_order
+    cuttable: bool = False  # out of KV, the engine ends the chunk where it is (KV kept), not preempts it
 
     @property
     def context(self) -> float:
         return self.prompt_len + self.generated
+
+    def output(self, reason: str) -> RequestOutput:
+        """The chunk's final output (token counts stand in for tokens)."""
+        n = int(round(self.generated))
+        completion = CompletionOutput(0, "", TokenCount(n), None, None, finish_reason=reason)
+        return RequestOutput(self.request_id, None, TokenCount(self.prompt_len), [completion], finished=True)
 
 
 @dataclass

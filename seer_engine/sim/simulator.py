@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from seer_engine.core.policies import make_policy
 from seer_engine.kv_connector.base import KVConnector, RecomputeConnector
-from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.dispatcher import DEFAULT_ADMISSION, Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
@@ -109,6 +109,8 @@ def simulate(
     acceptance=None,
     pooled: bool = True,
     on_sample_finished: Callable | None = None,
+    admission: str = DEFAULT_ADMISSION,
+    backfill: str = "none",
 ) -> RolloutResult:
     """One rollout iteration of ``groups`` under ``policy`` on ``instances`` modeled instances.
 
@@ -142,7 +144,10 @@ def simulate(
         for k, g in enumerate(groups)
     ]
     pool = SimPool(sims, pooled)
-    dispatcher = Dispatcher(pool, policy, chunk_tokens, on_sample_finished, placement or SeerPlacement())
+    dispatcher = Dispatcher(
+        pool, policy, chunk_tokens, on_sample_finished, placement or SeerPlacement(),
+        admission=admission, backfill=backfill,
+    )  # fmt: skip
     result = dispatcher.run(rollout_groups)
     for sim in sims:
         for key, t in sim.started_at.items():
@@ -174,8 +179,13 @@ def true_lengths(groups: Sequence[SimGroup], max_tokens: int) -> dict[str, int]:
     return {f"{g.group_id}/{i}": min(n, max_tokens) for g in groups for i, n in enumerate(g.lengths)}
 
 
-def policy_for(name: str, groups: Sequence[SimGroup], max_tokens: int, starvation_s: float) -> RolloutPolicy:
-    return make_rollout_policy(name, true_lengths=true_lengths(groups, max_tokens), starvation_s=starvation_s)
+def policy_for(
+    name: str, groups: Sequence[SimGroup], max_tokens: int, starvation_s: float, history=None
+) -> RolloutPolicy:
+    """``history``: the store a ``+history`` policy keeps across iterations."""
+    return make_rollout_policy(
+        name, true_lengths=true_lengths(groups, max_tokens), history=history, starvation_s=starvation_s
+    )
 
 
 def synthetic_groups(

@@ -106,7 +106,13 @@ class InstanceWorker:
             loads=loads,
             shapes=[self.engine.last_step_shape] if self.engine.last_step_shape is not None else [],
             draft_updates=self.replica.take_updates() if self.replica is not None else [],
+            progress=self._progress(),
         )
+
+    def _progress(self) -> dict[str, int]:
+        """Output tokens of every request the engine holds (admission rules read them)."""
+        sched = self.engine.scheduler
+        return {r.request_id: r.num_output_tokens for r in (*sched.running, *sched.waiting)}
 
     def call(self, method: str, *args: Any) -> Any:
         """Serving primitives on the engine (``ENGINE_CALLS``)."""

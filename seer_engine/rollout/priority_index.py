@@ -1,0 +1,103 @@
+"""Buffered samples in the policy's order, kept up to date incrementally.
+
+A dispatch that never lets a lower-priority sample pass a higher one must look at
+the buffer in priority order, and the buffer holds thousands of responses between
+their chunks. Keys change only when the policy learns something about a group (its
+``take_changes``), or for everything at once (the Context Manager refitting its
+prior), or when a sample starts to starve; so the index keeps a heap, re-keys only
+the samples of groups that changed, and rebuilds only when everything did.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from seer_engine.rollout.types import RolloutSample
+
+
+class RankedPolicy(Protocol):
+    starvation_s: float | None
+
+    def rank_key(self, sample: RolloutSample) -> Any: ...
+
+    def take_changes(self) -> tuple[bool, set[str]]: ...
+
+
+class PriorityIndex:
+    def __init__(self, policy: RankedPolicy) -> None:
+        self.policy = policy
+        self._heap: list[list] = []  # [key, seq, sample]; entries of removed or re-keyed samples linger
+        self._seq_of: dict[RolloutSample, int] = {}  # the live entry of each sample
+        self._by_group: dict[str, set[RolloutSample]] = {}
+        self._arrivals: deque[tuple[float, int, RolloutSample]] = deque()  # enqueue order, for starvation
+        self._starving: set[RolloutSample] = set()
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._seq_of)
+
+    def add(self, sample: RolloutSample) -> None:
+        self._push(sample, self.policy.rank_key(sample))
+        self._by_group.setdefault(sample.group.group_id, set()).add(sample)
+        self._arrivals.append((sample.enqueued_at, self._seq_of[sample], sample))
+
+    def remove(self, sample: RolloutSample) -> None:
+        del self._seq_of[sample]
+        self._starving.discard(sample)
+        members = self._by_group[sample.group.group_id]
+        members.discard(sample)
+        if not members:
+            del self._by_group[sample.group.group_id]
+
+    def _push(self, sample: RolloutSample, key: Any) -> None:
+        seq = next(self._counter)
+        self._seq_of[sample] = seq
+        heapq.heappush(self._heap, [key, seq, sample])
+
+    def _starving_key(self, sample: RolloutSample, seq: int) -> tuple:
+        return (0, sample.enqueued_at, seq)  # ahead of every policy key (those start at 1 or more)
+
+    def _refresh(self, now: float) -> None:
+        everything, groups = self.policy.take_changes()
+        starvation = self.policy.starvation_s
+        if starvation is not None:
+            while self._arrivals and now - self._arrivals[0][0] > starvation:
+                enqueued, seq, sample = self._arrivals.popleft()
+                if sample in self._seq_of and sample.enqueued_at == enqueued:
+                    self._starving.add(sample)
+                    self._push(sample, self._starving_key(sample, seq))
+        if everything:
+            self._heap = [
+                [self._starving_key(s, seq) if s in self._starving else self.policy.rank_key(s), seq, s]
+                for s, seq in self._seq_of.items()
+            ]
+            heapq.heapify(self._heap)
+            return
+        for gid in groups:
+            for sample in self._by_group.get(gid, ()):
+                if sample not in self._starving:
+                    self._push(sample, self.policy.rank_key(sample))
+        if len(self._heap) > 4 * len(self._seq_of) + 64:  # mostly dead entries: compact
+            self._heap = [e for e in self._heap if self._seq_of.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def ranked(self, now: float) -> Iterator[RolloutSample]:
+        """Samples in priority order. The caller may remove the ones it dispatches while
+        iterating, and must close the iterator (or run it out) when done."""
+        self._refresh(now)
+        taken: list[list] = []
+        try:
+            while self._heap:
+                entry = heapq.heappop(self._heap)
+                if self._seq_of.get(entry[2]) != entry[1]:
+                    continue  # removed, or re-keyed since
+                taken.append(entry)
+                yield entry[2]
+        finally:
+            for entry in taken:
+                if self._seq_of.get(entry[2]) == entry[1]:
+                    heapq.heappush(self._heap, entry)

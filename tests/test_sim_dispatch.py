@@ -1,0 +1,253 @@
+"""The Request Buffer's dispatch in the simulator: strict priority (no backfill past a
+higher-priority sample), the priority index, admission rules that never preempt, and
+iterations that repeat prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from seer_engine.core.policies import make_policy
+from seer_engine.rollout.admission import PeakAdmission, make_admission
+from seer_engine.rollout.books import InstanceBooks
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import RolloutPolicy
+from seer_engine.rollout.priority_index import PriorityIndex
+from seer_engine.rollout.types import Group, InstanceInfo, RolloutSample
+from seer_engine.sampling_params import SamplingParams
+from seer_engine.sim import simulator
+from seer_engine.sim.instance import SimInstance
+from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+from seer_engine.sim.simulator import SimPool, policy_for, simulate, synthetic_groups
+from seer_engine.sim.world import SimPrompt, SimWorld
+from seer_engine.workloads.stats import spearman
+
+MAX_TOKENS = 4096
+
+
+def _profile(kv_tokens: int = 40_000) -> InstanceProfile:
+    step = StepTimeModel(0.02, 2e-5, 2e-9)
+    return InstanceProfile(
+        "test", step, kv_capacity_tokens=kv_tokens, max_num_seqs=64, max_num_batched_tokens=4096,
+        pool_bytes_per_s=1e10, kv_bytes_per_token=1000,
+    )  # fmt: skip
+
+
+class Ranked(RolloutPolicy):
+    """Fixed priorities by group id (smaller first)."""
+
+    name = "ranked"
+
+    def __init__(self, rank: dict[str, int]) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def priority(self, sample, now):
+        return (self.rank[sample.group.group_id], sample.sample_index)
+
+
+@pytest.mark.parametrize("backfill,dispatched", [("none", ["C/0"]), ("any", ["C/0", "B/0"])])
+def test_a_sample_that_does_not_fit_holds_back_lower_priority_ones(backfill, dispatched):
+    # One instance of 4,000 KV tokens. C (first) takes 1,500; A (second) needs 3,500 and does
+    # not fit beside it; B (last) needs 1,100 and would. Strict priority keeps B waiting for A.
+    prompts = {"C": 500, "A": 2500, "B": 100}
+    world = SimWorld({f"{g}/0": 1000 for g in prompts}, 1000, {g: 1 for g in prompts})
+    inst = SimInstance(0, _profile(kv_tokens=4000), world, make_policy("fcfs"), max_model_len=4000)
+    policy = Ranked({"C": 0, "A": 1, "B": 2})
+    dispatcher = Dispatcher(
+        SimPool([inst], True), policy, chunk_tokens=1000, admission="reserve", backfill=backfill
+    )
+    params = SamplingParams(max_tokens=1000)
+    dispatcher.start([Group(g, SimPrompt(n, g), params, 1, 1000) for g, n in prompts.items()])
+    dispatcher._dispatch(0.0)
+    assert [key for key, _ in dispatcher.dispatch_log] == dispatched
+    while dispatcher.has_work:
+        dispatcher.step()
+    assert sorted(k for k, _ in dispatcher.dispatch_log) == ["A/0", "B/0", "C/0"]
+
+
+def test_the_priority_index_hands_out_the_policy_order_as_keys_change():
+    rng = random.Random(3)
+
+    class Changing(RolloutPolicy):
+        def __init__(self):
+            super().__init__()
+            self.value = {f"g{k}": rng.random() for k in range(20)}
+            self.changed: set[str] = set()
+
+        def rank_key(self, sample):
+            return (self.value[sample.group.group_id], sample.sample_index)
+
+        def take_changes(self):
+            changed, self.changed = self.changed, set()
+            return False, changed
+
+    policy = Changing()
+    index = PriorityIndex(policy)
+    params = SamplingParams(max_tokens=10)
+    samples = [
+        RolloutSample(Group(f"g{k}", [1], params, 3, 10), i, 0, 10) for k in range(20) for i in range(3)
+    ]
+    for s in samples:
+        index.add(s)
+    live = list(samples)
+    for _ in range(30):
+        for gid in rng.sample(sorted(policy.value), 4):
+            policy.value[gid] = rng.random()
+            policy.changed.add(gid)
+        gone = rng.choice(live)
+        index.remove(gone)
+        live.remove(gone)
+        ranked = index.ranked(0.0)
+        first = [next(ranked) for _ in range(5)]  # a dispatch that stops early...
+        ranked.close()
+        assert first == sorted(live, key=policy.rank_key)[:5]
+        assert list(index.ranked(0.0)) == sorted(live, key=policy.rank_key)  # ...loses nothing
+
+
+def test_reserve_holds_a_groups_prompt_once_per_instance():
+    books = InstanceBooks(InstanceInfo(num_blocks=100, block_size=16, max_num_seqs=8, max_model_len=4096))
+    group = Group("g", list(range(64)), SamplingParams(max_tokens=64), 2, 64)  # 4 prompt blocks
+    a, b = RolloutSample(group, 0, 0, 64), RolloutSample(group, 1, 0, 64)
+    shared, per_response = make_admission("reserve"), make_admission("reserve-per-response")
+    assert shared.footprint(books, a, 64) == 8
+    books.reserve("a", a, 8, 0, 64, shared.prompt_blocks(books, a))
+    assert shared.footprint(books, b, 64) == 4 and per_response.footprint(books, b, 64) == 8
+    books.reserve("b", b, 8, 0, 64, shared.prompt_blocks(books, b))
+    assert books.reserved_blocks == 12
+    books.release("a")
+    assert books.reserved_blocks == 8, "the sibling left holds the prompt now"
+    books.release("b")
+    assert books.reserved_blocks == 0
+
+
+def test_peak_admission_counts_progress_and_chunks_that_end_first():
+    books = InstanceBooks(InstanceInfo(num_blocks=1000, block_size=1, max_num_seqs=8, max_model_len=10**6))
+    rule = PeakAdmission(slack_tokens=0, headroom=1.0)
+    g = Group("g", [0] * 10, SamplingParams(max_tokens=1000), 2, 1000)
+    first = RolloutSample(g, 0, 0, 1000)
+    books.reserve("first", first, 0, 0, 400)
+    # Alone: prompt 10 + 1 partial block, then the chunk grows to 400 (+1 partial block).
+    assert rule.peak(books) == 10 + 1 + 1 + 400
+    books.progress["first"] = 300  # it is 300 tokens in: 100 to go, the peak is the same
+    books.outlook = None
+    assert rule.peak(books) == 10 + 1 + 1 + 400
+    # A sibling starting now for 50 tokens ends before the first: both at +50.
+    assert rule.peak(books, RolloutSample(g, 1, 0, 1000), 0, 50) == 11 + (301 + 50) + (1 + 50)
+    # One for 500 tokens outlives it: the peak is just before the first ends (+100), or later alone.
+    assert rule.peak(books, RolloutSample(g, 1, 0, 1000), 0, 500) == max(
+        11 + (301 + 100) + (1 + 100), 11 + 1 + 500
+    )
+
+
+@pytest.mark.parametrize("admission", ["reserve-per-response", "reserve", "peak", "peak:256"])
+@pytest.mark.parametrize("name", ["divided", "context", "seer"])
+def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, monkeypatch):
+    made: list[SimInstance] = []
+    real_init = SimInstance.__init__
+
+    def spy(self, *args, **kw):
+        real_init(self, *args, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(SimInstance, "__init__", spy)
+    groups = synthetic_groups(12, 8, MAX_TOKENS, prompt_len=200, seed=4)
+    tight = _profile(kv_tokens=14_000)
+    finished: list[str] = []
+    result = simulate(groups, policy_for(name, groups, MAX_TOKENS, 3600.0), tight, 3, MAX_TOKENS, 1024,
+                      on_sample_finished=lambda s: finished.append(s.key), admission=admission)  # fmt: skip
+    expected = simulator.true_lengths(groups, MAX_TOKENS)
+    assert sorted(finished) == sorted(expected), "every sample exactly once"
+    assert {s.key: s.num_generated for ss in result.samples.values() for s in ss} == expected
+    assert result.metrics.preemptions == 0
+    assert all(inst.peak_kv_tokens <= inst.capacity for inst in made)
+    if admission == "peak:256":
+        assert result.metrics.chunk_cuts > 0, "a short horizon overfills: the engine cuts chunks"
+    else:
+        assert result.metrics.chunk_cuts == 0
+
+
+def test_peak_admission_runs_more_rows_than_reserving_every_chunk():
+    groups = synthetic_groups(12, 8, MAX_TOKENS, prompt_len=200, seed=4)
+    runs = {
+        adm: simulate(
+            groups,
+            policy_for("divided", groups, MAX_TOKENS, 3600.0),
+            _profile(kv_tokens=14_000),
+            3,
+            MAX_TOKENS,
+            1024,
+            admission=adm,
+        )  # fmt: skip
+        for adm in ("reserve-per-response", "peak")
+    }
+    rows = {adm: np.mean([p.running for tl in r.timelines for p in tl]) for adm, r in runs.items()}
+    assert rows["peak"] > rows["reserve-per-response"]
+
+
+@pytest.mark.parametrize("name", ["optimistic", "peak:0", "peak:x"])
+def test_bad_admission_rules_are_named(name):
+    with pytest.raises(ValueError, match="admission"):
+        make_admission(name)
+
+
+def test_chunk_cuts_need_modeled_engines():
+    class RealPool:
+        backend = "inproc"
+        kv_connector = SimPool([], False).kv_connector
+        instances: list = []
+
+    with pytest.raises(ValueError, match="only modeled engines"):
+        Dispatcher(RealPool(), RolloutPolicy(), admission="peak:512")  # type: ignore[arg-type]
+
+
+def test_iterations_repeat_prompts_with_fresh_samples():
+    first = synthetic_groups(200, 8, 65536, 1024, 0, 22386, 0, 0.0, 0.33, 0.5)
+    again = synthetic_groups(200, 8, 65536, 1024, 0, 22386, 1, 0.0, 0.33, 0.5)
+    moved = synthetic_groups(200, 8, 65536, 1024, 0, 22386, 1, 1.0, 0.33, 0.5)
+    assert [g.prompt_key for g in first] == [g.prompt_key for g in again]
+    assert [g.prompt_len for g in first] == [g.prompt_len for g in again]
+    assert all(a.lengths != b.lengths for a, b in zip(first, again)), "fresh samples"
+    means = [np.mean(g.lengths) for g in first]
+    assert spearman(means, [np.mean(g.lengths) for g in again]) > 0.7, "each prompt keeps its distribution"
+    assert spearman(means, [np.mean(g.lengths) for g in moved]) < 0.5, "--drift moves it"
+    other_seed = synthetic_groups(200, 8, 65536, 1024, 1, 22386, 0, 0.0, 0.33, 0.5)
+    assert {g.prompt_key for g in other_seed}.isdisjoint(g.prompt_key for g in first)
+
+
+def test_simulate_cli_iterations_report_every_iteration(tmp_path, capsys):
+    from seer_engine.entrypoints.cli import main
+
+    args = ["simulate", "--setup", "moonlight", "--prompts", "6", "--instances", "2", "--max-tokens", "8192",
+            "--iterations", "2", "--repeat-prompts", "--policy", "baseline,context,context+history",
+            "--report", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "baseline diagnostics" in out and "preemptions per iteration" in out
+    report = json.loads((tmp_path / "moonlight" / "report.json").read_text())
+    assert [set(it["policies"]) for it in report["iterations"]] == [
+        {"baseline", "context", "context+history"}
+    ] * 2
+    assert report["meta"]["repeat_prompts"] is True and report["meta"]["admission"] == "peak"
+    assert len(report["baseline_diagnostics"]["simulated"]) == 2
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--policy", "divided+history"], "unknown policy 'divided+history'"),
+        (["--drift", "0.2"], "--drift moves repeated prompts"),
+        (["--admission", "peak:x"], "peak:TOKENS needs a positive number of tokens, got 'x'"),
+        (["--backfill", "some"], "--backfill must be one of none, any"),
+    ],
+)
+def test_simulate_cli_names_bad_iteration_input(args, message, capsys):
+    from seer_engine.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--prompts", "4", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
