@@ -282,6 +282,12 @@ def _run_policy(
     """One policy on a fresh engine pool (clocks from zero; ``timer``: a modeled clock;
     ``history``: a +history policy's store, filled and seeding drafts)."""
     policy = _bench_policy(name, true_lengths, args.starvation_s, history)
+    spec = policy.speculative
+    if timer is not None and spec is not None and "step_cost" not in spec:
+        # On a modeled clock the adaptive budget prices drafts with that clock's step,
+        # not with a profile of this machine's.
+        cost = [max(timer.a_s, 1e-9), timer.b_s_per_token + timer.d_s_per_logit]
+        policy.speculative = {**spec, "step_cost": cost}
     label = name if args.iterations == 1 else f"{name} iter {iteration + 1}"
     progress = Progress(label, sum(g.n for g in groups))
     with cluster.make_pool(cfg, policy, token_source, step_timer=timer, history=history) as pool:
