@@ -166,3 +166,21 @@ def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(args[:-6] + ["--history", "off", "--policy", "context+history"])
     assert "need --history memory or DIR" in capsys.readouterr().err
+
+
+def test_rollout_cli_keeps_history_in_its_directory(model, tmp_path):
+    """``seer_engine rollout --history DIR``: each run is an iteration of the store there."""
+    from seer_engine.entrypoints.cli import main
+
+    hist = tmp_path / "hist"
+    args = ["rollout", "--model", str(model), "--task", "arith", "--prompts", "2", "--n", "3",
+            "--max-tokens", "8", "--knob", "steps=1", "--seed", "5", "--num-threads", "1",
+            "--rollout-mode", "--chunk-tokens", "4", "--history", str(hist)]  # fmt: skip
+    for run in (1, 2):
+        assert main([*args, "--output", str(tmp_path / f"out{run}.jsonl")]) == 0
+        store = HistoryStore.load(hist / HISTORY_FILE)
+        assert store.iteration == run and len(store) == 2
+        lines = [json.loads(x) for x in (tmp_path / f"out{run}.jsonl").read_text().splitlines()]
+        for line in lines:
+            seqs = store.sequences(line["prompt_token_ids"])
+            assert seqs[-3:] == [o["token_ids"] for o in line["outputs"]] and len(seqs) == 3 * run
