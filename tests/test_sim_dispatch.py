@@ -194,16 +194,6 @@ def test_bad_admission_rules_are_named(name):
         make_admission(name)
 
 
-def test_chunk_cuts_need_modeled_engines():
-    class RealPool:
-        backend = "inproc"
-        kv_connector = SimPool([], False).kv_connector
-        instances: list = []
-
-    with pytest.raises(ValueError, match="only modeled engines"):
-        Dispatcher(RealPool(), RolloutPolicy(), admission="peak:512")  # type: ignore[arg-type]
-
-
 def test_iterations_repeat_prompts_with_fresh_samples():
     first = synthetic_groups(200, 8, 65536, 1024, 0, 22386, 0, 0.0, 0.33, 0.5)
     again = synthetic_groups(200, 8, 65536, 1024, 0, 22386, 1, 0.0, 0.33, 0.5)
