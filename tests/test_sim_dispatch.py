@@ -144,7 +144,7 @@ def test_peak_admission_counts_progress_and_chunks_that_end_first():
 
 
 @pytest.mark.parametrize("admission", ["reserve-per-response", "reserve", "peak", "peak:256"])
-@pytest.mark.parametrize("name", ["divided", "context", "seer"])
+@pytest.mark.parametrize("name", ["divided", "context", "seer", "context+history", "oracle"])
 def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, monkeypatch):
     made: list[SimInstance] = []
     real_init = SimInstance.__init__
