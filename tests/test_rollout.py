@@ -108,6 +108,17 @@ def test_peak_admission_keeps_seeded_outputs_and_never_preempts(model):
     assert all(o == outs["baseline"] for o in outs.values())
 
 
+def test_engines_cut_chunks_instead_of_preempting(model):
+    """A short admission horizon overfills the engines: they end chunks early for KV
+    (kept in the prefix cache), nothing is preempted, and the seeded tokens are the same."""
+    groups = _groups(temperature=1.0)
+    _, base = _run(model, "baseline", 1, 10_000, kv_blocks=256, groups=groups)
+    _, cut = _run(model, "divided", 2, 40, kv_blocks=8, groups=_groups(temperature=1.0), admission="peak:4")
+    assert cut.metrics.chunk_cuts > 0 and cut.metrics.preemptions == 0
+    outs = lambda r: {k: [s.output_token_ids for s in v] for k, v in r.samples.items()}
+    assert outs(cut) == outs(base)
+
+
 def test_policies_cannot_see_trace_lengths(model):
     """Before any response finishes, the context policy's dispatch order is the same
     for two traces with different lengths: only the replay holds them."""

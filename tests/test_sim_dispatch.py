@@ -144,7 +144,7 @@ def test_peak_admission_counts_progress_and_chunks_that_end_first():
 
 
 @pytest.mark.parametrize("admission", ["reserve-per-response", "reserve", "peak", "peak:256"])
-@pytest.mark.parametrize("name", ["divided", "context", "seer"])
+@pytest.mark.parametrize("name", ["divided", "context", "seer", "context+history", "oracle"])
 def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, monkeypatch):
     made: list[SimInstance] = []
     real_init = SimInstance.__init__
@@ -192,16 +192,6 @@ def test_peak_admission_runs_more_rows_than_reserving_every_chunk():
 def test_bad_admission_rules_are_named(name):
     with pytest.raises(ValueError, match="admission"):
         make_admission(name)
-
-
-def test_chunk_cuts_need_modeled_engines():
-    class RealPool:
-        backend = "inproc"
-        kv_connector = SimPool([], False).kv_connector
-        instances: list = []
-
-    with pytest.raises(ValueError, match="only modeled engines"):
-        Dispatcher(RealPool(), RolloutPolicy(), admission="peak:512")  # type: ignore[arg-type]
 
 
 def test_iterations_repeat_prompts_with_fresh_samples():

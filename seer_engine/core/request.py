@@ -59,6 +59,10 @@ class Request:
     # The response this request generates (a rollout chunk continues one): drafters key
     # their per-response state by it. Defaults to request_id.
     sequence_id: str | None = None
+    # A cuttable rollout chunk: out of KV, the scheduler ends it where it is (finish reason
+    # "length", its KV left in the prefix cache) instead of preempting it, once it has more
+    # output tokens than this (the tokens it started from). None: never cut.
+    cut_after: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 

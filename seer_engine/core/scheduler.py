@@ -31,6 +31,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    cut: list[Request] = field(default_factory=list)  # cuttable chunks ended for KV (finished)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -45,7 +46,7 @@ class SchedulerOutput:
 class SchedulerStats:
     steps: int = 0
     preemptions: int = 0
-    chunk_cuts: int = 0  # rollout chunks ended early for KV instead of preempted (modeled engines)
+    chunk_cuts: int = 0  # cuttable rollout chunks ended early for KV instead of preempted
     recomputed_tokens: int = 0  # tokens computed again because preemption dropped their KV
     scheduled_tokens: int = 0
     generated_tokens: int = 0
@@ -145,14 +146,19 @@ class Scheduler:
                 while not self.kv.allocate_slots(request, num_new):
                     scheduled = {id(r) for r, _ in out.scheduled}
                     victim = self.policy.select_victim([r for r in self.running if id(r) not in scheduled])
-                    self._preempt(victim)
-                    out.preempted.append(victim)
+                    if victim.cut_after is not None and victim.num_output_tokens > victim.cut_after:
+                        self._finish(victim, RequestStatus.FINISHED_LENGTH)
+                        self.stats.chunk_cuts += 1
+                        out.cut.append(victim)
+                    else:
+                        self._preempt(victim)
+                        out.preempted.append(victim)
                     if victim is request:
                         break
             if request.status is RequestStatus.RUNNING:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
-        if not out.preempted:
+        if not out.preempted and not out.cut:
             budget = self._admit_waiting(out, budget)
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_batched_tokens

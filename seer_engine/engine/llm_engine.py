@@ -199,6 +199,7 @@ class LLMEngine:
         group_id: str | None = None,
         stream: bool = False,
         sequence_id: str | None = None,
+        cuttable: bool = False,
     ) -> list[Request]:
         """Queue a request that passed the input processor.
 
@@ -208,6 +209,8 @@ class LLMEngine:
         taken from the prefix cache like any other context. Logprobs cover only new
         tokens. ``sequence_id`` names the response the request continues (drafters keep
         their per-response state under it); it defaults to the request's own id.
+        ``cuttable``: a rollout chunk the scheduler may end early, once it has new tokens,
+        when KV runs out (instead of preempting it).
         """
         if request_id in self.outputs.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -227,6 +230,7 @@ class LLMEngine:
                 group_id=group_id if group_id is not None else request_id,
                 sample_index=i,
                 output_token_ids=list(checked.prior_output_token_ids),
+                cut_after=len(checked.prior_output_token_ids) if cuttable else None,
                 sequence_id=None
                 if sequence_id is None
                 else (sequence_id if params.n == 1 else f"{sequence_id}-{i}"),
@@ -260,7 +264,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.last_step_shape = None
-            return []
+            return self.outputs.collect(sched.cut)
         self.last_step_shape = StepShape.of(
             [(r.num_computed_tokens, n, r.num_prompt_tokens, r.num_tokens) for r, n in sched.scheduled]
         )
@@ -286,7 +290,7 @@ class LLMEngine:
                 self._check_stop_strings(req, num_new)
         if self.drafter is not None:
             self.drafter.after_step(updated, verdicts, self.scheduler.running)
-        return self.outputs.collect(updated)
+        return self.outputs.collect(updated + sched.cut)
 
     def _replayed(self, req: Request, rows: list[int]) -> list[int]:
         """Trace replay: every row emits the trace's token at its position."""

@@ -19,7 +19,7 @@ class EngineStats:
     kv_total_blocks: int = 0
     steps: int = 0
     preemptions: int = 0
-    chunk_cuts: int = 0  # rollout chunks ended early for KV instead of preempted (modeled engines)
+    chunk_cuts: int = 0  # cuttable rollout chunks ended early for KV instead of preempted
     recomputed_tokens: int = 0  # tokens computed again because preemption dropped their KV
     scheduled_tokens: int = 0
     generated_tokens: int = 0

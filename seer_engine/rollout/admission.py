@@ -19,9 +19,10 @@ never preempt:
   more careful. Rows that advance unevenly (speculative decoding on a real engine)
   can exceed the estimate; the engine then preempts as it would anyway.
 - ``peak:N``: the peak over the next N tokens of growth only. Chunks may then
-  outgrow the instance, which ends one of them early at a block boundary (a chunk
-  cut: the KV is kept, the response returns to the buffer) instead of preempting it.
-  Only modeled engines cut chunks (``sim/instance.py``); the real scheduler preempts.
+  outgrow the instance, which ends one of them early (a chunk cut: finish reason
+  "length", its KV kept in the prefix cache and the pool, the response back in the
+  buffer) instead of preempting it: ``core/scheduler.py`` for a chunk that has new
+  tokens (one still in its prefill is preempted), ``sim/instance.py`` when modeled.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Admission:
     """A rule that admits a chunk ``start -> end`` (output tokens) onto an instance."""
 
     name = "abstract"
-    may_overflow = False  # chunks may outgrow the instance, which then cuts them (modeled engines only)
+    may_overflow = False  # chunks may outgrow the instance, which then cuts them
     share_prompts = True
 
     def prompt_blocks(self, books: InstanceBooks, sample: RolloutSample) -> int:

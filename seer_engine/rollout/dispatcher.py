@@ -66,11 +66,6 @@ class Dispatcher:
         if backfill not in BACKFILL_RULES:
             raise ValueError(f"backfill must be one of {', '.join(BACKFILL_RULES)}, got {backfill!r}")
         self.admission = make_admission(admission) if isinstance(admission, str) else admission
-        if self.admission.may_overflow and getattr(pool, "backend", None) != "sim":
-            raise ValueError(
-                f"admission {self.admission.name!r} relies on engines cutting chunks short, "
-                "which only modeled engines do; use reserve or peak"
-            )
         self.backfill = backfill
         self.pool = pool
         self.policy = policy

@@ -6,8 +6,9 @@ dispatcher, policies, Context Manager and placement over it. Only the engine bel
 that line is modeled, after the real scheduler: each step runs the decode rows, then
 prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in the
 engine's scheduling-policy order while sequences and KV allow; when KV runs out the
-policy's victim is preempted and recomputed later (a ``cuttable`` chunk is cut instead:
-it ends where it is, keeping its KV, and its response returns to the buffer). A chunk that ran here before
+policy's victim is preempted and recomputed later (a ``cuttable`` chunk that has new
+tokens is cut instead, as the real scheduler does: it ends where it is, keeping its KV,
+and its response returns to the buffer). A chunk that ran here before
 finds its context in the prefix cache (LRU, evicted when running requests need the
 room), a chunk pulled from the KV pool pays the transfer, anything else recomputes.
 
@@ -318,7 +319,7 @@ class SimInstance(InstanceHandle):
                 return
             running = list(self.decoding.values()) + self.prefilling
             victim = self.scheduling.select_victim(running)
-            if victim.cuttable:
+            if victim.cuttable and victim.request_id in self.decoding:  # it has new tokens: cut it
                 self._undelivered.append(self._cut(victim))
                 continue
             if victim.request_id in self.decoding:
@@ -417,16 +418,11 @@ class SimInstance(InstanceHandle):
         return req.output(req.finish_reason)
 
     def _cut(self, req: SimRequest) -> RequestOutput:
-        """End a chunk where it is because KV ran out: its context stays in the prefix
-        cache (the pool has it too), its response goes back to the Request Buffer."""
-        if req.request_id in self.decoding:
-            self._stop_decoding(req.request_id)
-            kept = req.context
-        else:
-            self.prefilling.remove(req)
-            kept = req.computed
+        """End a decoding chunk where it is because KV ran out: its context stays in the
+        prefix cache (the pool has it too), its response goes back to the Request Buffer."""
+        self._stop_decoding(req.request_id)
         self._leave(req)
-        self._cache(req.key, int(kept))
+        self._cache(req.key, int(req.context))
         self._stats.chunk_cuts += 1
         return req.output("length")
 

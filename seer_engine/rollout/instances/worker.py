@@ -68,6 +68,7 @@ class InstanceWorker:
             group_id=chunk.group_id,
             stream=chunk.stream,
             sequence_id=chunk.sequence_id,
+            cuttable=chunk.cuttable,
         )
 
     def abort(self, request_ids: list[str]) -> tuple[list[RequestOutput], EngineStats]:
