@@ -24,7 +24,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
+    # The C++ CPU kernels (packed GEMM, fused norm/RoPE, paged attention) for float32 on
+    # AVX-512 CPUs, where the extension is built; False runs plain torch ops.
+    cpu_kernels: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this instance

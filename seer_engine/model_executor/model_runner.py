@@ -15,6 +15,7 @@ import torch
 
 from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
+from seer_engine.model_executor import cpu_kernels as native_kernels
 from seer_engine.model_executor.attention import AttentionMetadata, get_attention_backend
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.model_executor.sampler import Sampler, SamplingRow
@@ -56,14 +57,20 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         attention_backend: str = "torch",
+        cpu_kernels: bool = False,
     ) -> None:
+        """``cpu_kernels``: run linear layers, norms and RoPE on the C++ CPU kernels where
+        they serve this device and dtype (see ``cpu_kernels.usable``)."""
         self.cfg = model_config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
+        usable = cpu_kernels and native_kernels.usable(device, dtype)
+        self.native = native_kernels.native() if usable else None
         self.model = load_model(model_config, dtype, device)
+        self.model.use_native(self.native)
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
 
@@ -82,6 +89,7 @@ class ModelRunner:
     def load_weights_from(self, model_config: ModelConfig) -> None:
         """Swap in new weights of the same architecture (RL weight sync)."""
         self.model = load_model(model_config, self.dtype, self.device)
+        self.model.use_native(self.native)
         self.cfg = model_config
 
     # -- one step ------------------------------------------------------------------

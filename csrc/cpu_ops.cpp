@@ -1,0 +1,400 @@
+// CPU kernels for the decode step (float32, AVX-512): what stock torch leaves on the table
+// on a small CPU at decode batch sizes.
+//
+// - linear: y = x W^T + b over W packed in 16-column panels ([P, K, 16]). Each panel is one
+//   sequential stream, so at a handful of rows the kernel reads weights at memory speed, and
+//   at 8-64 rows an 8x48 register tile keeps the FMA units busy (MKL's sgemm does neither on
+//   this class of CPU).
+// - add_rms_norm_ / rms_norm: the residual add and the norm in one pass.
+// - rope_: rotary embedding in place on the q and k heads of the fused qkv rows.
+// - store_kv / paged_attention: keys and values written to and read from the paged cache in
+//   place (no gather of the context), online softmax, the draft-tree mask.
+//
+// Element-wise results match torch's op by op (fp-contract is off for this file and FMAs are
+// used only where a sum is accumulated); reductions run in a different order than torch's.
+// The file is compiled for AVX-512 (x86-64-v4); Python imports it only where torch reports
+// that capability (seer_engine/model_executor/cpu_kernels.py).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output columns per packed panel (one zmm)
+constexpr int kRows = 8;        // rows of x per register tile
+constexpr int kGroup = 3;       // panels per register tile
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+}
+
+// ---------------------------------------------------------------------------------------
+// linear
+
+// y[MR, NP*16] (+)= x[MR, K] @ panels; `cols` valid output columns (ragged last tile).
+template <int MR, int NP>
+void tile(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias,
+                      float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[MR][NP];
+  for (int j = 0; j < NP; ++j) {
+    __m512 b = bias ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m][j] = b;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NP];
+    for (int j = 0; j < NP; ++j) {
+      const float* p = wp + (j * K + k) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(p + 8 * kPanel), _MM_HINT_T0);
+      w[j] = _mm512_load_ps(p);
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(w[j], xb, acc[m][j]);
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    int64_t left = cols - j * kPanel;
+    if (left <= 0) break;
+    __mmask16 mask = left >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * kPanel, mask, acc[m][j]);
+  }
+}
+
+template <int NP>
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* wp, int64_t K,
+                           const float* bias, float* y, int64_t ldy, int64_t cols) {
+  switch (rows) {
+    case 1: return tile<1, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    case 2: return tile<2, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    case 3: return tile<3, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    case 4: return tile<4, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    case 5: return tile<5, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    case 6: return tile<6, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    case 7: return tile<7, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    default: return tile<8, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+  }
+}
+
+// One group of up to kGroup panels against all M rows: the group's weights stay in L2 while
+// the row tiles pass over them.
+void linear_group(int64_t g, int64_t M, int64_t N, int64_t K, int64_t P, const float* x,
+                              int64_t ldx, const float* wp, const float* bias, float* y) {
+  int64_t p0 = g * kGroup;
+  int64_t np = std::min<int64_t>(kGroup, P - p0);
+  int64_t cols = std::min<int64_t>(np * kPanel, N - p0 * kPanel);
+  const float* w = wp + p0 * K * kPanel;
+  const float* b = bias ? bias + p0 * kPanel : nullptr;
+  for (int64_t m = 0; m < M; m += kRows) {
+    int64_t rows = std::min<int64_t>(kRows, M - m);
+    float* out = y + m * N + p0 * kPanel;
+    const float* xm = x + m * ldx;
+    if (np == 3) tile_rows<3>(rows, xm, ldx, w, K, b, out, N, cols);
+    else if (np == 2) tile_rows<2>(rows, xm, ldx, w, K, b, out, N, cols);
+    else tile_rows<1>(rows, xm, ldx, w, K, b, out, N, cols);
+  }
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t out_features) {
+  check_f32(x, "x");
+  check_f32(packed, "packed weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "packed weight must be a contiguous [panels, K, 16] tensor");
+  int64_t P = packed.size(0), K = packed.size(1), N = out_features;
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "out_features ", N, " does not match ", P, " panels");
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  auto x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  int64_t M = x2.size(0), ldx = x2.stride(0);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == P * kPanel && bias->is_contiguous(), "bias must be padded to ", P * kPanel);
+    bp = bias->data_ptr<float>();
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  if (M == 0) return y;
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  int64_t groups = (P + kGroup - 1) / kGroup;
+  // A thread gets at least ~1M multiply-adds (at few rows, ~100 KB of weights to stream):
+  // smaller pieces cost more in fork/join than they save.
+  int64_t per_group = std::max<int64_t>(M, 4) * K * kGroup * kPanel;
+  int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / per_group);
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) linear_group(g, M, N, K, P, xp, ldx, wp, bp, yp);
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm (as transformers computes it in float32: x * rsqrt(mean(x^2) + eps), then * weight)
+
+inline void norm_row(const float* r, const float* w, float eps, int64_t H, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += r[i] * r[i];
+  float inv = 1.f / std::sqrt(ss / float(H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = w[i] * (r[i] * inv);
+}
+
+// out = norm(x) row by row.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  int64_t H = weight.numel();
+  TORCH_CHECK(x.size(-1) == H && weight.is_contiguous(), "rms_norm: hidden size mismatch");
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  int64_t T = xc.numel() / H;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) norm_row(xp + t * H, wp, float(eps), H, op + t * H);
+  });
+  return out;
+}
+
+// residual += x; x = norm(residual), both in place (x and residual contiguous [T, H]).
+void add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  check_f32(weight, "weight");
+  int64_t H = weight.numel();
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() && x.size(-1) == H,
+              "add_rms_norm_: x and residual must be contiguous with the same shape [..., hidden]");
+  int64_t T = x.numel() / H;
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* r = rp + t * H;
+      float* xr = xp + t * H;
+      for (int64_t i = 0; i < H; ++i) r[i] = xr[i] + r[i];
+      norm_row(r, wp, float(eps), H, xr);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Rotary embedding (neox style: rotate halves), in place on the first `heads` heads of each row.
+
+void rope_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+           int64_t heads, int64_t head_dim) {
+  check_f32(qk, "qk");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
+  TORCH_CHECK(qk.dim() == 2 && qk.stride(1) == 1 && qk.size(1) >= heads * head_dim, "rope_: qk must be [T, >= heads*D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == head_dim, "rope_: bad cos/sin table");
+  int64_t T = qk.size(0), ld = qk.stride(0), half = head_dim / 2, max_pos = cos.size(0);
+  float* base = qk.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_: position out of range");
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / (heads * head_dim)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + pos[t] * head_dim;
+      const float* s = sp + pos[t] * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = base + t * ld + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          float a = v[i], b = v[i + half];
+          v[i] = a * c[i] + (-b) * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Paged KV cache: [2, num_blocks, block_size, kv_heads, head_dim]
+
+void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& cache, const torch::Tensor& slots) {
+  check_f32(key, "key");
+  check_f32(value, "value");
+  check_f32(cache, "kv cache");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64, "slot_mapping must be int64");
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "kv cache must be contiguous [2, blocks, block_size, kv_heads, D]");
+  int64_t hkv = cache.size(3), d = cache.size(4), row = hkv * d;
+  int64_t total = cache.size(1) * cache.size(2);
+  TORCH_CHECK(key.dim() == 3 && key.size(1) == hkv && key.size(2) == d && key.stride(2) == 1 && key.stride(1) == d,
+              "key must be [T, kv_heads, D] with contiguous rows");
+  TORCH_CHECK(value.sizes() == key.sizes() && value.stride(2) == 1 && value.stride(1) == d, "value must match key");
+  int64_t T = key.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float* kc = cache.data_ptr<float>();
+  float* vc = kc + total * row;
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < total, "store_kv: slot ", sl[t], " out of range");
+    std::copy(kp + t * key.stride(0), kp + t * key.stride(0) + row, kc + sl[t] * row);
+    std::copy(vp + t * value.stride(0), vp + t * value.stride(0) + row, vc + sl[t] * row);
+  }
+}
+
+// exp on 16 lanes (Cephes polynomial, ~1 ulp); -inf gives 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3365447505f);
+  __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, n));
+}
+
+// One request's query rows of one kv head: every query head that reads it, online softmax
+// over the context 16 keys at a time.
+void attend_head(const float* q, int64_t ldq, float* out, int64_t ldo, const float* kc, const float* vc,
+                             const int32_t* table, int64_t block_size, int64_t row, int64_t hkv_off, int64_t ctx,
+                             int64_t q_len, int64_t group, int64_t d, const int64_t* tree, float scale) {
+  int64_t cached = ctx - q_len, nq = q_len * group, dv = d / 16;
+  std::vector<float> qs(nq * d), acc(nq * d, 0.f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t e = 0; e < d; ++e) qs[i * d + e] = q[(i / group) * ldq + (i % group) * d + e] * scale;
+  float s[16];
+  const float* kptr[16];
+  const float* vptr[16];
+  for (int64_t j0 = 0; j0 < ctx; j0 += 16) {
+    int64_t nk = std::min<int64_t>(16, ctx - j0);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      int64_t j = j0 + jj;
+      int64_t slot = int64_t(table[j / block_size]) * block_size + j % block_size;
+      kptr[jj] = kc + slot * row + hkv_off;
+      vptr[jj] = vc + slot * row + hkv_off;
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      int64_t qi = i / group;
+      int64_t last = std::min<int64_t>(cached + qi, ctx - 1);  // causal
+      if (j0 > last) continue;
+      int64_t vis = std::min<int64_t>(nk, last - j0 + 1);
+      const float* qv = qs.data() + i * d;
+      uint64_t bits = tree ? uint64_t(tree[qi]) : ~uint64_t(0);
+      for (int64_t jj = 0; jj < vis; ++jj) {
+        int64_t j = j0 + jj;
+        if (j >= cached && !((bits >> (j - cached)) & 1)) {
+          s[jj] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < dv; ++c)
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + c * 16), _mm512_loadu_ps(kptr[jj] + c * 16), a);
+        s[jj] = _mm512_reduce_add_ps(a);
+      }
+      __mmask16 live = __mmask16((1u << vis) - 1);
+      __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s);
+      float bmax = _mm512_reduce_max_ps(sv);
+      if (bmax == -std::numeric_limits<float>::infinity()) continue;
+      float mnew = std::max(m[i], bmax);
+      float alpha = std::exp(m[i] - mnew);
+      __m512 p = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
+      l[i] = l[i] * alpha + _mm512_reduce_add_ps(p);
+      m[i] = mnew;
+      alignas(64) float pv[16];
+      _mm512_store_ps(pv, p);
+      float* ai = acc.data() + i * d;
+      for (int64_t c = 0; c < dv; ++c) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ai + c * 16), _mm512_set1_ps(alpha));
+        for (int64_t jj = 0; jj < vis; ++jj)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(pv[jj]), _mm512_loadu_ps(vptr[jj] + c * 16), a);
+        _mm512_storeu_ps(ai + c * 16, a);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    float* o = out + (i / group) * ldo + (i % group) * d;
+    for (int64_t e = 0; e < d; ++e) o[e] = acc[i * d + e] * inv;
+  }
+}
+
+// out[rows of `reqs`] = attention of their queries over their paged context. Requests not in
+// `reqs` are left untouched (the caller attends them another way).
+void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& cache,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                     const torch::Tensor& query_start_loc, const c10::optional<torch::Tensor>& tree_mask,
+                     const torch::Tensor& reqs, double scale) {
+  check_f32(out, "out");
+  check_f32(query, "query");
+  check_f32(cache, "kv cache");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32 && reqs.scalar_type() == torch::kInt64,
+              "paged_attention: int32 block tables / seq lens / query starts and int64 request indices expected");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && query_start_loc.is_contiguous() &&
+                  reqs.is_contiguous() && cache.is_contiguous(),
+              "paged_attention: metadata and cache must be contiguous");
+  int64_t h = query.size(1), d = query.size(2), hkv = cache.size(3), bs = cache.size(2);
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == d, "query rows must hold contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous like query");
+  TORCH_CHECK(d % 16 == 0 && h % hkv == 0 && cache.size(4) == d, "paged_attention: head_dim must be a multiple of 16");
+  const int64_t* tree = nullptr;
+  if (tree_mask.has_value() && tree_mask->defined()) {
+    TORCH_CHECK(tree_mask->scalar_type() == torch::kInt64 && tree_mask->is_contiguous(), "tree_mask must be int64");
+    tree = tree_mask->data_ptr<int64_t>();
+  }
+  int64_t group = h / hkv, row = hkv * d, width = block_tables.size(1);
+  const float* kc = cache.data_ptr<float>();
+  const float* vc = kc + cache.size(1) * bs * row;
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* qs = query_start_loc.data_ptr<int32_t>();
+  const int64_t* rq = reqs.data_ptr<int64_t>();
+  int64_t n = reqs.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t r = rq[i];
+    TORCH_CHECK(r >= 0 && r < seq_lens.numel(), "paged_attention: request index out of range");
+    int64_t q_len = qs[r + 1] - qs[r];
+    TORCH_CHECK(q_len <= sl[r] && (sl[r] + bs - 1) / bs <= width, "paged_attention: bad lengths for request ", r);
+    TORCH_CHECK(!tree || q_len <= 64, "paged_attention: a tree mask covers at most 64 rows");
+  }
+  const float* qp = query.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t ldq = query.stride(0), ldo = out.stride(0);
+  at::parallel_for(0, n * hkv, 1, [&](int64_t a, int64_t b) {
+    for (int64_t task = a; task < b; ++task) {
+      int64_t r = rq[task / hkv], g = task % hkv;
+      int64_t start = qs[r], q_len = qs[r + 1] - start;
+      if (q_len == 0) continue;
+      attend_head(qp + start * ldq + g * group * d, ldq, op + start * ldo + g * group * d, ldo, kc, vc,
+                  bt + r * width, bs, row, g * d, sl[r], q_len, group, d, tree ? tree + start : nullptr,
+                  float(scale));
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "CPU kernels for the decode step (float32, AVX-512)";
+  m.def("linear", &linear, "y = x W^T + b over a [P, K, 16] packed weight");
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place");
+  m.def("rope_", &rope_, "neox rotary embedding in place on the first `heads` heads of each row");
+  m.def("store_kv", &store_kv);
+  m.def("paged_attention", &paged_attention);
+  m.attr("PANEL") = kPanel;
+}
