@@ -102,6 +102,31 @@ void linear_group(int64_t g, int64_t M, int64_t N, int64_t K, int64_t P, const f
   }
 }
 
+// [N, K] -> [ceil(N/16), K, 16], zero-padded: each panel one contiguous stream for `linear`.
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  check_f32(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight must be [out_features, in_features]");
+  auto w = weight.contiguous();
+  int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto packed = torch::empty({P, K, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float* out = dst + p * K * kPanel;
+      for (int64_t i = 0; i < kPanel; ++i) {
+        int64_t n = p * kPanel + i;
+        const float* row = src + n * K;
+        if (n < N)
+          for (int64_t k = 0; k < K; ++k) out[k * kPanel + i] = row[k];
+        else
+          for (int64_t k = 0; k < K; ++k) out[k * kPanel + i] = 0.f;
+      }
+    }
+  });
+  return packed;
+}
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      int64_t out_features) {
   check_f32(x, "x");
@@ -390,6 +415,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels for the decode step (float32, AVX-512)";
+  m.def("pack_weight", &pack_weight, "[N, K] -> [ceil(N/16), K, 16] panels for linear");
   m.def("linear", &linear, "y = x W^T + b over a [P, K, 16] packed weight");
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place");

@@ -7,14 +7,14 @@ float32 rounding, and the engine must emit the same greedy tokens either way.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 from test_triton_kernels import MIXED, SCALE, dense_tree_attention, make_batch, make_tree_batch
 
-from seer_engine import LLM, SamplingParams
+from seer_engine import SamplingParams
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.model_executor import cpu_kernels
 from seer_engine.model_executor.attention import get_attention_backend, torch_paged_attention, torch_store_kv
 from seer_engine.model_executor.layers import Linear, RMSNorm, RotaryEmbedding
@@ -125,24 +125,34 @@ def test_attention_on_strided_query_matches_torch_backend() -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_engine_tokens_do_not_depend_on_the_kernels(tiny_model, arch: str) -> None:
     """Greedy tokens with and without the C++ kernels: chunked prefill spans, prefix-cache
-    hits, and (with speculation) verification rows of draft trees all go through them."""
+    hits, and (with speculation) verification rows of draft trees all go through them.
+    Later waves of a group draft from earlier ones (a fixed budget keeps that independent
+    of timing)."""
     path = tiny_model(arch)
-    rng = random.Random(3)
-    shared = [rng.randrange(3, 500) for _ in range(40)]
-    prompts = [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30)] + [shared[:20] * 2]
-    # Greedy samples of one group repeat each other: the group's suffix tree drafts them.
-    params = SamplingParams(n=3, temperature=0, max_tokens=40, min_tokens=40)
-    spec = {"method": "group_suffix", "num_speculative_tokens": 8}
+    prompt = [(7 * i) % 13 + 3 for i in range(40)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
     outs = {}
     for native in (False, True):
         for speculative in (None, spec):
-            llm = LLM(
-                str(path), max_num_batched_tokens=24, cpu_kernels=native, speculative_config=speculative
+            engine = LLMEngine(
+                EngineConfig(
+                    model=str(path),
+                    max_num_batched_tokens=24,
+                    cpu_kernels=native,
+                    speculative_config=speculative,
+                )
             )
-            assert llm.engine.runner.backend.name == ("cpu" if native else "torch")
-            got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
-            outs[native, speculative is None] = got
+            assert engine.runner.backend.name == ("cpu" if native else "torch")
+            done = {}
+            for wave in range(3):
+                engine.add_request(f"w{wave}", prompt[: 30 + 5 * wave], params, group_id="g")
+                for _ in range(6):
+                    done.update((o.request_id, o) for o in engine.step() if o.finished)
+            while engine.has_unfinished_requests():
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+            outs[native, speculative is None] = {k: [c.token_ids for c in o.outputs] for k, o in done.items()}
             if speculative:
-                assert llm.engine.scheduler.stats.draft_tokens_accepted > 0, "drafts must be verified"
+                assert engine.scheduler.stats.draft_tokens_accepted > 0, "drafts must be verified"
     assert outs[True, True] == outs[False, True]
     assert outs[True, False] == outs[False, False]

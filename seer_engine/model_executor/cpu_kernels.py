@@ -42,6 +42,9 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` -> ``[ceil(N/16), K, 16]``: each 16-column panel one contiguous stream."""
+    ops = native()
+    if ops is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        return ops.pack_weight(weight.detach())
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n))
