@@ -3,7 +3,8 @@ activation.
 
 Numerics follow the Hugging Face reference (norms in float32, rotary tables in
 float32) so that greedy outputs match it token for token. ``use_native`` switches a
-layer to the C++ CPU kernels (``cpu_kernels``): same float32 math, fewer passes.
+layer to fused kernels with one interface on both devices: the C++ CPU kernels
+(``cpu_kernels``) or the Triton ones (``kernels.norm_rope``): same math, fewer passes.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from seer_engine.model_executor import cpu_kernels
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that, switched to the native kernels, multiplies by a panel-packed copy
-    of its weight (made by ``use_native`` once the weights are final)."""
+    """``nn.Linear`` that, switched to kernels with a ``linear`` (the C++ CPU kernels),
+    multiplies by a panel-packed copy of its weight (made by ``use_native`` once the
+    weights are final). Other kernel sets leave matmuls to torch (cuBLAS on a GPU)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -29,9 +31,9 @@ class Linear(nn.Linear):
         self._packed_bias: torch.Tensor | None = None
 
     def use_native(self, ops: ModuleType | None) -> None:
-        self._ops = ops
-        self._packed = None if ops is None else cpu_kernels.pack_weight(self.weight)
-        self._packed_bias = None if ops is None else cpu_kernels.pad_bias(self.bias, self.out_features)
+        self._ops = ops if hasattr(ops, "linear") else None
+        self._packed = None if self._ops is None else cpu_kernels.pack_weight(self.weight)
+        self._packed_bias = None if self._ops is None else cpu_kernels.pad_bias(self.bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ops is None:

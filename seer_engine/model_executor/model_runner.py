@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -60,15 +61,15 @@ class ModelRunner:
         cpu_kernels: bool = False,
     ) -> None:
         """``cpu_kernels``: run linear layers, norms and RoPE on the C++ CPU kernels where
-        they serve this device and dtype (see ``cpu_kernels.usable``)."""
+        they serve this device and dtype (see ``cpu_kernels.usable``). On a GPU, norms and
+        RoPE run as Triton kernels (``kernels.norm_rope``), as attention does."""
         self.cfg = model_config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
-        usable = cpu_kernels and native_kernels.usable(device, dtype)
-        self.native = native_kernels.native() if usable else None
+        self.native = fused_ops(device, dtype, cpu_kernels)
         self.model = load_model(model_config, dtype, device)
         self.model.use_native(self.native)
         self.sampler = Sampler()
@@ -231,6 +232,18 @@ class ModelRunner:
 
     def slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def fused_ops(device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> ModuleType | None:
+    """The kernel set the model runs its fused ops on here: Triton on a GPU, the C++ CPU
+    kernels where they serve (and are wanted), else None (plain torch ops)."""
+    if device.type == "cuda":
+        from seer_engine.kernels import norm_rope
+
+        return norm_rope
+    if cpu_kernels and native_kernels.usable(device, dtype):
+        return native_kernels.native()
+    return None
 
 
 def _tree_mask(trees: list[tuple[int, list[int]]], num_tokens: int, device: torch.device):
