@@ -292,22 +292,59 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, n));
 }
 
+// Sixteen vectors -> one vector of their sixteen sums (lane j = sum of v[j]).
+inline __m512 hsum16(const __m512* v) {
+  __m512 b[8], c[4];
+  for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Which of keys j0 .. j0+15 a query may see under its tree word (keys before `cached`
+// always; new token n when bit n is set).
+inline uint32_t tree_lanes(uint64_t bits, int64_t j0, int64_t cached) {
+  int64_t n0 = j0 - cached;
+  if (n0 >= 64) return 0;
+  if (n0 >= 0) return uint32_t(bits >> n0) & 0xFFFFu;
+  int64_t before = -n0;  // lanes still in the cached context
+  if (before >= 16) return 0xFFFFu;
+  return uint32_t((bits << before) | ((uint64_t(1) << before) - 1)) & 0xFFFFu;
+}
+
 // One request's query rows of one kv head: every query head that reads it, online softmax
 // over the context 16 keys at a time.
 void attend_head(const float* q, int64_t ldq, float* out, int64_t ldo, const float* kc, const float* vc,
-                             const int32_t* table, int64_t block_size, int64_t row, int64_t hkv_off, int64_t ctx,
-                             int64_t q_len, int64_t group, int64_t d, const int64_t* tree, float scale) {
+                 const int32_t* table, int64_t block_size, int64_t row, int64_t hkv_off, int64_t ctx, int64_t q_len,
+                 int64_t group, int64_t d, const int64_t* tree, float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t cached = ctx - q_len, nq = q_len * group, dv = d / 16;
-  std::vector<float> qs(nq * d), acc(nq * d, 0.f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
-  for (int64_t i = 0; i < nq; ++i)
+  thread_local std::vector<float> buf;
+  buf.assign(nq * (2 * d + 2), 0.f);
+  float* qs = buf.data();
+  float* acc = qs + nq * d;
+  float* m = acc + nq * d;
+  float* l = m + nq;
+  for (int64_t i = 0; i < nq; ++i) {
+    m[i] = neg_inf;
     for (int64_t e = 0; e < d; ++e) qs[i * d + e] = q[(i / group) * ldq + (i % group) * d + e] * scale;
-  float s[16];
+  }
   const float* kptr[16];
   const float* vptr[16];
+  __m512 part[16];
+  alignas(64) float pv[16];
   for (int64_t j0 = 0; j0 < ctx; j0 += 16) {
     int64_t nk = std::min<int64_t>(16, ctx - j0);
-    for (int64_t jj = 0; jj < nk; ++jj) {
-      int64_t j = j0 + jj;
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      int64_t j = j0 + std::min<int64_t>(jj, nk - 1);  // lanes past the context repeat the last key
       int64_t slot = int64_t(table[j / block_size]) * block_size + j % block_size;
       kptr[jj] = kc + slot * row + hkv_off;
       vptr[jj] = vc + slot * row + hkv_off;
@@ -317,34 +354,27 @@ void attend_head(const float* q, int64_t ldq, float* out, int64_t ldo, const flo
       int64_t last = std::min<int64_t>(cached + qi, ctx - 1);  // causal
       if (j0 > last) continue;
       int64_t vis = std::min<int64_t>(nk, last - j0 + 1);
-      const float* qv = qs.data() + i * d;
-      uint64_t bits = tree ? uint64_t(tree[qi]) : ~uint64_t(0);
-      for (int64_t jj = 0; jj < vis; ++jj) {
-        int64_t j = j0 + jj;
-        if (j >= cached && !((bits >> (j - cached)) & 1)) {
-          s[jj] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t c = 0; c < dv; ++c)
+      uint32_t lanes = (vis >= 16 ? 0xFFFFu : (1u << vis) - 1);
+      if (tree) lanes &= tree_lanes(uint64_t(tree[qi]), j0, cached);
+      if (!lanes) continue;
+      const float* qv = qs + i * d;
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qv), _mm512_loadu_ps(kptr[jj]));
+        for (int64_t c = 1; c < dv; ++c)
           a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + c * 16), _mm512_loadu_ps(kptr[jj] + c * 16), a);
-        s[jj] = _mm512_reduce_add_ps(a);
+        part[jj] = a;
       }
-      __mmask16 live = __mmask16((1u << vis) - 1);
-      __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s);
-      float bmax = _mm512_reduce_max_ps(sv);
-      if (bmax == -std::numeric_limits<float>::infinity()) continue;
-      float mnew = std::max(m[i], bmax);
-      float alpha = std::exp(m[i] - mnew);
+      __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), __mmask16(lanes), hsum16(part));
+      float mnew = std::max(m[i], _mm512_reduce_max_ps(sv));
       __m512 p = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
-      l[i] = l[i] * alpha + _mm512_reduce_add_ps(p);
+      __m512 alpha = exp16(_mm512_set1_ps(m[i] - mnew));
+      l[i] = l[i] * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(p);
       m[i] = mnew;
-      alignas(64) float pv[16];
       _mm512_store_ps(pv, p);
-      float* ai = acc.data() + i * d;
+      float* ai = acc + i * d;
       for (int64_t c = 0; c < dv; ++c) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ai + c * 16), _mm512_set1_ps(alpha));
-        for (int64_t jj = 0; jj < vis; ++jj)
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ai + c * 16), alpha);
+        for (int64_t jj = 0; jj < 16; ++jj)  // hidden lanes have p = 0 (and read a written slot)
           a = _mm512_fmadd_ps(_mm512_set1_ps(pv[jj]), _mm512_loadu_ps(vptr[jj] + c * 16), a);
         _mm512_storeu_ps(ai + c * 16, a);
       }
