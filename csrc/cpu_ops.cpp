@@ -292,6 +292,35 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, n));
 }
 
+// out = silu(gate) * up for x = [gate | up] rows (silu(g) = g / (1 + exp(-g)), as torch).
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.size(-1) % 2 == 0 && x.stride(-1) == 1, "silu_and_mul: rows [gate | up] must be contiguous");
+  int64_t width = x.size(-1), half = width / 2;
+  auto rows = x.reshape({-1, width});
+  auto sizes = x.sizes().vec();
+  sizes.back() = half;
+  auto out = torch::empty(sizes, x.options());
+  int64_t T = rows.size(0), ld = rows.stride(0);
+  const float* xp = rows.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 32768 / width), [&](int64_t t0, int64_t t1) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = xp + t * ld;
+      const float* u = g + half;
+      float* o = op + t * half;
+      for (int64_t i = 0; i < half; i += 16) {
+        __mmask16 live = half - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (half - i)) - 1);
+        __m512 gv = _mm512_maskz_loadu_ps(live, g + i);
+        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_mask_storeu_ps(o + i, live, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(live, u + i)));
+      }
+    }
+  });
+  return out;
+}
+
 // Sixteen vectors -> one vector of their sixteen sums (lane j = sum of v[j]).
 inline __m512 hsum16(const __m512* v) {
   __m512 b[8], c[4];
@@ -449,6 +478,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x W^T + b over a [P, K, 16] packed weight");
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over rows [gate | up]");
   m.def("rope_", &rope_, "neox rotary embedding in place on the first `heads` heads of each row");
   m.def("store_kv", &store_kv);
   m.def("paged_attention", &paged_attention);

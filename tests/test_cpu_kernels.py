@@ -17,7 +17,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.model_executor import cpu_kernels
 from seer_engine.model_executor.attention import get_attention_backend, torch_paged_attention, torch_store_kv
-from seer_engine.model_executor.layers import Linear, RMSNorm, RotaryEmbedding
+from seer_engine.model_executor.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 ops = cpu_kernels.native()
 pytestmark = pytest.mark.skipif(ops is None, reason="C++ CPU kernels not built or no AVX-512 on this CPU")
@@ -68,6 +68,16 @@ def test_norms_match_torch(tokens: int) -> None:
     assert out.data_ptr() == x2.data_ptr() and out_residual.data_ptr() == residual2.data_ptr(), "in place"
     assert torch.equal(out_residual, new_residual)
     torch.testing.assert_close(out, added, **F32)
+
+
+@pytest.mark.parametrize("width", [2 * 1536, 2 * 20])
+def test_silu_and_mul_matches_torch(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(7, width, generator=gen) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    torch.testing.assert_close(ops.silu_and_mul(x), silu_and_mul(x), **F32)
+    wide = torch.randn(3, width + 5, generator=gen)[:, :width]  # strided rows
+    torch.testing.assert_close(ops.silu_and_mul(wide), silu_and_mul(wide), **F32)
 
 
 @pytest.mark.parametrize(

@@ -56,9 +56,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self._act = silu_and_mul
+
+    def use_native(self, ops: ModuleType | None) -> None:
+        self._act = getattr(ops, "silu_and_mul", silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self._act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
