@@ -447,18 +447,21 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* qs = query_start_loc.data_ptr<int32_t>();
   const int64_t* rq = reqs.data_ptr<int64_t>();
-  int64_t n = reqs.numel();
+  int64_t n = reqs.numel(), pairs = 0;
   for (int64_t i = 0; i < n; ++i) {
     int64_t r = rq[i];
     TORCH_CHECK(r >= 0 && r < seq_lens.numel(), "paged_attention: request index out of range");
     int64_t q_len = qs[r + 1] - qs[r];
     TORCH_CHECK(q_len <= sl[r] && (sl[r] + bs - 1) / bs <= width, "paged_attention: bad lengths for request ", r);
     TORCH_CHECK(!tree || q_len <= 64, "paged_attention: a tree mask covers at most 64 rows");
+    pairs += q_len * group * sl[r];
   }
+  // A thread gets at least ~4K query-key pairs per kv head: less costs more in fork/join.
+  int64_t grain = std::max<int64_t>(1, (int64_t(4096) * n + pairs - 1) / std::max<int64_t>(pairs, 1));
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t ldq = query.stride(0), ldo = out.stride(0);
-  at::parallel_for(0, n * hkv, 1, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, n * hkv, grain, [&](int64_t a, int64_t b) {
     for (int64_t task = a; task < b; ++task) {
       int64_t r = rq[task / hkv], g = task % hkv;
       int64_t start = qs[r], q_len = qs[r + 1] - start;
