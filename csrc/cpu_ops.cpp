@@ -349,72 +349,114 @@ inline uint32_t tree_lanes(uint64_t bits, int64_t j0, int64_t cached) {
   return uint32_t((bits << before) | ((uint64_t(1) << before) - 1)) & 0xFFFFu;
 }
 
-// One request's query rows of one kv head: every query head that reads it, online softmax
-// over the context 16 keys at a time.
-void attend_head(const float* q, int64_t ldq, float* out, int64_t ldo, const float* kc, const float* vc,
-                 const int32_t* table, int64_t block_size, int64_t row, int64_t hkv_off, int64_t ctx, int64_t q_len,
-                 int64_t group, int64_t d, const int64_t* tree, float scale) {
+// acc[u] = acc[u] * alpha[u] + sum_j p[u][j] * V_j for NU query heads sharing a kv head:
+// each value row is loaded once for all of them.
+template <int NU, int DV>
+inline void accumulate_values(float* acc, int64_t d, const float* vrow[16], const float (*pv)[16], const __m512* alpha) {
+  for (int c = 0; c < DV; ++c) {
+    __m512 a[NU];
+    for (int u = 0; u < NU; ++u) a[u] = _mm512_mul_ps(_mm512_loadu_ps(acc + u * d + c * 16), alpha[u]);
+    for (int jj = 0; jj < 16; ++jj) {
+      __m512 v = _mm512_loadu_ps(vrow[jj] + c * 16);
+      for (int u = 0; u < NU; ++u) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(pv[u][jj]), v, a[u]);
+    }
+    for (int u = 0; u < NU; ++u) _mm512_storeu_ps(acc + u * d + c * 16, a[u]);
+  }
+}
+
+// One request's query rows, all heads (head_dim = 16 * DV): online softmax over the context
+// 16 keys at a time. A chunk's keys and values for every kv head are contiguous in the cache
+// (per slot, kv_heads x head_dim), so the request reads them as two streams; the next chunk
+// (another block, through the block table) is prefetched while this one runs. Query heads
+// that share a kv head share its visibility and each value row load.
+template <int DV>
+void attend_request(const float* q, int64_t ldq, float* out, int64_t ldo, const float* kc, const float* vc,
+                    const int32_t* table, int64_t block_size, int64_t hkv, int64_t ctx, int64_t q_len, int64_t heads,
+                    const int64_t* tree, float scale) {
+  constexpr int64_t d = DV * 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  int64_t cached = ctx - q_len, nq = q_len * group, dv = d / 16;
+  int64_t cached = ctx - q_len, group = heads / hkv, nq = q_len * heads, row = hkv * d;
   thread_local std::vector<float> buf;
-  buf.assign(nq * (2 * d + 2), 0.f);
-  float* qs = buf.data();
-  float* acc = qs + nq * d;
+  buf.assign(nq * (d + 2), 0.f);
+  float* acc = buf.data();  // query i = (token i / heads, head i % heads)
   float* m = acc + nq * d;
   float* l = m + nq;
-  for (int64_t i = 0; i < nq; ++i) {
-    m[i] = neg_inf;
-    for (int64_t e = 0; e < d; ++e) qs[i * d + e] = q[(i / group) * ldq + (i % group) * d + e] * scale;
-  }
-  const float* kptr[16];
-  const float* vptr[16];
+  for (int64_t i = 0; i < nq; ++i) m[i] = neg_inf;
+  int64_t slots[16];
+  const float* vrow[16];
   __m512 part[16];
-  alignas(64) float pv[16];
+  alignas(64) float pv[8][16];
+  __m512 alpha[8];
   for (int64_t j0 = 0; j0 < ctx; j0 += 16) {
     int64_t nk = std::min<int64_t>(16, ctx - j0);
     for (int64_t jj = 0; jj < 16; ++jj) {
       int64_t j = j0 + std::min<int64_t>(jj, nk - 1);  // lanes past the context repeat the last key
-      int64_t slot = int64_t(table[j / block_size]) * block_size + j % block_size;
-      kptr[jj] = kc + slot * row + hkv_off;
-      vptr[jj] = vc + slot * row + hkv_off;
+      slots[jj] = int64_t(table[j / block_size]) * block_size + j % block_size;
     }
-    for (int64_t i = 0; i < nq; ++i) {
-      int64_t qi = i / group;
+    for (int64_t j = j0 + 16; j < std::min<int64_t>(j0 + 32, ctx); ++j) {
+      int64_t slot = int64_t(table[j / block_size]) * block_size + j % block_size;
+      for (int64_t c = 0; c < row; c += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + slot * row + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + slot * row + c), _MM_HINT_T0);
+      }
+    }
+    for (int64_t qi = 0; qi < q_len; ++qi) {
       int64_t last = std::min<int64_t>(cached + qi, ctx - 1);  // causal
       if (j0 > last) continue;
       int64_t vis = std::min<int64_t>(nk, last - j0 + 1);
       uint32_t lanes = (vis >= 16 ? 0xFFFFu : (1u << vis) - 1);
       if (tree) lanes &= tree_lanes(uint64_t(tree[qi]), j0, cached);
       if (!lanes) continue;
-      const float* qv = qs + i * d;
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qv), _mm512_loadu_ps(kptr[jj]));
-        for (int64_t c = 1; c < dv; ++c)
-          a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + c * 16), _mm512_loadu_ps(kptr[jj] + c * 16), a);
-        part[jj] = a;
-      }
-      __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), __mmask16(lanes), hsum16(part));
-      float mnew = std::max(m[i], _mm512_reduce_max_ps(sv));
-      __m512 p = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
-      __m512 alpha = exp16(_mm512_set1_ps(m[i] - mnew));
-      l[i] = l[i] * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(p);
-      m[i] = mnew;
-      _mm512_store_ps(pv, p);
-      float* ai = acc + i * d;
-      for (int64_t c = 0; c < dv; ++c) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ai + c * 16), alpha);
-        for (int64_t jj = 0; jj < 16; ++jj)  // hidden lanes have p = 0 (and read a written slot)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(pv[jj]), _mm512_loadu_ps(vptr[jj] + c * 16), a);
-        _mm512_storeu_ps(ai + c * 16, a);
+      for (int64_t g = 0; g < hkv; ++g) {
+        for (int64_t jj = 0; jj < 16; ++jj) vrow[jj] = vc + slots[jj] * row + g * d;
+        for (int64_t u0 = 0; u0 < group; u0 += 8) {
+          int64_t nu = std::min<int64_t>(8, group - u0);
+          int64_t i0 = qi * heads + g * group + u0;
+          for (int64_t u = 0; u < nu; ++u) {
+            const float* qrow = q + qi * ldq + (g * group + u0 + u) * d;
+            __m512 qv[DV];
+            for (int c = 0; c < DV; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(qrow + c * 16), _mm512_set1_ps(scale));
+            for (int64_t jj = 0; jj < 16; ++jj) {
+              const float* k = kc + slots[jj] * row + g * d;
+              __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+              for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), a);
+              part[jj] = a;
+            }
+            int64_t i = i0 + u;
+            __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), __mmask16(lanes), hsum16(part));
+            float mnew = std::max(m[i], _mm512_reduce_max_ps(sv));
+            __m512 p = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
+            alpha[u] = exp16(_mm512_set1_ps(m[i] - mnew));
+            l[i] = l[i] * _mm512_cvtss_f32(alpha[u]) + _mm512_reduce_add_ps(p);
+            m[i] = mnew;
+            _mm512_store_ps(pv[u], p);  // hidden lanes are 0 (and read a written slot)
+          }
+          float* a = acc + i0 * d;
+          switch (nu) {
+            case 1: accumulate_values<1, DV>(a, d, vrow, pv, alpha); break;
+            case 2: accumulate_values<2, DV>(a, d, vrow, pv, alpha); break;
+            case 3: accumulate_values<3, DV>(a, d, vrow, pv, alpha); break;
+            case 4: accumulate_values<4, DV>(a, d, vrow, pv, alpha); break;
+            case 5: accumulate_values<5, DV>(a, d, vrow, pv, alpha); break;
+            case 6: accumulate_values<6, DV>(a, d, vrow, pv, alpha); break;
+            case 7: accumulate_values<7, DV>(a, d, vrow, pv, alpha); break;
+            default: accumulate_values<8, DV>(a, d, vrow, pv, alpha); break;
+          }
+        }
       }
     }
   }
   for (int64_t i = 0; i < nq; ++i) {
     float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    float* o = out + (i / group) * ldo + (i % group) * d;
+    float* o = out + (i / heads) * ldo + (i % heads) * d;
     for (int64_t e = 0; e < d; ++e) o[e] = acc[i * d + e] * inv;
   }
 }
+
+using AttendFn = void (*)(const float*, int64_t, float*, int64_t, const float*, const float*, const int32_t*, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, const int64_t*, float);
+constexpr AttendFn kAttend[8] = {attend_request<1>, attend_request<2>, attend_request<3>, attend_request<4>,
+                                 attend_request<5>, attend_request<6>, attend_request<7>, attend_request<8>};
 
 // out[rows of `reqs`] = attention of their queries over their paged context. Requests not in
 // `reqs` are left untouched (the caller attends them another way).
@@ -434,7 +476,8 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   int64_t h = query.size(1), d = query.size(2), hkv = cache.size(3), bs = cache.size(2);
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == d, "query rows must hold contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous like query");
-  TORCH_CHECK(d % 16 == 0 && h % hkv == 0 && cache.size(4) == d, "paged_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(d % 16 == 0 && d <= 128 && h % hkv == 0 && cache.size(4) == d,
+              "paged_attention: head_dim must be a multiple of 16, at most 128");
   const int64_t* tree = nullptr;
   if (tree_mask.has_value() && tree_mask->defined()) {
     TORCH_CHECK(tree_mask->scalar_type() == torch::kInt64 && tree_mask->is_contiguous(), "tree_mask must be int64");
@@ -456,19 +499,17 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
     TORCH_CHECK(!tree || q_len <= 64, "paged_attention: a tree mask covers at most 64 rows");
     pairs += q_len * group * sl[r];
   }
-  // A thread gets at least ~4K query-key pairs per kv head: less costs more in fork/join.
-  int64_t grain = std::max<int64_t>(1, (int64_t(4096) * n + pairs - 1) / std::max<int64_t>(pairs, 1));
+  // A thread gets at least ~16K query-key pairs: less costs more in fork/join.
+  int64_t grain = std::max<int64_t>(1, (int64_t(16384) * n + pairs * hkv - 1) / std::max<int64_t>(pairs * hkv, 1));
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t ldq = query.stride(0), ldo = out.stride(0);
-  at::parallel_for(0, n * hkv, grain, [&](int64_t a, int64_t b) {
-    for (int64_t task = a; task < b; ++task) {
-      int64_t r = rq[task / hkv], g = task % hkv;
-      int64_t start = qs[r], q_len = qs[r + 1] - start;
+  at::parallel_for(0, n, grain, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      int64_t r = rq[i], start = qs[r], q_len = qs[r + 1] - start;
       if (q_len == 0) continue;
-      attend_head(qp + start * ldq + g * group * d, ldq, op + start * ldo + g * group * d, ldo, kc, vc,
-                  bt + r * width, bs, row, g * d, sl[r], q_len, group, d, tree ? tree + start : nullptr,
-                  float(scale));
+      kAttend[d / 16 - 1](qp + start * ldq, ldq, op + start * ldo, ldo, kc, vc, bt + r * width, bs, hkv, sl[r], q_len,
+                          h, tree ? tree + start : nullptr, float(scale));
     }
   });
 }

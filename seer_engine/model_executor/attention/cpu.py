@@ -65,8 +65,8 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 def _plan(meta: AttentionMetadata, block_size: int, head_dim: int, device: torch.device) -> _CpuPlan:
-    """Short spans to the kernel (which needs head_dim % 16 == 0), the rest to the torch path."""
-    if head_dim % 16:
+    """Short spans to the kernel (head_dim a multiple of 16 up to 128), the rest to the torch path."""
+    if head_dim % 16 or head_dim > 128:
         return _CpuPlan(short=None, long=_plan_torch_attention(meta, block_size, device))
     short = [i for i, n in enumerate(meta.query_lens_cpu) if 0 < n <= _MAX_GROUPED_Q_LEN]
     return _CpuPlan(
