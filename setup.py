@@ -32,8 +32,9 @@ else:
                 "-march=x86-64-v4",
                 "-mtune=generic",
                 "-ffp-contract=off",
-                "-fopenmp-simd",
+                "-fopenmp",  # at::parallel_for runs serially without it (torch's libgomp at run time)
             ],
+            extra_link_args=["-fopenmp"],
         )
     )
     cmdclass = {"build_ext": BuildExtension}

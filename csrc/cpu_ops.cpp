@@ -4,7 +4,8 @@
 // - linear: y = x W^T + b over W packed in 16-column panels ([P, K, 16]). Each panel is one
 //   sequential stream, so at a handful of rows the kernel reads weights at memory speed, and
 //   at 8-64 rows an 8x48 register tile keeps the FMA units busy (MKL's sgemm does neither on
-//   this class of CPU).
+//   this class of CPU). Weights may be packed as bfloat16 (opt-in: half the bytes to stream,
+//   widened to float32 in registers; activations and accumulation stay float32).
 // - add_rms_norm_ / rms_norm: the residual add and the norm in one pass.
 // - rope_: rotary embedding in place on the q and k heads of the fused qkv rows.
 // - store_kv / paged_attention: keys and values written to and read from the paged cache in
@@ -39,10 +40,16 @@ void check_f32(const torch::Tensor& t, const char* name) {
 // ---------------------------------------------------------------------------------------
 // linear
 
-// y[MR, NP*16] (+)= x[MR, K] @ panels; `cols` valid output columns (ragged last tile).
-template <int MR, int NP>
-void tile(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias,
-                      float* y, int64_t ldy, int64_t cols) {
+// A panel row: 16 weights as float32 (stored as float32, or as bfloat16 = its top 16 bits).
+inline __m512 load_panel(const float* p) { return _mm512_load_ps(p); }
+inline __m512 load_panel(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// y[MR, NP*16] = x[MR, K] @ panels (+ bias); `cols` valid output columns (ragged last tile).
+template <int MR, int NP, typename W>
+void tile(const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y, int64_t ldy, int64_t cols) {
   __m512 acc[MR][NP];
   for (int j = 0; j < NP; ++j) {
     __m512 b = bias ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
@@ -51,9 +58,9 @@ void tile(const float* x, int64_t ldx, const float* wp, int64_t K, const float* 
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NP];
     for (int j = 0; j < NP; ++j) {
-      const float* p = wp + (j * K + k) * kPanel;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 8 * kPanel), _MM_HINT_T0);
-      w[j] = _mm512_load_ps(p);
+      const W* p = wp + (j * K + k) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
+      w[j] = load_panel(p);
     }
     for (int m = 0; m < MR; ++m) {
       __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
@@ -68,9 +75,9 @@ void tile(const float* x, int64_t ldx, const float* wp, int64_t K, const float* 
   }
 }
 
-template <int NP>
-void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* wp, int64_t K,
-                           const float* bias, float* y, int64_t ldy, int64_t cols) {
+template <int NP, typename W>
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y,
+               int64_t ldy, int64_t cols) {
   switch (rows) {
     case 1: return tile<1, NP>(x, ldx, wp, K, bias, y, ldy, cols);
     case 2: return tile<2, NP>(x, ldx, wp, K, bias, y, ldy, cols);
@@ -85,12 +92,13 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* wp, int64
 
 // One group of up to kGroup panels against all M rows: the group's weights stay in L2 while
 // the row tiles pass over them.
-void linear_group(int64_t g, int64_t M, int64_t N, int64_t K, int64_t P, const float* x,
-                              int64_t ldx, const float* wp, const float* bias, float* y) {
+template <typename W>
+void linear_group(int64_t g, int64_t M, int64_t N, int64_t K, int64_t P, const float* x, int64_t ldx, const W* wp,
+                  const float* bias, float* y) {
   int64_t p0 = g * kGroup;
   int64_t np = std::min<int64_t>(kGroup, P - p0);
   int64_t cols = std::min<int64_t>(np * kPanel, N - p0 * kPanel);
-  const float* w = wp + p0 * K * kPanel;
+  const W* w = wp + p0 * K * kPanel;
   const float* b = bias ? bias + p0 * kPanel : nullptr;
   for (int64_t m = 0; m < M; m += kRows) {
     int64_t rows = std::min<int64_t>(kRows, M - m);
@@ -103,34 +111,40 @@ void linear_group(int64_t g, int64_t M, int64_t N, int64_t K, int64_t P, const f
 }
 
 // [N, K] -> [ceil(N/16), K, 16], zero-padded: each panel one contiguous stream for `linear`.
-torch::Tensor pack_weight(const torch::Tensor& weight) {
-  check_f32(weight, "weight");
-  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight must be [out_features, in_features]");
-  auto w = weight.contiguous();
-  int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  auto packed = torch::empty({P, K, kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+// float32 or bfloat16 (the packed copy keeps the weight's dtype).
+template <typename T>
+void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      float* out = dst + p * K * kPanel;
+      T* out = dst + p * K * kPanel;
       for (int64_t i = 0; i < kPanel; ++i) {
         int64_t n = p * kPanel + i;
-        const float* row = src + n * K;
-        if (n < N)
-          for (int64_t k = 0; k < K; ++k) out[k * kPanel + i] = row[k];
-        else
-          for (int64_t k = 0; k < K; ++k) out[k * kPanel + i] = 0.f;
+        for (int64_t k = 0; k < K; ++k) out[k * kPanel + i] = n < N ? src[n * K + k] : T(0);
       }
     }
   });
+}
+
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "pack_weight: weight must be a CPU [out, in] tensor");
+  auto w = weight.contiguous();
+  int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto packed = torch::empty({P, K, kPanel}, w.options());
+  if (w.scalar_type() == torch::kFloat32) {
+    pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), N, K, P);
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "pack_weight: float32 or bfloat16 weights, got ", w.scalar_type());
+    pack_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K, P);
+  }
   return packed;
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      int64_t out_features) {
   check_f32(x, "x");
-  check_f32(packed, "packed weight");
+  bool bf16 = packed.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || packed.scalar_type() == torch::kFloat32, "packed weight must be float32 or bfloat16");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed weight must be a contiguous [panels, K, 16] tensor");
   int64_t P = packed.size(0), K = packed.size(1), N = out_features;
@@ -150,16 +164,23 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   auto y = torch::empty(sizes, x.options());
   if (M == 0) return y;
   const float* xp = x2.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   int64_t groups = (P + kGroup - 1) / kGroup;
   // A thread gets at least ~1M multiply-adds (at few rows, ~100 KB of weights to stream):
   // smaller pieces cost more in fork/join than they save.
   int64_t per_group = std::max<int64_t>(M, 4) * K * kGroup * kPanel;
   int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / per_group);
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) linear_group(g, M, N, K, P, xp, ldx, wp, bp, yp);
-  });
+  if (bf16) {
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) linear_group(g, M, N, K, P, xp, ldx, wp, bp, yp);
+    });
+  } else {
+    const float* wp = packed.data_ptr<float>();
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) linear_group(g, M, N, K, P, xp, ldx, wp, bp, yp);
+    });
+  }
   return y;
 }
 
@@ -518,8 +539,8 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels for the decode step (float32, AVX-512)";
-  m.def("pack_weight", &pack_weight, "[N, K] -> [ceil(N/16), K, 16] panels for linear");
-  m.def("linear", &linear, "y = x W^T + b over a [P, K, 16] packed weight");
+  m.def("pack_weight", &pack_weight, "[N, K] -> [ceil(N/16), K, 16] panels for linear (float32 or bfloat16)");
+  m.def("linear", &linear, "y = x W^T + b over a [P, K, 16] packed weight (float32 or bfloat16), float32 x and y");
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over rows [gate | up]");

@@ -43,6 +43,22 @@ def test_linear_matches_torch(rows: int, out_features: int, in_features: int, bi
     torch.testing.assert_close(layer(wide), F.linear(wide, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_bfloat16_weights_are_the_rounded_weights(rows: int) -> None:
+    """The opt-in bfloat16 packing: the product equals float32 math on the weights rounded
+    to bfloat16 (activations and accumulation stay float32)."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = Linear(96, 50, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(50, 96, generator=gen))
+        layer.bias.copy_(torch.randn(50, generator=gen))
+    x = torch.randn(rows, 96, generator=gen)
+    layer.use_native(ops, torch.bfloat16)
+    assert layer._packed.dtype == torch.bfloat16
+    expected = F.linear(x, layer.weight.to(torch.bfloat16).float(), layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
 def test_linear_rejects_bad_input() -> None:
     packed = cpu_kernels.pack_weight(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match="float32"):
@@ -166,3 +182,27 @@ def test_engine_tokens_do_not_depend_on_the_kernels(tiny_model, arch: str) -> No
                 assert engine.scheduler.stats.draft_tokens_accepted > 0, "drafts must be verified"
     assert outs[True, True] == outs[False, True]
     assert outs[True, False] == outs[False, False]
+
+
+def test_bfloat16_weights_stay_close_to_float32(tiny_model) -> None:
+    """The opt-in numerics: next-token log-probabilities after each prompt within 0.05 of
+    the float32 engine's, on the same top tokens."""
+    path = tiny_model("llama")
+    prompts = [[(5 * i + j) % 200 + 3 for i in range(n)] for j, n in enumerate((3, 17, 40))]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(EngineConfig(model=str(path), cpu_weight_dtype=dtype))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{dtype}-{i}", prompt, params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        got[dtype] = {o.request_id.split("-")[1]: o.outputs[0].logprobs[0] for o in outs}
+    for i in got["float32"]:
+        ref, low = got["float32"][i], got["bfloat16"][i]
+        for token, entry in ref.items():
+            assert token in low, "the same top tokens"
+            assert abs(low[token].logprob - entry.logprob) < 0.05
+    with pytest.raises(ValueError, match="cpu_weight_dtype"):
+        EngineConfig(model=str(path), cpu_weight_dtype="float16")

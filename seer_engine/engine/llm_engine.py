@@ -92,7 +92,14 @@ class LLMEngine:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "cpu" if native else "torch"
         self.runner = ModelRunner(
-            self.model_config, self.dtype, self.device, config.block_size, num_blocks, backend, native
+            self.model_config,
+            self.dtype,
+            self.device,
+            config.block_size,
+            num_blocks,
+            backend,
+            native,
+            parse_dtype(config.cpu_weight_dtype),
         )
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.input_processor = InputProcessor(

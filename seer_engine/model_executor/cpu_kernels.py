@@ -40,14 +40,16 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and native() is not None
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` -> ``[ceil(N/16), K, 16]``: each 16-column panel one contiguous stream."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N/16), K, 16]`` in ``dtype`` (float32, or bfloat16 to halve the
+    bytes a step streams): each 16-column panel one contiguous stream."""
     ops = native()
-    if ops is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
-        return ops.pack_weight(weight.detach())
+    weight = weight.detach().to(dtype)
+    if ops is not None and weight.device.type == "cpu":
+        return ops.pack_weight(weight)
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n))
+    padded = F.pad(weight, (0, 0, 0, panels * PANEL - n))
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 

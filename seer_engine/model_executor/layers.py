@@ -30,9 +30,10 @@ class Linear(nn.Linear):
         self._packed: torch.Tensor | None = None
         self._packed_bias: torch.Tensor | None = None
 
-    def use_native(self, ops: ModuleType | None) -> None:
+    def use_native(self, ops: ModuleType | None, weight_dtype: torch.dtype = torch.float32) -> None:
+        """``weight_dtype`` bfloat16 packs the weight as bfloat16 (opt-in, changes numerics)."""
         self._ops = ops if hasattr(ops, "linear") else None
-        self._packed = None if self._ops is None else cpu_kernels.pack_weight(self.weight)
+        self._packed = None if self._ops is None else cpu_kernels.pack_weight(self.weight, weight_dtype)
         self._packed_bias = None if self._ops is None else cpu_kernels.pad_bias(self.bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -59,10 +59,12 @@ class ModelRunner:
         num_blocks: int,
         attention_backend: str = "torch",
         cpu_kernels: bool = False,
+        cpu_weight_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``cpu_kernels``: run linear layers, norms and RoPE on the C++ CPU kernels where
-        they serve this device and dtype (see ``cpu_kernels.usable``). On a GPU, norms and
-        RoPE run as Triton kernels (``kernels.norm_rope``), as attention does."""
+        they serve this device and dtype (see ``cpu_kernels.usable``), their weights packed
+        in ``cpu_weight_dtype`` (bfloat16: opt-in, half the bytes, other numerics). On a
+        GPU, norms and RoPE run as Triton kernels (``kernels.norm_rope``), as attention does."""
         self.cfg = model_config
         self.dtype = dtype
         self.device = device
@@ -70,8 +72,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
         self.native = fused_ops(device, dtype, cpu_kernels)
+        self.cpu_weight_dtype = cpu_weight_dtype
         self.model = load_model(model_config, dtype, device)
-        self.model.use_native(self.native)
+        self.model.use_native(self.native, cpu_weight_dtype)
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
 
@@ -90,7 +93,7 @@ class ModelRunner:
     def load_weights_from(self, model_config: ModelConfig) -> None:
         """Swap in new weights of the same architecture (RL weight sync)."""
         self.model = load_model(model_config, self.dtype, self.device)
-        self.model.use_native(self.native)
+        self.model.use_native(self.native, self.cpu_weight_dtype)
         self.cfg = model_config
 
     # -- one step ------------------------------------------------------------------

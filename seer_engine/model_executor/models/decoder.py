@@ -142,11 +142,14 @@ class DecoderForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def use_native(self, ops: ModuleType | None) -> None:
-        """Run on the C++ CPU kernels (``cpu_kernels.native()``), or on torch ops (None).
-        Linear layers pack their weights now, so call it once the weights are loaded."""
+    def use_native(self, ops: ModuleType | None, linear_dtype: torch.dtype = torch.float32) -> None:
+        """Run on a fused-op kernel set (``model_runner.fused_ops``), or on torch ops (None).
+        Linear layers pack their weights now (in ``linear_dtype`` where the set has a
+        ``linear``), so call it once the weights are loaded."""
         for module in self.modules():
-            if module is not self and hasattr(module, "use_native"):
+            if isinstance(module, Linear):
+                module.use_native(ops, linear_dtype)
+            elif module is not self and hasattr(module, "use_native"):
                 module.use_native(ops)
 
     # -- weights -------------------------------------------------------------------
