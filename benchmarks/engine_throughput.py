@@ -10,9 +10,9 @@ tokens each prompt asked for (its raw rate, every padded position, is reported t
 Roofs: the bandwidth floor of a decode step is weight bytes / read bandwidth (a 1 GiB
 ``sum``), so at most ``batch * bandwidth / weight_bytes`` tokens/s; the compute roof is
 what a large ``torch.mm`` sustains over 2 FLOPs per matmul weight per token. Each row
-reports the share of both that the engine reaches. Startup (engine construction to the
-first token) is timed with the C++ CPU kernels on and off. A random-weight model
-(the earlier benchmark's) gives the comparison rows.
+reports the share of both that the engine reaches (float32); the opt-in bfloat16
+weights (``--cpu-weight-dtype bfloat16``) get a column of their own. A random-weight
+model (the earlier benchmark's) gives the comparison rows. Startup: engine_startup.py.
 
     PYTHONPATH=. python benchmarks/engine_throughput.py --model smollm2-135m --threads 2 \\
         [--batches 1,16,32,64] [--max-new-tokens 64] [--out benchmarks/results/engine_speed]
@@ -82,33 +82,32 @@ def run_hf(model, prompts, lengths) -> float:
     return _timed(go)
 
 
-def startup_s(path: Path, threads: int, cpu_kernels: bool) -> float:
-    """Engine construction (weights loaded, packed where the kernels run) to the first token."""
-    start = time.perf_counter()
-    llm = LLM(str(path), max_num_seqs=1, num_threads=threads, cpu_kernels=cpu_kernels)
-    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1))
-    return time.perf_counter() - start
-
-
-def measure(path: Path, batches: list[int], args, roofs: dict, label: str) -> list[dict]:
-    """Rows for one model: both engines at each batch size, with the share of each roof."""
+def measure(path: Path, batches: list[int], args, roofs: dict, label: str, bf16: bool) -> list[dict]:
+    """Rows for one model: both engines at each batch size, with the share of each roof;
+    with ``bf16``, also the engine with its opt-in bfloat16 weights."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     llm = LLM(str(path), max_num_seqs=max(batches), num_threads=args.threads)
+    low = None
+    if bf16:
+        low = LLM(str(path), max_num_seqs=max(batches), num_threads=args.threads, cpu_weight_dtype="bfloat16")
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     flops_per_token = 2 * sum(o * i for o, i in linear_shapes(model))
     warm_prompts, warm_lengths = workload(2, hf.config.vocab_size, 8, seed=99)
-    run_seer(llm, warm_prompts, warm_lengths)
+    for engine in filter(None, (llm, low)):
+        run_seer(engine, warm_prompts, warm_lengths)
     run_hf(hf, warm_prompts, warm_lengths)
     rows = []
     for batch in batches:
         prompts, lengths = workload(batch, hf.config.vocab_size, args.max_new_tokens, seed=batch)
-        seer_s, hf_s = float("inf"), float("inf")
-        for _ in range(args.repeats):  # alternate, so that other load hits both alike
+        seer_s, hf_s, low_s = float("inf"), float("inf"), float("inf")
+        for _ in range(args.repeats):  # alternate, so that other load hits all alike
             seer_s = min(seer_s, run_seer(llm, prompts, lengths))
             hf_s = min(hf_s, run_hf(hf, prompts, lengths))
+            if low is not None:
+                low_s = min(low_s, run_seer(low, prompts, lengths))
         useful = sum(lengths)
         remeasure_roofs(roofs)
         floor = batch * roofs["read_gbs"] * 1e9 / weight_bytes
@@ -126,6 +125,7 @@ def measure(path: Path, batches: list[int], args, roofs: dict, label: str) -> li
             "compute_roof_tokens_per_s": round(roof, 1),
             "share_of_bandwidth_floor": round(useful / seer_s / floor, 3),
             "share_of_compute_roof": round(useful / seer_s / roof, 3),
+            "seer_bf16_weights_tokens_per_s": round(useful / low_s, 1) if low is not None else None,
             "read_gbs": roofs["read_gbs"],  # the roofs this row was first set against
             "mm_gflops": roofs["mm_gflops"],
         }
@@ -151,6 +151,12 @@ def main() -> int:
     parser.add_argument(
         "--random-batches", default="1,64", help="batches for the random-model rows ('' for none)"
     )
+    parser.add_argument(
+        "--bf16-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the opt-in bfloat16 weights on the real model",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_speed"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -158,12 +164,7 @@ def main() -> int:
     roofs = {"read_gbs": 0.0, "mm_gflops": 0.0}
     remeasure_roofs(roofs)
     print(json.dumps(roofs), flush=True)
-    startup = {
-        "cpu_kernels_s": round(min(startup_s(path, args.threads, True) for _ in range(2)), 2),
-        "torch_ops_s": round(min(startup_s(path, args.threads, False) for _ in range(2)), 2),
-    }
-    print(json.dumps({"startup": startup}), flush=True)
-    rows = measure(path, [int(b) for b in args.batches.split(",")], args, roofs, path.name)
+    rows = measure(path, [int(b) for b in args.batches.split(",")], args, roofs, path.name, args.bf16_weights)
     if args.random_batches:
         tmp = Path(tempfile.mkdtemp(prefix="seer-bench-"))
         tokenizer = str(SHARED_TOKENIZER) if SHARED_TOKENIZER.is_file() else None
@@ -171,9 +172,8 @@ def main() -> int:
             tmp / "model", arch="qwen3", tokenizer=tokenizer, num_layers=8, hidden_size=512,
             num_heads=8, num_kv_heads=4, intermediate_size=1536,
         )  # fmt: skip
-        rows += measure(
-            random_path, [int(b) for b in args.random_batches.split(",")], args, roofs, "random-qwen3-8L"
-        )
+        random_batches = [int(b) for b in args.random_batches.split(",")]
+        rows += measure(random_path, random_batches, args, roofs, "random-qwen3-8L", bf16=False)
     for row in rows:  # every share against the best roofs of the whole run
         tok_s = row["seer_tokens_per_s"]
         row["bandwidth_floor_tokens_per_s"] *= roofs["read_gbs"] / row.pop("read_gbs")
@@ -190,7 +190,6 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "roofs": roofs,  # the best measured in the run (also before every row)
-        "startup": startup,
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
         "rows": rows,
     }
@@ -211,6 +210,9 @@ def plot(rows: list[dict], roofs: dict, path: Path, title: str) -> None:
     batches = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot(batches, [r["seer_tokens_per_s"] for r in rows], "o-", label="seer_engine")
+    if rows and rows[0].get("seer_bf16_weights_tokens_per_s"):
+        low = [r["seer_bf16_weights_tokens_per_s"] for r in rows]
+        ax.plot(batches, low, "o--", alpha=0.6, label="seer_engine, bf16 weights (opt-in)")
     ax.plot(batches, [r["hf_tokens_per_s"] for r in rows], "s-", label="transformers.generate (useful)")
     ax.plot(
         batches,
