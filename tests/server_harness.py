@@ -29,14 +29,15 @@ _ADDRESS = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
 class ServerProcess:
     """Start, stop and restart one server; ``url`` changes on every start."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.log_path = log_path
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
     def start(self, timeout: float = 90.0) -> ServerProcess:
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
         offset = self.log_path.stat().st_size
         cmd = [sys.executable, "-m", "seer_engine.entrypoints.cli", "serve", "--port", "0", *self.args]
@@ -66,6 +67,12 @@ class ServerProcess:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout)
+
+    def kill(self, timeout: float = 15.0) -> None:
+        """SIGKILL: no shutdown code runs, as when the machine or the OOM killer stops it."""
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout)
 
@@ -155,7 +162,6 @@ def server(request, server_models, tmp_path_factory) -> ServerProcess:
         "--num-kv-blocks", "512",
         "--max-num-seqs", "64",
         "--num-threads", "1",
-        "--max-body-bytes", "1000000",
         "--log-level", "warning",
         *SERVER_MODES[request.param],
     ]  # fmt: skip
@@ -181,3 +187,23 @@ def http(server):
 def model(server) -> str:
     """The name clients use for the served model."""
     return server.model
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """``start_server(*args) -> ServerProcess``: a server of this test's own (stopped at the
+    end), for tests that need other flags or break the server on purpose."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        root = tmp_path / f"server{len(started)}"
+        root.mkdir()
+        common = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--data-dir", str(root / "data"),
+                  "--log-level", "warning"]  # fmt: skip
+        proc = ServerProcess([*common, *args], root / "server.log")
+        started.append(proc)
+        return proc.start(timeout=240)
+
+    yield start
+    for proc in started:
+        proc.stop()

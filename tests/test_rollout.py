@@ -213,3 +213,208 @@ def test_bench_rollout_with_instance_processes_and_a_kv_pool(tmp_path):
     inproc = json.loads((tmp_path / "inproc" / "report.json").read_text())
     for name, figures in report["policies"].items():
         assert figures["output_tokens"] == inproc["policies"][name]["output_tokens"]
+
+
+def _task_rollout_args(model, out) -> list[str]:
+    return ["rollout", "--model", str(model), "--task", "arith", "--prompts", "3", "--n", "4",
+            "--max-tokens", "12", "--knob", "steps=1", "--knob", "ops=add,sub", "--seed", "5",
+            "--output", str(out), "--num-threads", "1"]  # fmt: skip
+
+
+def test_rollout_cli_task_grades_every_response(model, tmp_path, capsys):
+    import json
+
+    from seer_engine.engine.detokenizer import Detokenizer
+    from seer_engine.entrypoints.cli import main
+    from seer_engine.tasks import TaskPrompt, get_task, task_prompts
+
+    out = tmp_path / "out.jsonl"
+    args = _task_rollout_args(model, out)
+    assert main(args + ["--rollout-mode", "--chunk-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    for words in ("accuracy (mean reward)", "groups with mixed rewards", "spread within groups", "arith-5-2"):
+        assert words in err
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    tok = Detokenizer.from_pretrained(model)
+    expected = task_prompts(
+        "arith", 3, seed=5, chat_template=tok.apply_chat_template, steps=1, ops=("add", "sub")
+    )
+    task = get_task("arith", steps=1, ops=("add", "sub"))
+    assert [x["id"] for x in lines] == [p.id for p in expected]
+    for line, p in zip(lines, expected):
+        assert line["prompt"] == p.text and line["answer"] == p.answer and line["messages"] == p.messages
+        assert line["prompt_token_ids"] == tok.encode(p.text)
+        assert len(line["outputs"]) == 4
+        back = TaskPrompt(line["id"], line["task"], line["messages"], line["answer"], line["data"])
+        for o in line["outputs"]:
+            assert 1 <= len(o["token_ids"]) <= 12 and o["finish_reason"] in ("stop", "length")
+            grade = task.grade(back, o["text"])
+            assert (o["reward"], o["parsed"], o["verdict"]) == (grade.reward, grade.parsed, grade.verdict)
+    assert main(args) == 0  # baseline scheduling: the same seeded responses
+    assert [json.loads(x) for x in out.read_text().splitlines()] == lines
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (["--input", "x.jsonl"], "exactly one of --input and --task"),
+        (["--knob", "digits=3"], "has no knob digits"),
+        (["--knob", "steps=two"], "knob steps wants int, got 'two'"),
+        (["--knob", "steps"], "is not KEY=VALUE"),
+        (["--prompts", "0"], "--prompts must be >= 1"),
+        (["--n", "0"], "--n must be >= 1"),
+    ],
+)
+def test_rollout_cli_task_errors(model, tmp_path, capsys, change, message):
+    from seer_engine.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(_task_rollout_args(model, tmp_path / "out.jsonl") + change)
+    assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rollout_cli_needs_input_or_task(model, tmp_path, capsys):
+    from seer_engine.entrypoints.cli import main
+
+    base = ["rollout", "--model", str(model), "--output", str(tmp_path / "o.jsonl")]
+    cases = [([], "exactly one of --input and --task"),
+             (["--input", "x", "--knob", "steps=1"], "--prompts and --knob go with --task")]  # fmt: skip
+    for extra, message in cases:
+        with pytest.raises(SystemExit):
+            main(base + extra)
+        assert message in capsys.readouterr().err
+
+
+def test_bench_rollout_task_samples_the_same_responses_under_every_policy(model, tmp_path):
+    """Real outputs of the model (no trace): seeded sampling gives every policy the
+    same responses, so rewards and lengths agree and oracle gets true lengths."""
+    import json
+
+    from seer_engine.entrypoints.cli import main
+
+    args = ["bench", "rollout", "--model", str(model), "--task", "arith", "--prompts", "3", "--n", "3",
+            "--max-tokens", "16", "--temperature", "1.0", "--instances", "2", "--kv-blocks", "24",
+            "--chunk-tokens", "8", "--distributed-backend", "inproc", "--num-threads", "1",
+            "--report", str(tmp_path), "--policy", "oracle,baseline,divided,context,seer"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert list(report["policies"]) == ["baseline", "divided", "context", "seer", "oracle"]
+    assert report["meta"]["reference_policy"] == "baseline" and report["meta"]["task"] == "arith"
+    workload = report["meta"]["workload"]
+    assert workload["responses"] == 9 and len(workload["per_group"]) == 3
+    for key in ("within_cv", "across_cv", "within_share", "mean_len", "max_len"):
+        assert key in workload["length"]
+    tokens = report["policies"]["baseline"]["output_tokens"]
+    for name, figures in report["policies"].items():
+        assert figures["identical_responses"] == 9, name
+        assert figures["mean_reward"] == workload["mean_reward"]
+        assert figures["output_tokens"] == tokens
+        for key in REPORT_KEYS:
+            assert key in figures, (name, key)
+    assert (tmp_path / "lengths.png").stat().st_size > 5_000
+    # on a modeled clock the same responses take the same modeled time in every run
+    modeled = [*args[:-2], "--policy", "divided", "--clock", "moonlight", "--report"]
+    makespans = []
+    for run in ("a", "b"):
+        assert main([*modeled, str(tmp_path / run)]) == 0
+        again = json.loads((tmp_path / run / "report.json").read_text())
+        assert again["meta"]["clock"] == "moonlight"
+        assert again["policies"]["divided"]["identical_responses"] == 9
+        makespans.append(again["policies"]["divided"]["makespan_s"])
+    assert makespans[0] == makespans[1] > 0
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (["--trace", "t.jsonl.gz"], "exactly one of --trace and --task"),
+        (["--groups", "4"], "--groups goes with --trace"),
+        (["--policy", "oracle"], "oracle takes its lengths from another policy's run"),
+        (["--model", None], "--task needs --model"),
+    ],
+)
+def test_bench_rollout_task_errors(model, capsys, change, message):
+    from seer_engine.entrypoints.cli import main
+
+    args = ["bench", "rollout", "--model", str(model), "--task", "arith", "--prompts", "2"]
+    if change[1] is None:
+        args = args[:2] + args[4:]
+    else:
+        args += change
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rollout_cli_task_needs_a_chat_template(model, tmp_path, capsys):
+    import json
+    import shutil
+
+    from seer_engine.entrypoints.cli import main
+
+    plain = tmp_path / "plain"
+    shutil.copytree(model, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        main(_task_rollout_args(plain, tmp_path / "out.jsonl"))
+    assert "needs a chat model: the model's tokenizer has no chat template" in capsys.readouterr().err
+
+
+def test_a_modeled_clock_times_the_work_not_the_machine(model):
+    """On a modeled clock each step costs what the step-time model says its shape costs:
+    the same rollout takes the same modeled time every run and on either backend,
+    whatever the machine was doing."""
+    from seer_engine.sim.profile import StepTimeModel
+
+    timer = StepTimeModel(a_s=0.02, b_s_per_token=1e-4, c_s_per_kv_token=1e-6, d_s_per_logit=1e-5)
+
+    def run(backend: str):
+        cfg = EngineConfig(model=str(model), num_kv_blocks=64, max_num_seqs=8, num_threads=1)
+        policy = make_rollout_policy("context")
+        with EnginePool.start(cfg, 2, backend=backend, policy=policy, step_timer=timer) as pool:
+            return Dispatcher(pool, policy, chunk_tokens=8).run(_groups()).metrics
+
+    first, again, processes = run("inproc"), run("inproc"), run("mp")
+    assert first.makespan_s > 0 and first.makespan_s == again.makespan_s == processes.makespan_s
+    assert first.instance_busy_s == processes.instance_busy_s and first.steps == processes.steps
+    # every step costs at least the fixed term, so the busy time bounds the step count
+    assert sum(first.instance_busy_s) >= first.steps * timer.a_s
+
+
+def test_step_shapes_count_what_the_rows_compute():
+    from seer_engine.engine.stats import StepShape
+
+    # a decode row (20 computed, 1 new) with a 3-node draft, and a prompt span of 8 tokens
+    shape = StepShape.of([(20, 4, 10, 21), (0, 8, 30, 30)])
+    assert shape.scheduled_tokens == 12 and shape.kv_tokens == 24 + 8
+    assert shape.kv_pairs == (4 * 20 + 10) + (0 + 36)
+    assert shape.logit_tokens == 4 and shape.kind == "mixed"
+    assert StepShape.of([(29, 1, 10, 30)]).kind == "decode"
+
+
+def test_bench_rollout_on_a_modeled_clock(tmp_path):
+    import json
+
+    from conftest import SHARED
+
+    from seer_engine.entrypoints.cli import main
+
+    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
+    if not trace.is_file():
+        pytest.skip(f"traces not found at {trace}")
+    args = ["bench", "rollout", "--trace", str(trace), "--groups", "2", "--samples", "2",
+            "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "64",
+            "--distributed-backend", "inproc", "--policy", "divided,context"]  # fmt: skip
+    with pytest.raises(SystemExit) as bad:
+        main([*args, "--clock", "no-such-setup"])
+    assert bad.value.code == 2
+    reports = []
+    for run in ("a", "b"):
+        assert main([*args, "--clock", "moonlight", "--report", str(tmp_path / run)]) == 0
+        reports.append(json.loads((tmp_path / run / "report.json").read_text()))
+    assert reports[0]["meta"]["clock"] == "moonlight"
+    for name in ("divided", "context"):
+        assert reports[0]["policies"][name]["makespan_s"] == reports[1]["policies"][name]["makespan_s"]

@@ -164,3 +164,20 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
     ):
         with pytest.raises(ValueError, match=needle):
             RolloutConfig(**bad)
+
+
+def test_a_long_running_backend_keeps_bounded_logs(model, monkeypatch):
+    """A server runs for days: the dispatch log and the per-instance step timelines keep
+    only the most recent entries."""
+    import seer_engine.rollout.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "SERVER_LOG_LIMIT", 20)
+    engine = _backend(model, chunk=4)
+    p = SamplingParams(max_tokens=16, ignore_eos=True, n=2)
+    for i in range(8):
+        engine.add_request(f"r{i}", [5, 6, 7, i], p)
+    assert len(_drain(engine)) == 8
+    assert len(engine.dispatcher.dispatch_log) == 20, "8 x 2 responses ran 4 chunks each, 20 kept"
+    for inst in engine.pool:
+        assert 0 < len(inst.books.timeline) <= 20
+    _assert_idle(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -47,19 +48,21 @@ def test_protocol_and_basic_generation(tiny_model):
 
 def test_engine_failure_reaches_waiting_callers(tiny_model, monkeypatch):
     engine = _start(tiny_model())
-    calls = {"n": 0}
+    device_lost = threading.Event()
     real_step = LLMEngine.step
 
     def failing_step(self):
-        calls["n"] += 1
-        if calls["n"] > 3:
+        if device_lost.is_set():
             raise RuntimeError("device lost")
         return real_step(self)
 
     monkeypatch.setattr(LLMEngine, "step", failing_step)
 
     async def run():
+        await engine.pause("keep")  # the requests are held, none can finish before the failure
         streams = [await engine.generate(f"r{i}", [1, 2, 3], LONG) for i in range(3)]
+        device_lost.set()
+        await engine.resume()
         for stream in streams:
             with pytest.raises(EngineDeadError, match="device lost"):
                 async for _ in stream:

@@ -1,22 +1,21 @@
-"""Property-based fuzzing of the server's OpenAPI schema: no input may cause a 5xx.
+"""Fuzzing the server: no input may cause a 5xx.
 
-Schemathesis generates requests that fit the schema and requests that break it
-(wrong types, missing fields, odd strings) for every operation, on a server of its
-own in rollout mode (the main job: two instances behind the Request Buffer) with a
-tiny context (so any generated request is cheap) and a tight body limit.
-/pause_generation and /sleep are left out: after them the server holds new
+Two parts. Schemathesis generates requests that fit the OpenAPI schema and requests
+that break it (wrong types, missing fields, odd strings) for every operation, on a
+server of its own in rollout mode (the main job: two instances behind the Request
+Buffer) with a tiny context (so any generated request is cheap) and a tight body
+limit. /pause_generation and /sleep are left out: after them the server holds new
 requests until /resume_generation or /wake_up, which is by design, not a fault.
+Then a hand-written sweep of the edge cases a schema-driven fuzzer rarely reaches
+(values that reach the tokenizer, the chat template, the detokenizer and the
+sampler) runs against both harness servers.
 """
 
 from __future__ import annotations
 
-import pytest
+import json
 
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+import pytest
 
 pytest_plugins = ["server_harness"]
 
@@ -46,6 +45,8 @@ def fuzz_server(server_models, tmp_path_factory):
 
 
 def _operations(url: str):
+    import schemathesis
+
     excluded = {"/pause_generation", "/sleep"}
     api = schemathesis.openapi.from_url(f"{url}/openapi.json")
     for result in api.get_all_operations():
@@ -60,6 +61,12 @@ def test_no_server_errors(fuzz_server):
     (Driven through hypothesis directly: schemathesis' pytest loader for a schema
     from a fixture does not work with this pytest version.)
     """
+    pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+
     calls = 0
     for operation in _operations(fuzz_server.url):
         for mode in GenerationMode:
@@ -84,3 +91,136 @@ def test_no_server_errors(fuzz_server):
     print(f"fuzz: {calls} requests")
     assert calls >= 200
     assert fuzz_server.http(api_key=None).get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------ hand-written sweep
+
+_X = {"prompt": "x", "max_tokens": 2}
+_HI = [{"role": "user", "content": "hi"}]
+COMPLETIONS = [
+    {"prompt": "hi", "echo": True, "logprobs": 3, "max_tokens": 3},
+    {"prompt": [1, 2, 3], "echo": True, "logprobs": 0, "max_tokens": 3, "return_token_ids": True},
+    {"prompt": [[1, 2], [3]], "echo": True, "n": 2, "max_tokens": 2},
+    {"prompt": [0, 0, 0], "echo": True, "skip_special_tokens": False, "max_tokens": 2},
+    {"prompt": ["a", [1, 2]]},
+    {"prompt": [[]]},
+    {"prompt": [""]},
+    {"prompt": True},
+    {"prompt": [1, True]},
+    {"prompt": {"a": 1}},
+    {"prompt": None},
+    {"prompt": "\u0000\u0001\uffff\U0010ffff", "max_tokens": 2},
+    {**_X, "max_tokens": 10**30},
+    {**_X, "seed": 2**64},
+    {**_X, "seed": -1},
+    {**_X, "seed": 10**100},
+    {**_X, "n": 128, "best_of": 128, "max_tokens": 1},
+    {**_X, "n": 2, "best_of": 0},
+    {**_X, "temperature": 1e-320},
+    {**_X, "top_p": 1e-320},
+    {**_X, "min_p": 1.0},
+    {**_X, "top_k": 0},
+    {**_X, "top_k": 10**12},
+    {**_X, "top_k": -2},
+    {**_X, "temperature": 10**400},
+    {**_X, "temperature": 1e308},
+    {**_X, "min_tokens": 5},
+    {**_X, "stop": ""},
+    {**_X, "stop": [""]},
+    {**_X, "stop": "a" * 300},
+    {**_X, "stop": ["a" * 256]},
+    {**_X, "stop": ["s"] * 65},
+    {**_X, "stop": [1]},
+    {**_X, "stop_token_ids": [0, 1, 2]},
+    {**_X, "stop_token_ids": list(range(300))},
+    {**_X, "stop_token_ids": [-1]},
+    {**_X, "include_stop_str_in_output": True, "stop": [" "], "stream": True},
+    {**_X, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2, "echo": True},
+    {**_X, "logit_bias": {"1": 1e308}},
+    {**_X, "logit_bias": {}},
+    {**_X, "suffix": ""},
+    {**_X, "group_id": "", "n": 3},
+    {**_X, "request_id": ""},
+    {**_X, "user": "u" * 10_000},
+    {**_X, "logprobs": 21},
+    {**_X, "logprobs": -1},
+    {**_X, "max_tokens": 0},
+    {**_X, "max_tokens": None},
+    {**_X, "presence_penalty": 1e-30},
+    {"prompt": ["x"] * 2049},
+    {"prompt": ["x"] * 3, "n": 3, "stream": True},
+]
+CHATS = [
+    {"messages": [{"role": "tool", "content": "x"}]},
+    {"messages": [{"role": "assistant"}]},
+    {"messages": [{"role": "", "content": "x"}]},
+    {"messages": [{"role": "system", "content": "s"}, {"role": "system", "content": "t"}]},
+    {"messages": [{"role": "user", "content": []}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    {"messages": [{"role": "user", "content": "x", "name": "bob", "tool_calls": [{"id": 1}]}]},
+    {"messages": [{"role": "user", "content": "{{ raise_exception('boom') }}"}]},
+    {"messages": [None]},
+    {"messages": [{"role": 1, "content": "x"}]},
+    {"messages": [{"role": "u", "content": 5}]},
+    {"messages": _HI, "tools": []},
+    {"messages": _HI, "tools": [{"type": "function"}]},
+    {"messages": _HI, "logprobs": True, "top_logprobs": 20, "n": 2},
+    {"messages": _HI, "logprobs": True, "top_logprobs": 21},
+    {"messages": _HI, "top_logprobs": 2},
+    {"messages": _HI, "add_generation_prompt": False},
+    {"messages": _HI, "max_completion_tokens": 0},
+    {"messages": _HI, "stream": True, "logprobs": True, "stop": ["\n"]},
+    {"messages": [{"role": "user", "content": "x" * 17_000}]},
+    {"messages": _HI * 300},
+]
+CONTROL = [
+    ("/abort_requests", {"request_ids": []}),
+    ("/abort_requests", {}),
+    ("/abort_requests", {"request_ids": ["x"] * 10_000}),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+    ("/update_weights_from_disk", {"model_path": ""}),
+    ("/update_weights_from_disk", {"model_path": "a\u0000b"}),
+    ("/update_weights_from_disk", {"model_path": "/etc/passwd"}),
+    ("/pause_generation", {"mode": "x"}),
+    ("/v1/batches", {"input_file_id": "file-x", "endpoint": "/v1/completions"}),
+    ("/v1/batches", {"input_file_id": "", "endpoint": "", "completion_window": ""}),
+    ("/v1/batches", {"input_file_id": "f", "endpoint": "/v1/completions", "metadata": {"k": 1}}),
+]
+
+
+def _no_server_error(resp, what: object) -> None:
+    assert resp.status_code < 500, (what, resp.status_code, resp.text[:500])
+    if resp.status_code >= 400:
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}, (what, resp.text[:500])
+    elif resp.headers["content-type"].startswith("text/event-stream"):
+        assert resp.text.rstrip().endswith("data: [DONE]") and '"error"' not in resp.text, (
+            what,
+            resp.text[-500:],
+        )
+
+
+def test_edge_cases_get_answers_or_4xx_never_5xx(server, http, model):
+    """Odd values for every field of completions and chat, and odd control requests:
+    each gets a result or a 4xx with an OpenAI error object, and the server keeps serving."""
+    for body in COMPLETIONS:
+        body = {"model": model, "max_tokens": 2, **body}
+        _no_server_error(http.post("/v1/completions", json=body), body)
+    for body in CHATS:
+        body = {"model": model, "max_tokens": 2, **body}
+        _no_server_error(http.post("/v1/chat/completions", json=body), body)
+    for path, body in CONTROL:
+        _no_server_error(http.post(path, json=body), (path, body))
+    for name in ("weird.jsonl", "\u00e9\u0000.jsonl", "../../x"):
+        resp = http.post("/v1/files", files={"file": (name, b"{}\n")}, data={"purpose": "batch"})
+        _no_server_error(resp, name)
+    for query in [
+        "/v1/files?limit=0",
+        "/v1/files?after=zzz",
+        "/v1/batches?limit=1000",
+        "/v1/files/%ED%A0%80",
+    ]:
+        _no_server_error(http.get(query), query)
+    resp = http.post("/v1/completions", json={"model": model, "prompt": "still here", "max_tokens": 2})
+    assert resp.status_code == 200 and json.loads(resp.text)["choices"][0]["finish_reason"] == "length"
+    assert server.metrics()["num_requests_running"] == 0

@@ -28,6 +28,7 @@ from seer_engine.engine.client import (
     PAUSE_MODES,
     EngineBusyError,
     EngineDeadError,
+    Health,
     PauseMode,
     ServerStats,
     ServingBackend,
@@ -60,6 +61,7 @@ class _Call:
 
 
 _STOP = object()
+IDLE_CHECK_S = 1.0  # how often an idle engine thread refreshes stats and health
 
 
 class AsyncEngine:
@@ -132,11 +134,12 @@ class AsyncEngine:
             self._thread.join(timeout)
         self._intake.shutdown(wait=False, cancel_futures=True)
 
-    def check_health(self) -> None:
+    def check_health(self) -> Health:
         if self._fatal is not None:
             raise EngineDeadError(f"the engine failed: {self._fatal!r}")
         if self._closed or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down")
+        return self._stats.health
 
     # -- read-only facts ----------------------------------------------------------------
 
@@ -318,8 +321,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine = self._engine
         while True:
-            # Idle: sleep on the queue. Busy: take whatever arrived, then step.
-            cmd = self._commands.get() if not self._can_step() else self._next_command()
+            # Idle: sleep on the queue, waking now and then to look at the backend (an
+            # instance process may die while nothing runs). Busy: take what arrived, step.
+            cmd = self._idle_wait() if not self._can_step() else self._next_command()
             while cmd is not None:
                 if cmd is _STOP:
                     return
@@ -331,6 +335,12 @@ class AsyncEngine:
                     self._dispatch(outputs)
             self._check_drained()
             self._publish_stats()
+
+    def _idle_wait(self) -> Any:
+        try:
+            return self._commands.get(timeout=IDLE_CHECK_S)
+        except queue.Empty:
+            return None
 
     def _next_command(self) -> Any:
         try:
@@ -441,6 +451,7 @@ class AsyncEngine:
         self._rate.record(stats.generated_tokens)
         self._stats = ServerStats(
             engine=stats,
+            health=engine.health(),
             num_requests_held=sum(c.checked.params.n for c in self._held),
             paused=self._paused,
             sleeping=engine.is_sleeping,

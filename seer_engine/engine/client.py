@@ -30,6 +30,16 @@ class EngineBusyError(RuntimeError):
 
 
 @dataclass
+class Health:
+    """Whether the backend serves with all it started with, and what it runs on."""
+
+    degraded: str | None = None  # why it serves with less than it started with
+    instances: list[dict] = field(default_factory=list)  # index, backend, pid, alive
+    instance_failures: int = 0  # instances lost (their responses finished elsewhere)
+    kv_pool_failures: int = 0  # KV pool calls that failed (those responses recomputed)
+
+
+@dataclass
 class ServerStats:
     """What /metrics shows: the engine's stats and the server's own state."""
 
@@ -39,8 +49,7 @@ class ServerStats:
     paused: str | None = None  # the pause mode, None when running
     sleeping: bool = False
     weight_version: str = "default"
-    instance_failures: int = 0  # rollout instances lost (their responses finished elsewhere)
-    degraded: str | None = None  # why the server serves with less than it started with
+    health: Health = field(default_factory=Health)
 
 
 @runtime_checkable
@@ -97,8 +106,9 @@ class EngineClient(Protocol):
 
     async def stats(self) -> ServerStats: ...
 
-    def check_health(self) -> None:
-        """Raise ``EngineDeadError`` when the backend can no longer serve."""
+    def check_health(self) -> Health:
+        """How the backend serves, as of its last step; raises ``EngineDeadError`` when
+        it can no longer serve."""
         ...
 
     def shutdown(self) -> None: ...
@@ -145,3 +155,5 @@ class ServingBackend(Protocol):
     def reset_prefix_cache(self) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def health(self) -> Health: ...

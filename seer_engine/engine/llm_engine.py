@@ -17,11 +17,12 @@ from seer_engine.core.policies import SchedulingPolicy, make_policy
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig
 from seer_engine.core.seeds import child_seed
+from seer_engine.engine.client import Health
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.output_processor import OutputProcessor, UserRequest
-from seer_engine.engine.stats import EngineStats
+from seer_engine.engine.stats import EngineStats, StepShape
 from seer_engine.model_executor import cpu_kernels
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
@@ -40,13 +41,12 @@ from seer_engine.spec_decode.proposers import Proposer, make_proposer
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(model: str) -> Path:
-    """``tiny`` names the built-in random-weight model (created on first use)."""
-    if model == "tiny":
-        from seer_engine.model_executor.tiny_model import default_tiny_model_dir
+def resolve_model_path(model: str, dtype: str = "auto") -> Path:
+    """A folder, ``tiny``, an alias (``smollm2-135m``) or a ``.gguf`` file as a model
+    folder; aliases and GGUF files are fetched/converted on first use (model_source)."""
+    from seer_engine.model_executor.model_source import resolve_model
 
-        return default_tiny_model_dir()
-    return Path(model).expanduser()
+    return resolve_model(model, dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,7 +77,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.dtype)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer_path = Path(config.tokenizer or path)
         self.detokenizer = Detokenizer.from_pretrained(self.tokenizer_path)
@@ -122,6 +122,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         # Trace replay swaps sampled tokens for recorded ones; None in normal serving.
         self.token_source: TokenSource | None = None
+        self.last_step_shape: StepShape | None = None  # what the latest step computed
         self._sleeping = False  # KV cache freed (and weights off the accelerator)
         self.outputs = OutputProcessor(self.detokenizer, self._release_group)
         self.drafter = self._make_drafter(config.speculative_config, proposer)
@@ -267,7 +268,11 @@ class LLMEngine:
         """Run one scheduled batch; returns finished user requests (and streaming progress)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.last_step_shape = None
             return []
+        self.last_step_shape = StepShape.of(
+            [(r.num_computed_tokens, n, r.num_prompt_tokens, r.num_tokens) for r, n in sched.scheduled]
+        )
         batch = [
             ScheduledRequest(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]
@@ -367,6 +372,9 @@ class LLMEngine:
             drafter_s=self.drafter.stats.observe_s + self.drafter.stats.propose_s if self.drafter else 0.0,
             **asdict(sched.stats),
         )
+
+    def health(self) -> Health:
+        return Health()
 
     @property
     def is_sleeping(self) -> bool:

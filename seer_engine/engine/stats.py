@@ -40,6 +40,32 @@ class EngineStats:
         return self.draft_tokens_accepted / self.sampled_rows if self.sampled_rows else 0.0
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed, for a step-time model to price (the simulator's profiles,
+    and real engines run on a modeled clock)."""
+
+    scheduled_tokens: int
+    kv_tokens: int  # context each row attends, once per row (a GPU reads a row's KV once)
+    kv_pairs: int  # query-key pairs (a CPU computes every new token against its context)
+    logit_tokens: int  # tokens whose logits are computed (LM head, sampling)
+    kind: str = "decode"  # "prefill" (every row in its prompt), "mixed" or "decode"
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, int]]) -> StepShape:
+        """From (computed tokens before the step, new tokens, prompt tokens, all tokens)
+        of every scheduled row; a row reaching its last token computes logits for it and
+        each draft node after it."""
+        kv = pairs = logits = prompts = 0
+        for computed, new, prompt, num_tokens in rows:
+            kv += computed + new
+            pairs += new * computed + new * (new + 1) // 2
+            logits += max(0, computed + new - num_tokens + 1)
+            prompts += computed < prompt
+        kind = "prefill" if prompts == len(rows) else "mixed" if prompts else "decode"
+        return cls(sum(r[1] for r in rows), kv, pairs, logits, kind)
+
+
 def total(stats: list[EngineStats]) -> EngineStats:
     out = EngineStats()
     for s in stats:

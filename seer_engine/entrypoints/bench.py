@@ -1,8 +1,10 @@
-"""``seer_engine bench rollout``: trace replay of every policy on the same groups.
+"""``seer_engine bench rollout``: every policy on the same groups, in one invocation.
 
-The model runs real forward passes; the tokens come from the trace (TraceReplay is
-their only holder). Every policy gets a fresh engine pool and the same groups in one
-invocation, so the figures compare side by side.
+With ``--trace`` the model runs real forward passes and the tokens come from the trace
+(TraceReplay is their only holder). With ``--task`` the model samples its own
+responses to a verifiable task's problems; seeded sampling (``core.seeds``) makes them
+the same under every policy, which the report checks response by response. Every
+policy gets a fresh engine pool, so the figures compare side by side.
 """
 
 from __future__ import annotations
@@ -12,24 +14,44 @@ import datetime as dt
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.llm_engine import resolve_model_path
+from seer_engine.entrypoints.rollout_cli import (
+    add_task_args,
+    check_source_args,
+    grade_result,
+    summarize,
+    task_groups,
+)
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.machine import machine_info
+from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.policies import ROLLOUT_POLICIES, make_rollout_policy
-from seer_engine.rollout.report import Progress, format_table, write_report
+from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, write_report
+from seer_engine.rollout.types import Group
+from seer_engine.sampling_params import SamplingParams
+from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+from seer_engine.sim.setups import SETUPS
+from seer_engine.tasks import get_task, parse_knobs
+from seer_engine.tasks.summary import format_summary
 from seer_engine.workloads.replay import ReplayWorkload
 
 
 def add_cli(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    p = kinds.add_parser("rollout", help="trace-replay rollout benchmark of the scheduling policies")
-    p.add_argument("--trace", required=True, help="a traces .jsonl.gz file")
+    p = kinds.add_parser("rollout", help="rollout benchmark of the scheduling policies (trace or task)")
+    p.add_argument("--trace", default=None, help="a traces .jsonl.gz file to replay (or use --task)")
+    add_task_args(p)
+    p.add_argument("--seed", type=int, default=0, help="--task: picks the problems and sampling seeds")
+    p.add_argument("--temperature", type=float, default=0.7, help="--task: sampling temperature")
     p.add_argument(
         "--policy",
         default="baseline,divided,context,seer,oracle",
@@ -37,22 +59,48 @@ def add_cli(subparsers) -> None:
         "context+ngram, context+suffix, context+group_path, context+group_tree (seer: adaptive budget)",
     )
     p.add_argument("--instances", type=int, default=2)
-    p.add_argument("--groups", default="8", help="a count (8) or an index range (60:90) of trace groups")
-    p.add_argument("--samples", type=int, default=8, help="responses per group")
+    p.add_argument(
+        "--groups", default=None, help="--trace: a count (8, the default) or an index range (60:90) of groups"
+    )
+    p.add_argument("--samples", "--n", type=int, default=8, help="responses per group")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV blocks per instance")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--starvation-s", type=float, default=120.0)
-    p.add_argument("--model", default=None, help="default: a tiny random model with the trace tokenizer")
+    p.add_argument(
+        "--model", default=None, help="--task: the model that samples; --trace default: a tiny random "
+        "model with the trace tokenizer"
+    )  # fmt: skip
     p.add_argument("--tokenizer", default=None, help="default: bpe32k-tokenizer.json beside the trace")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--report", default=None, help="write report.json and report.png here")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        help="wall: instances' clocks follow measured step times; or a modeled clock, a setup name "
+        f"({', '.join(SETUPS)}) or an instance profile JSON (seer_engine profile): the engines run and "
+        "decide everything for real, each instance's clock advances by the profile's price of the work "
+        "its step did (instances then step one at a time, in modeled-time order)",
+    )
     RolloutConfig.add_cluster_args(p)
     p.set_defaults(func=run_bench_rollout)
+
+
+def step_timer(clock: str) -> StepTimeModel | None:
+    """``--clock``: None for the wall clock, else the step-time model to run on."""
+    if clock == "wall":
+        return None
+    if clock in SETUPS:
+        return SETUPS[clock].profile.step
+    if Path(clock).suffix == ".json" or Path(clock).is_file():
+        return InstanceProfile.load(clock).step
+    raise ValueError(
+        f"--clock must be 'wall', a setup ({', '.join(SETUPS)}) or a profile JSON, got {clock!r}"
+    )
 
 
 def _trace_model(args: argparse.Namespace, max_len: int) -> str:
@@ -73,38 +121,24 @@ def _trace_model(args: argparse.Namespace, max_len: int) -> str:
 
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
+    check_source_args(args, "--trace")
+    machine = machine_info()
+    policies = _parse_policies(args.policy)
+    timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
+    if args.task is not None:
+        return _run_task_bench(args, policies, machine, timer)
     from seer_engine.workloads.groups import select_groups
     from seer_engine.workloads.traces import load_trace
 
-    machine = machine_info()
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    for name in policies:
-        base, _, spec = name.partition("+")
-        if base not in ROLLOUT_POLICIES or (spec and spec not in SPEC_VARIANTS):
-            raise ValueError(
-                f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}, optionally with "
-                f"+{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
-            )
     if not Path(args.trace).is_file():
         raise ValueError(f"trace file {args.trace!r} not found")
-    trace = select_groups(load_trace(args.trace), args.groups)
+    trace = select_groups(load_trace(args.trace), args.groups or "8")
     max_len = max(len(g.prompt_token_ids) for g in trace) + args.max_tokens + 1
     model = _trace_model(args, max_len)
-    cfg = EngineConfig(
-        model=model, num_kv_blocks=args.kv_blocks, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, num_threads=args.num_threads, max_model_len=max_len,
-    )  # fmt: skip
+    cfg = _engine_config(args, model, max_len)
     workload = ReplayWorkload(trace, args.samples, args.max_tokens)
     replay = workload.replay(min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids))
-    cluster = RolloutConfig(
-        instances=args.instances,
-        distributed_backend=args.distributed_backend,
-        kv_connector=args.kv_connector,
-        mooncake_master=args.mooncake_master,
-        kv_pool_gib=args.kv_pool_gib,
-        migration_spread=args.migration_spread,
-        pool_pull_tokens=args.pool_pull_tokens,
-    )
+    cluster = _cluster(args)
     true_lengths = workload.true_lengths
     total = len(true_lengths)
     print(f"bench rollout: {len(workload.prompts)} groups x {args.samples} samples = {total} responses, "
@@ -113,29 +147,157 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
           f"{cluster.distributed_backend}, KV pool {cluster.kv_connector}", flush=True)  # fmt: skip
     results = {}
     for name in policies:
-        policy = _bench_policy(name, true_lengths, args.starvation_s)
-        progress = Progress(name, total)
-        with cluster.make_pool(cfg, policy, replay) as pool:
-            pool.reset_clocks()
-            start = time.perf_counter()
-            dispatcher = Dispatcher(
-                pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement()
-            )
-            results[name] = dispatcher.run(workload.groups())
-        print(f"[{name}] done in {time.perf_counter() - start:.1f}s wall", flush=True)
+        results[name] = _run_policy(args, name, cfg, cluster, workload.groups(), true_lengths, replay, timer)
     print(format_table(results))
     if args.report:
-        meta = {
-            "command": "seer_engine " + " ".join(sys.argv[1:]),
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "machine": machine,
-            "model": model, "groups": len(workload.prompts), "samples": args.samples,
-            "instances": args.instances,
-            "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
-            "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
-        }  # fmt: skip
+        meta = _meta(args, machine, model, cluster, groups=len(workload.prompts))
         path = write_report(Path(args.report), results, meta)
         print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def _parse_policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    for name in policies:
+        base, _, spec = name.partition("+")
+        if base not in ROLLOUT_POLICIES or (spec and spec not in SPEC_VARIANTS):
+            raise ValueError(
+                f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES)}, optionally with "
+                f"+{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
+            )
+    if not policies:
+        raise ValueError("--policy names no policy")
+    return policies
+
+
+def _engine_config(args: argparse.Namespace, model: str, max_len: int) -> EngineConfig:
+    return EngineConfig(
+        model=model, num_kv_blocks=args.kv_blocks, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, num_threads=args.num_threads, max_model_len=max_len,
+    )  # fmt: skip
+
+
+def _cluster(args: argparse.Namespace) -> RolloutConfig:
+    return RolloutConfig(
+        instances=args.instances,
+        distributed_backend=args.distributed_backend,
+        kv_connector=args.kv_connector,
+        mooncake_master=args.mooncake_master,
+        kv_pool_gib=args.kv_pool_gib,
+        migration_spread=args.migration_spread,
+        pool_pull_tokens=args.pool_pull_tokens,
+    )
+
+
+def _run_policy(
+    args: argparse.Namespace,
+    name: str,
+    cfg: EngineConfig,
+    cluster: RolloutConfig,
+    groups: list[Group],
+    true_lengths: dict[str, int],
+    token_source=None,
+    timer: StepTimeModel | None = None,
+) -> RolloutResult:
+    """One policy on a fresh engine pool (clocks from zero; ``timer``: a modeled clock)."""
+    policy = _bench_policy(name, true_lengths, args.starvation_s)
+    progress = Progress(name, sum(g.n for g in groups))
+    with cluster.make_pool(cfg, policy, token_source, step_timer=timer) as pool:
+        pool.reset_clocks()
+        start = time.perf_counter()
+        dispatcher = Dispatcher(
+            pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement()
+        )
+        result = dispatcher.run(groups)
+    print(f"[{name}] done in {time.perf_counter() - start:.1f}s wall", flush=True)
+    return result
+
+
+def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutConfig, **extra) -> dict:
+    return {
+        "command": "seer_engine " + " ".join(sys.argv[1:]),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine,
+        "model": model, **extra, "samples": args.samples,
+        "instances": args.instances, "num_threads": args.num_threads,
+        "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
+        "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
+        "clock": args.clock,
+    }  # fmt: skip
+
+
+def _run_task_bench(
+    args: argparse.Namespace, policies: list[str], machine: dict, timer: StepTimeModel | None
+) -> int:
+    """Every policy samples the same problems with the same seeds; ``oracle`` runs last,
+    handed the lengths the first policy's responses came out at."""
+    if args.model is None:
+        raise ValueError("--task needs --model (a chat model, e.g. smollm2-135m)")
+    if args.groups is not None:
+        raise ValueError("--groups goes with --trace; use --prompts with --task")
+    first = next((p for p in policies if p.partition("+")[0] != "oracle"), None)
+    if first is None:
+        raise ValueError(
+            "with --task, oracle takes its lengths from another policy's run: name one before it"
+        )
+    policies = [p for p in policies if p.partition("+")[0] != "oracle"] + [
+        p for p in policies if p.partition("+")[0] == "oracle"
+    ]
+    task = get_task(args.task, **parse_knobs(args.task, args.knob))
+    path = resolve_model_path(args.model)
+    model_cfg = ModelConfig.from_pretrained(path)
+    processor = InputProcessor(
+        Detokenizer.from_pretrained(path), model_cfg.vocab_size, model_cfg.max_position_embeddings,
+        args.kv_blocks, args.block_size,
+    )  # fmt: skip
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    prompts, groups = task_groups(task, args.prompts, args.seed, args.samples, params, processor)
+    max_len = max(len(g.prompt_token_ids) for g in groups) + args.max_tokens + 1
+    cfg = _engine_config(args, args.model, max_len)
+    cluster = _cluster(args)
+    print(f"bench rollout: {args.task} x {len(groups)} prompts x {args.samples} samples = "
+          f"{len(groups) * args.samples} responses sampled by {args.model} (temperature {args.temperature}, "
+          f"max_tokens {args.max_tokens}), {args.instances} instances, {args.kv_blocks} KV blocks each, "
+          f"chunk {args.chunk_tokens}, backend {cluster.distributed_backend}", flush=True)  # fmt: skip
+    results: dict[str, RolloutResult] = {}
+    true_lengths: dict[str, int] = {}
+    for name in policies:
+        fresh = [replace(g) for g in groups]
+        results[name] = _run_policy(args, name, cfg, cluster, fresh, true_lengths, timer=timer)
+        if name == first:
+            true_lengths = {s.key: s.num_generated for v in results[name].samples.values() for s in v}
+    reference = results[first].samples
+    extras, summary = {}, None
+    for name, result in results.items():
+        grades = grade_result(task, prompts, result)
+        same = sum(
+            s.output_token_ids == r.output_token_ids
+            for p in prompts
+            for s, r in zip(result.samples[p.id], reference[p.id])
+        )
+        extras[name] = {
+            "mean_reward": round(
+                sum(g.reward for row in grades for g in row) / (len(groups) * args.samples), 4
+            ),
+            "identical_responses": same,  # token for token, against the reference policy's
+        }
+        if name == first:
+            summary = summarize(prompts, result, grades)
+    print(format_table(results))
+    for name, extra in extras.items():
+        print(f"{name}: mean reward {extra['mean_reward']:.3f}, responses identical to {first}'s: "
+              f"{extra['identical_responses']}/{len(groups) * args.samples}")  # fmt: skip
+    print(format_summary(summary, per_group=False))
+    if args.report:
+        meta = _meta(args, machine, args.model, cluster, task=task.name, knobs=task.knobs(),
+                     prompts=len(groups), seed=args.seed, temperature=args.temperature)  # fmt: skip
+        meta["reference_policy"] = first
+        meta["workload"] = summary  # of the reference policy's responses
+        out = Path(args.report)
+        path = write_report(out, results, meta, extras)
+        lengths = [[s.num_generated for s in reference[p.id]] for p in prompts]
+        plot_group_lengths(lengths, out / "lengths.png", f"{args.model}: {task.name}, {first}'s responses")
+        print(f"wrote {path}, {path.with_suffix('.png')} and {out / 'lengths.png'}")
     return 0
 
 

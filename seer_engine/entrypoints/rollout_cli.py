@@ -1,9 +1,13 @@
-"""``seer_engine rollout``: a real (non-replay) rollout from a JSON-lines file of prompts.
+"""``seer_engine rollout``: a real (non-replay) rollout of a JSON-lines file of prompts
+(``--input``) or of a verifiable task's problems (``--task``), graded.
 
 Input lines: ``{"prompt": text or token ids, optional sampling fields}``. Output lines,
 in input order: ``{"prompt", "prompt_token_ids", "outputs": [{"token_ids", "text",
-"logprobs", "finish_reason"}, ...n]}``. With ``--rollout-mode`` the groups run under
-divided rollout and context-aware scheduling, else veRL-style (whole groups, FCFS).
+"logprobs", "finish_reason"}, ...n]}``. With ``--task`` each line also carries the
+problem (``id``, ``task``, ``messages``, ``answer``, ``data``: what grading reads) and
+each output its grade (``reward``, ``parsed``, ``verdict``); a summary of rewards and
+lengths goes to stderr. With ``--rollout-mode`` the groups run under divided rollout
+and context-aware scheduling, else veRL-style (whole groups, FCFS).
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+from seer_engine.tasks import TASKS, Grade, Task, TaskPrompt, get_task, parse_knobs, task_prompts
+from seer_engine.tasks.summary import format_summary, rollout_summary
 
 _SAMPLING_FIELDS = {
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -30,15 +38,72 @@ _SAMPLING_FIELDS = {
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("rollout", help="run a rollout over a JSON-lines file of prompts")
+    p = subparsers.add_parser("rollout", help="run a rollout of a JSON-lines file of prompts or of a task")
     EngineConfig.add_cli_args(p)
-    p.add_argument("--input", required=True)
+    p.add_argument("--input", default=None, help="a JSON-lines file of prompts (or use --task)")
+    add_task_args(p)
     p.add_argument("--output", required=True)
     p.add_argument("--n", type=int, default=16, help="responses per prompt (group size)")
     RolloutConfig.add_cli_args(p)
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens for lines without one")
     p.add_argument("--temperature", type=float, default=1.0, help="default temperature")
     p.set_defaults(func=run_rollout)
+
+
+def add_task_args(p: argparse.ArgumentParser) -> None:
+    """``--task``, ``--prompts`` and ``--knob`` (``--seed``, the engine's, picks the problems)."""
+    p.add_argument("--task", default=None, choices=sorted(TASKS), help="a verifiable task's problems, graded")
+    p.add_argument("--prompts", type=int, default=None, help="--task: number of problems (default 16)")
+    p.add_argument(
+        "--knob", action="append", default=[], metavar="KEY=VALUE",
+        help="--task difficulty knob, repeatable (e.g. steps=1, ops=add,sub,mul)",
+    )  # fmt: skip
+
+
+def check_source_args(args: argparse.Namespace, other: str) -> None:
+    """Exactly one of ``--task`` and ``other`` (``--input`` or ``--trace``); task-only flags only with it."""
+    other_value = getattr(args, other.removeprefix("--"))
+    if (args.task is None) == (other_value is None):
+        raise ValueError(f"give exactly one of {other} and --task")
+    if args.task is None and (args.prompts is not None or args.knob):
+        raise ValueError("--prompts and --knob go with --task")
+    if args.task is not None:
+        if args.prompts is None:
+            args.prompts = 16
+        if args.prompts < 1:
+            raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
+
+
+def task_groups(
+    task: Task, count: int, seed: int, n: int, params: SamplingParams, processor: InputProcessor
+) -> tuple[list[TaskPrompt], list[Group]]:
+    """The first ``count`` problems of ``seed`` through the model's chat template, as groups
+    of ``n`` responses; group k samples with seed ``child_seed(seed, k)``."""
+    if not getattr(processor.tokenizer.tokenizer, "chat_template", None):
+        raise ValueError("--task needs a chat model: the model's tokenizer has no chat template")
+    prompts = task_prompts(task, count, seed, chat_template=processor.tokenizer.apply_chat_template)
+    groups = []
+    for k, p in enumerate(prompts):
+        checked = processor.process(p.text or "", params.clone(seed=child_seed(seed, k)))
+        groups.append(Group(p.id, checked.prompt_token_ids, checked.params, n, checked.max_tokens,
+                            prompt=checked.prompt, order=k))  # fmt: skip
+    return prompts, groups
+
+
+def grade_result(task: Task, prompts: list[TaskPrompt], result: RolloutResult) -> list[list[Grade]]:
+    """The grade of every response, group by group in prompt order."""
+    return [[task.grade(p, s.text) for s in result.samples[p.id]] for p in prompts]
+
+
+def summarize(prompts: list[TaskPrompt], result: RolloutResult, grades: list[list[Grade]]) -> dict:
+    """Rewards and output lengths of a graded rollout, group by group (tasks.summary)."""
+    samples = [result.samples[p.id] for p in prompts]
+    return rollout_summary(
+        [[s.num_generated for s in group] for group in samples],
+        [[g.reward for g in row] for row in grades],
+        [p.id for p in prompts],
+        [s.finish_reason for group in samples for s in group],
+    )
 
 
 def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -> list[Group]:
@@ -73,14 +138,26 @@ def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    path = Path(args.input)
-    if not path.is_file():
-        raise ValueError(f"input file {str(path)!r} not found")
+    check_source_args(args, "--input")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    task = None
+    if args.task is not None:
+        task = get_task(args.task, **parse_knobs(args.task, args.knob))
+    else:
+        path = Path(args.input)
+        if not path.is_file():
+            raise ValueError(f"input file {str(path)!r} not found")
     rollout_config = RolloutConfig.from_cli_args(args)
     policy = make_rollout_policy(rollout_config.policy, starvation_s=rollout_config.starvation_s)
     with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy) as pool:
         defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-        groups = read_groups(path, args.n, defaults, pool.make_input_processor())
+        processor = pool.make_input_processor()
+        if task is not None:
+            params = SamplingParams(**defaults)
+            prompts, groups = task_groups(task, args.prompts, args.seed, args.n, params, processor)
+        else:
+            groups = read_groups(path, args.n, defaults, processor)
         name = rollout_config.policy
         total = sum(g.n for g in groups)
         with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
@@ -92,25 +169,36 @@ def run_rollout(args: argparse.Namespace) -> int:
                 placement=rollout_config.placement(),
             )
             result = dispatcher.run(groups)
+    grades = grade_result(task, prompts, result) if task is not None else None
     with open(args.output, "w") as out:
-        for g in groups:
-            samples = result.samples[g.group_id]
-            out.write(json.dumps({
-                "prompt": g.prompt if g.prompt is not None else g.prompt_token_ids,
-                "prompt_token_ids": g.prompt_token_ids,
-                "outputs": [
-                    {
-                        "token_ids": s.output_token_ids,
-                        "text": s.text,
-                        "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in s.logprobs]
-                        or None,
-                        "finish_reason": s.finish_reason,
-                    }
-                    for s in samples
-                ],
-            }) + "\n")  # fmt: skip
+        for k, g in enumerate(groups):
+            line = _line(g, result.samples[g.group_id])
+            if grades is not None:
+                problem = prompts[k].to_json()
+                line = {**{key: problem[key] for key in ("id", "task", "messages", "answer", "data")}, **line}
+                for output, grade in zip(line["outputs"], grades[k]):
+                    output.update(reward=grade.reward, parsed=grade.parsed, verdict=grade.verdict)
+            out.write(json.dumps(line) + "\n")
+    if grades is not None:
+        print(format_summary(summarize(prompts, result, grades)), file=sys.stderr)
     m = result.metrics
     print(f"rollout: {len(groups)} groups, {m.output_tokens} tokens in {m.makespan_s:.2f}s "
           f"({m.throughput_tokens_per_s:.1f} tokens/s), preemptions {m.preemptions} -> {args.output}",
           file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _line(g: Group, samples: list) -> dict:
+    return {
+        "prompt": g.prompt if g.prompt is not None else g.prompt_token_ids,
+        "prompt_token_ids": list(g.prompt_token_ids),
+        "outputs": [
+            {
+                "token_ids": s.output_token_ids,
+                "text": s.text,
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in s.logprobs] or None,
+                "finish_reason": s.finish_reason,
+            }
+            for s in samples
+        ],
+    }

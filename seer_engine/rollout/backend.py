@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seer_engine.core.seeds import child_seed
+from seer_engine.engine.client import Health
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.stats import EngineStats, total
@@ -28,7 +29,7 @@ from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
-from seer_engine.rollout.types import Group, RolloutSample
+from seer_engine.rollout.types import Group, InstanceDied, RolloutSample
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 SERVER_LOG_LIMIT = 10_000  # dispatches and steps per instance kept for inspection
@@ -204,7 +205,15 @@ class RolloutBackend:
     # -- serving primitives, on every instance -----------------------------------------------
 
     def _call_all(self, method: str, *args) -> list:
-        return [inst.call(method, *args) for inst in self.pool.alive]
+        """``method`` on every live instance; one that turns out dead is dropped (its
+        responses finish elsewhere), not an error."""
+        results = []
+        for inst in self.pool.alive:
+            try:
+                results.append(inst.call(method, *args))
+            except InstanceDied as died:
+                self.dispatcher.lose_instance(inst, str(died))
+        return results
 
     @property
     def is_sleeping(self) -> bool:
@@ -236,6 +245,28 @@ class RolloutBackend:
     def stats(self) -> EngineStats:
         """The sum over instances, as of their last replies (asking them would wait on
         their steps); responses waiting in the Request Buffer count as waiting."""
+        for inst in self.pool.alive:
+            if not inst.poll_alive():
+                self.dispatcher.lose_instance(inst, f"engine instance {inst.index} died while idle")
         stats = total([inst.books.stats for inst in self.pool.alive])
         stats.waiting += len(self.dispatcher.buffer)
         return stats
+
+    def health(self) -> Health:
+        instances = [
+            {"index": inst.index, "backend": inst.backend, "pid": inst.info.pid, "alive": inst.alive}
+            for inst in self.pool.instances
+        ]
+        lost = [inst.index for inst in self.pool.instances if not inst.alive]
+        pool_failures = self.pool.kv_connector.stats.failures + sum(
+            inst.books.connector_stats.failures for inst in self.pool.instances
+        )
+        reasons = [f"engine instances {lost} lost"] if lost else []
+        if pool_failures:
+            reasons.append(f"the KV pool failed {pool_failures} times (moved responses recompute)")
+        return Health(
+            "; ".join(reasons) or None,
+            instances,
+            instance_failures=self.dispatcher.counters.instance_failures,
+            kv_pool_failures=pool_failures,
+        )

@@ -33,6 +33,7 @@ class TimelinePoint:
     # Cumulative counters of the instance, for figures over parts of the rollout.
     sampled_rows: int = 0
     draft_tokens_accepted: int = 0
+    kv_reserved: float = 0.0  # share of blocks promised to chunks in flight (divided rollout)
 
 
 class InstanceBooks:
@@ -95,8 +96,11 @@ class InstanceBooks:
         self.drafter_stats = reply.drafter
         self.connector_stats = reply.connector
         s = reply.stats
+        reserved = self.reserved_blocks / self.info.num_blocks
         self.timeline.append(
-            TimelinePoint(clock, s.running, s.waiting, s.kv_usage, s.sampled_rows, s.draft_tokens_accepted)
+            TimelinePoint(
+                clock, s.running, s.waiting, s.kv_usage, s.sampled_rows, s.draft_tokens_accepted, reserved
+            )
         )
 
     def reset_clock(self) -> None:

@@ -10,7 +10,7 @@ from seer_engine.engine.llm_engine import TokenSource
 from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS, kv_pool_for
 from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREAD_THRESHOLD, SeerPlacement
 from seer_engine.rollout.policies import ROLLOUT_POLICIES, RolloutPolicy
-from seer_engine.rollout.pool import BACKENDS, EnginePool
+from seer_engine.rollout.pool import BACKENDS, EnginePool, StepTimer
 
 SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle")  # oracle needs a trace
 
@@ -161,11 +161,14 @@ class RolloutConfig:
         policy: RolloutPolicy,
         token_source: TokenSource | None = None,
         timeline_points: int | None = None,
+        step_timer: StepTimer | None = None,
     ) -> EnginePool:
-        """The engine pool (with its KV pool) this configuration describes."""
+        """The engine pool (with its KV pool) this configuration describes; ``step_timer``
+        runs it on a modeled clock."""
         kv_pool = kv_pool_for(
             self.kv_connector, config, mooncake_master=self.mooncake_master, capacity_gib=self.kv_pool_gib
         )
         return EnginePool.start(
-            config, self.instances, token_source, self.distributed_backend, kv_pool, policy, timeline_points
-        )
+            config, self.instances, token_source, self.distributed_backend, kv_pool, policy, timeline_points,
+            step_timer,
+        )  # fmt: skip

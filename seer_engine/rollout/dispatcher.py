@@ -136,11 +136,16 @@ class Dispatcher:
         try:
             stepped = self.pool.advance()
         except InstanceDied as died:
-            self._recover(self.pool.instances[died.index], str(died))
+            self.lose_instance(self.pool.instances[died.index], str(died))
             return []
         if stepped is None:
             if not self.buffer:
                 return []
+            if not self.pool.alive:
+                raise RuntimeError(
+                    f"every engine instance of the rollout is gone ({self.counters.instance_failures} lost); "
+                    f"{len(self.buffer)} responses cannot finish"
+                )
             raise RuntimeError(
                 f"{len(self.buffer)} responses cannot be dispatched: a chunk needs more KV "
                 "blocks than an instance has (raise the KV budget or lower chunk_tokens)"
@@ -184,7 +189,7 @@ class Dispatcher:
                     for out in inst.abort([rid]):
                         self._take_chunk(inst, out)
                 except InstanceDied as died:
-                    self._recover(inst, str(died))
+                    self.lose_instance(inst, str(died))
                 inst.books.release(rid)  # it ended before the abort reached it
             self._finish(sample, "abort", None, record=False)
             aborted.append(sample)
@@ -254,7 +259,7 @@ class Dispatcher:
         try:
             self._submit(inst, sample, limit, reserve)
         except InstanceDied as died:
-            self._recover(inst, str(died))
+            self.lose_instance(inst, str(died))
 
     def _submit(self, inst: InstanceHandle, sample: RolloutSample, limit: int, reserve: bool) -> None:
         self.pool.wait_until(inst, max(sample.enqueued_at, self.now))
@@ -300,10 +305,11 @@ class Dispatcher:
             self.counters.pool_loaded_tokens += result.loaded_tokens
             self.counters.migrated_tokens += max(0, context - result.tokens)
 
-    def _recover(self, inst: InstanceHandle, why: str) -> None:
+    def lose_instance(self, inst: InstanceHandle, why: str) -> None:
         """An instance is gone: its running chunks return to the buffer from their last
         chunk boundary (the pool still holds that KV), to finish on another instance."""
         inst.alive = False
+        inst.close()
         lost = inst.books.lose()
         logger.warning("%s; its %d running responses go back to the buffer", why, len(lost))
         self.counters.instance_failures += 1

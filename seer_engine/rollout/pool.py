@@ -74,15 +74,34 @@ class InstancePool(Protocol):
     def close(self) -> None: ...
 
 
+class StepTimer(Protocol):
+    """Prices a step by its shape (the simulator's ``StepTimeModel``)."""
+
+    kv_per_query: bool
+
+    def step_s(self, scheduled_tokens: float, kv_tokens_read: float, logit_tokens: float = 0.0) -> float: ...
+
+
 class SimulatedClock:
-    """In-process instances: one steps at a time, the earliest clock first, and each
-    clock advances by its own step's duration. An instance must not run work in its
-    own past, and an idle one waits for the work it gets."""
+    """Instances step one at a time, the earliest clock first, and each clock advances
+    by its own step's duration: measured, or, with a ``timer``, what the timer says
+    the step's shape costs (a CPU then shows what the policies do on a GPU). An
+    instance must not run work in its own past, and an idle one waits for the work it
+    gets."""
+
+    def __init__(self, timer: StepTimer | None = None) -> None:
+        self.timer = timer
 
     def to_start(self, busy: Sequence[InstanceHandle]) -> list[InstanceHandle]:
         return [min(busy, key=lambda i: i.books.clock)]
 
     def after(self, inst: InstanceHandle, reply: StepReply) -> float:
+        if self.timer is not None:
+            t = self.timer
+            reply.elapsed_s = sum(
+                t.step_s(s.scheduled_tokens, s.kv_pairs if t.kv_per_query else s.kv_tokens, s.logit_tokens)
+                for s in reply.shapes
+            )
         return inst.books.clock + reply.elapsed_s
 
     def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
@@ -154,10 +173,13 @@ class EnginePool:
         kv_pool: KVPool | None = None,
         policy: RolloutPolicy | None = None,
         timeline_points: int | None = None,
+        step_timer: StepTimer | None = None,
     ) -> EnginePool:
         """Start ``num_instances`` engines on ``backend``, with the speculative decoding
         ``policy`` asks for (``seer``: grouped suffix trees) unless the config names one.
-        On failure everything started is stopped again."""
+        ``step_timer``: run the instances on a modeled clock (one step at a time, in
+        modeled-time order, whatever the backend). On failure everything started is
+        stopped again."""
         if num_instances < 1:
             raise ValueError(f"--instances must be >= 1, got {num_instances}")
         if backend not in BACKENDS:
@@ -174,10 +196,10 @@ class EnginePool:
                 for i in range(num_instances):
                     worker = build_worker(config, token_source, kv_pool.connector, proposer=proposer)
                     instances.append(LocalInstance(i, worker))
-                clock: SimulatedClock | WallClock = SimulatedClock()
+                clock: SimulatedClock | WallClock = SimulatedClock(step_timer)
             else:
                 draft_server = _start_remote(config, num_instances, token_source, backend, kv_pool, instances)
-                clock = WallClock()
+                clock = WallClock() if step_timer is None else SimulatedClock(step_timer)
         except BaseException:
             for inst in instances:
                 inst.close()

@@ -67,9 +67,18 @@ def format_table(results: dict[str, RolloutResult]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path, results: dict[str, RolloutResult], meta: dict) -> Path:
+def write_report(
+    out_dir: Path, results: dict[str, RolloutResult], meta: dict, extras: dict[str, dict] | None = None
+) -> Path:
+    """report.json (``extras[policy]`` joins that policy's figures) and the plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"meta": meta, "policies": {name: policy_summary(r) for name, r in results.items()}}
+    extras = extras or {}
+    report = {
+        "meta": meta,
+        "policies": {
+            name: {**policy_summary(r), **(extras or {}).get(name, {})} for name, r in results.items()
+        },
+    }
     for ref in ("baseline", "context"):
         base = results.get(ref)
         if base is not None and base.metrics.throughput_tokens_per_s:
@@ -112,32 +121,100 @@ def plot_acceptance(results: dict[str, RolloutResult], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_timelines(results: dict[str, RolloutResult], path: Path) -> None:
-    """One row per policy: running requests per instance (left), KV usage (right)."""
+LEGEND_INSTANCES = 8  # more instances than this are told apart by colour only
+
+
+def plot_group_lengths(lengths: list[list[int]], path: Path, title: str) -> None:
+    """Output lengths of every response, one column per group (groups by mean length):
+    the spread within a group against the spread across groups at a glance."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 2, figsize=(11, 2.4 * len(results)), squeeze=False, sharex=True)
+    order = sorted(range(len(lengths)), key=lambda k: sum(lengths[k]) / len(lengths[k]))
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(lengths) + 2), 3.6))
+    for x, k in enumerate(order):
+        ax.scatter([x] * len(lengths[k]), lengths[k], s=10, alpha=0.6, color="tab:blue")
+        ax.plot([x - 0.3, x + 0.3], [sum(lengths[k]) / len(lengths[k])] * 2, color="black", lw=1.5)
+    ax.set_xticks(range(len(order)), [str(k) for k in order], fontsize=7)
+    ax.set_xlabel("group (prompt index, sorted by mean length; bar: mean)")
+    ax.set_ylabel("output tokens")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timelines(results: dict[str, RolloutResult], path: Path) -> None:
+    """One row per policy: running requests per instance (left); KV per instance (right),
+    used (solid) beside reserved for chunks in flight (dashed), and their means over the
+    instances (black): under divided rollout the gap between the two is concurrency the
+    reservation costs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    instances = max((len(r.timelines) for r in results.values()), default=1)
+    many = instances > LEGEND_INSTANCES
+    cmap = plt.get_cmap("viridis" if many else "tab10")
+    colours = [cmap(i / max(1, instances - 1)) if many else cmap(i % 10) for i in range(instances)]
+    lw = 0.5 if many else 0.9
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 2.4 * len(results)), squeeze=False, sharex=True)
     for row, (name, result) in enumerate(results.items()):
         ax_run, ax_kv = axes[row]
         for i, timeline in enumerate(result.timelines):
             t = [p.time for p in timeline]
-            ax_run.step(t, [p.running for p in timeline], where="post", label=f"instance {i}", lw=0.9)
-            ax_kv.plot(t, [100 * p.kv_usage for p in timeline], label=f"instance {i}", lw=0.9)
+            ax_run.step(t, [p.running for p in timeline], where="post", color=colours[i], lw=lw)
+            style = {"where": "post", "color": colours[i], "lw": lw, "alpha": 0.6}
+            ax_kv.step(t, [100 * p.kv_usage for p in timeline], **style)
+            ax_kv.step(t, [100 * p.kv_reserved for p in timeline], ls="--", **style)
+        grid, used, reserved = _mean_kv(result.timelines, result.metrics.makespan_s)
+        ax_kv.plot(grid, used, color="black", lw=1.6)
+        ax_kv.plot(grid, reserved, color="black", lw=1.6, ls="--")
         m = result.metrics
         ax_run.set_title(f"{name}: {m.throughput_tokens_per_s:.0f} tok/s, makespan {m.makespan_s:.1f}s, "
                          f"tail {m.tail_s:.1f}s", fontsize=9)  # fmt: skip
         ax_run.set_ylabel("running")
-        ax_kv.set_ylabel("KV used %")
+        ax_kv.set_ylabel("KV %")
         ax_kv.set_ylim(0, 105)
-    axes[0][0].legend(fontsize=7, loc="upper right")
+    styles = [Line2D([], [], color="0.3", lw=1), Line2D([], [], color="0.3", lw=1, ls="--"),
+              Line2D([], [], color="black", lw=1.6)]  # fmt: skip
+    axes[0][1].legend(styles, ["used", "reserved", "mean over instances"], fontsize=7, loc="upper right",
+                      framealpha=0.85)  # fmt: skip
+    if many:
+        fig.suptitle(f"{instances} instances, one colour each", fontsize=9)
+    else:
+        handles = [Line2D([], [], color=c, lw=1) for c in colours]
+        axes[0][0].legend(handles, [f"instance {i}" for i in range(instances)], fontsize=7, loc="upper right",
+                          framealpha=0.85)  # fmt: skip
     axes[-1][0].set_xlabel("time (s, per-instance clocks)")
     axes[-1][1].set_xlabel("time (s, per-instance clocks)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _mean_kv(timelines: list[list], makespan: float, points: int = 200):
+    """Used and reserved KV (%) averaged over instances on a common time grid, each
+    instance holding its last reported value."""
+    import numpy as np
+
+    grid = np.linspace(0.0, makespan, points)
+    used, reserved = np.zeros(points), np.zeros(points)
+    for timeline in timelines:
+        if not timeline:
+            continue
+        t = np.array([p.time for p in timeline])
+        at = np.clip(np.searchsorted(t, grid, side="right") - 1, 0, None)
+        before = grid < t[0]
+        used += np.where(before, 0.0, np.array([p.kv_usage for p in timeline])[at])
+        reserved += np.where(before, 0.0, np.array([p.kv_reserved for p in timeline])[at])
+    n = max(1, len(timelines))
+    return grid, 100 * used / n, 100 * reserved / n
 
 
 class Progress:

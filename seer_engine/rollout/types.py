@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from seer_engine.engine.stats import EngineStats
+from seer_engine.engine.stats import EngineStats, StepShape
 from seer_engine.kv_connector.base import ConnectorStats
 from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import SamplingParams
@@ -108,6 +108,7 @@ class InstanceInfo:
     max_num_seqs: int
     max_model_len: int
     vocab_size: int = 0
+    pid: int = 0  # of the process the engine runs in (an operator may need to find it)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -123,6 +124,7 @@ class StepReply:
     drafter: SpecDecodeStats | None
     connector: ConnectorStats
     loads: list = field(default_factory=list)  # (request id, context tokens, LoadResult) per pool load
+    shapes: list[StepShape] = field(default_factory=list)  # what each engine step in it computed
     draft_updates: list = field(default_factory=list)  # new tokens for the draft server (processes)
 
 

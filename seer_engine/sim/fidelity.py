@@ -16,8 +16,7 @@ so what is left to differ is the simulator's model of the engine.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,13 +113,13 @@ def real_rollouts(
             policy = pin_step_cost(
                 make_rollout_policy(name, true_lengths=workload.true_lengths, starvation_s=w.starvation_s), w
             )
-            with EnginePool.start(cfg, w.instances, replay, policy=policy) as pool, ExitStack() as stack:
+            with (
+                EnginePool.start(cfg, w.instances, replay, policy=policy, step_timer=clock) as pool,
+                ExitStack() as stack,
+            ):
                 steps = [
                     stack.enter_context(recording_steps(inst.engine, kv_per_query=True)) for inst in pool
                 ]
-                if clock is not None:
-                    for inst, recorded in zip(pool, steps):
-                        stack.enter_context(_modeled_clock(inst, recorded, clock))
                 result = Dispatcher(pool, policy, w.chunk_tokens, placement=SeerPlacement()).run(
                     workload.groups()
                 )
@@ -128,25 +127,6 @@ def real_rollouts(
         metrics[name], fastest_steps = min(runs, key=lambda r: r[0].makespan_s)
         points += fastest_steps
     return metrics, points
-
-
-@contextmanager
-def _modeled_clock(inst, recorded: list[StepPoint], model: StepTimeModel) -> Iterator[None]:
-    """The instance's steps are charged ``model``'s cost of the step just recorded."""
-    step = inst.worker.step
-
-    def modeled_step(*args, **kw):
-        before = len(recorded)
-        reply = step(*args, **kw)
-        reply.elapsed_s = sum(model.step_s(p.scheduled_tokens, p.kv_tokens_read, p.logit_tokens)
-                              for p in recorded[before:])  # fmt: skip
-        return reply
-
-    inst.worker.step = modeled_step
-    try:
-        yield
-    finally:
-        del inst.worker.step
 
 
 def fitted_profile(w: Workload, points: list[StepPoint]) -> InstanceProfile:

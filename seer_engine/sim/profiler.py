@@ -2,9 +2,9 @@
 
 The in-process rollout charges every step the wall time of ``engine.step()``, so
 that is what is timed here, on a real ``LLMEngine`` with the configuration the
-rollout would use. The tokens a step schedules and the KV it reads are taken from
-the scheduler's own output (``Scheduler.schedule`` is wrapped for the run), never
-guessed from the request shapes: prefix hits, chunking and admission order are then
+rollout would use. The tokens a step schedules and the KV it reads are the engine's own
+account of the step (``LLMEngine.last_step_shape``), never guessed from the request
+shapes: prefix hits, chunking and admission order are then
 exactly as the rollout sees them. Each point is the fastest of ``repeats`` identical
 steps taken in separate passes over the grid, so a busy machine slows the figures as
 little as possible.
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from seer_engine.core.request import Request
-from seer_engine.core.scheduler import SchedulerOutput
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.engine.stats import StepShape
 from seer_engine.rollout.machine import machine_info
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
@@ -74,43 +74,12 @@ class _Shape:
     kind: str
     logit_tokens: int
 
-
-@contextmanager
-def _recording(engine: LLMEngine, kv_per_query: bool) -> Iterator[list[_Shape | None]]:
-    """Wrap the engine's scheduler so every step's shape is appended to the yielded list.
-
-    KV read by a row is everything it attends: its computed tokens (prefix hits
-    included, as set at admission) plus its new ones, once per row or once per new
-    token (``StepTimeModel.kv_read``). A row is a prefill row while
-    its computed tokens have not yet covered the prompt.
-    """
-    scheduler = engine.scheduler
-    original = scheduler.schedule
-    wrapped_already = "schedule" in vars(scheduler)
-    shapes: list[_Shape | None] = []
-    counting = StepTimeModel(0.0, 0.0, 0.0, kv_per_query)  # only its KV-read rule
-
-    def schedule() -> SchedulerOutput:
-        out = original()
-        if out.is_empty:
-            shapes.append(None)
-            return out
-        kv = sum(counting.kv_read(req.num_computed_tokens, n) for req, n in out.scheduled)
-        prefill = [req.num_computed_tokens < req.num_prompt_tokens for req, _ in out.scheduled]
-        kind = "prefill" if all(prefill) else "mixed" if any(prefill) else "decode"
-        # A row reaching its last token computes logits for it and for each draft node.
-        logits = sum(max(0, req.num_computed_tokens + n - req.num_tokens + 1) for req, n in out.scheduled)
-        shapes.append(_Shape(out.num_batched_tokens, kv, kind, logits))
-        return out
-
-    scheduler.schedule = schedule
-    try:
-        yield shapes
-    finally:
-        if wrapped_already:
-            scheduler.schedule = original
-        else:
-            del scheduler.schedule  # the class's method shows again
+    @classmethod
+    def of(cls, step: StepShape, kv_per_query: bool) -> _Shape:
+        """The engine's own account of a step; KV read counts query-key pairs on a CPU
+        (every new token attends its context), KV tokens once per row on a GPU."""
+        kv = step.kv_pairs if kv_per_query else step.kv_tokens
+        return cls(step.scheduled_tokens, kv, step.kind, step.logit_tokens)
 
 
 Sample = tuple[_Shape, float]  # a step's shape and its wall seconds
@@ -130,9 +99,9 @@ class _Decode:
 class _Runner:
     """Adds requests with random prompts (distinct, so no prefix hits) and times steps."""
 
-    def __init__(self, engine: LLMEngine, shapes: list[_Shape | None]) -> None:
+    def __init__(self, engine: LLMEngine, kv_per_query: bool) -> None:
         self.engine = engine
-        self.shapes = shapes
+        self.kv_per_query = kv_per_query
         self._rng = random.Random()
         self._ids = itertools.count()
         self._tokens = range(3, max(4, engine.vocab_size))  # past the specials (0-2)
@@ -147,9 +116,9 @@ class _Runner:
         start = time.perf_counter()
         self.engine.step()
         seconds = time.perf_counter() - start
-        if self.shapes[-1] is None:
+        if self.engine.last_step_shape is None:
             raise RuntimeError("the engine scheduled nothing while the profiler had requests queued")
-        return self.shapes[-1], seconds
+        return _Shape.of(self.engine.last_step_shape, self.kv_per_query), seconds
 
     def decode(self, case: _Decode) -> dict[tuple, Sample]:
         """Prefill the batch untimed, then time one decode step and one with a new prompt."""
@@ -194,26 +163,24 @@ def recording_steps(engine: LLMEngine, kv_per_query: bool) -> Iterator[list[Step
     steps, so ``fit_step_time`` on them prices exactly the work that rollout did."""
     step = engine.step
     points: list[StepPoint] = []
-    with _recording(engine, kv_per_query) as shapes:
 
-        def timed_step():
-            start = time.perf_counter()
-            outputs = step()
-            seconds = time.perf_counter() - start
-            shape = shapes[-1] if shapes else None
-            shapes.clear()
-            if shape is not None:
-                points.append(
-                    StepPoint(shape.scheduled_tokens, shape.kv_tokens_read, seconds, shape.kind, 0.0,
-                              shape.logit_tokens)
-                )  # fmt: skip
-            return outputs
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        seconds = time.perf_counter() - start
+        if engine.last_step_shape is not None:
+            shape = _Shape.of(engine.last_step_shape, kv_per_query)
+            points.append(
+                StepPoint(shape.scheduled_tokens, shape.kv_tokens_read, seconds, shape.kind, 0.0,
+                          shape.logit_tokens)
+            )  # fmt: skip
+        return outputs
 
-        engine.step = timed_step
-        try:
-            yield points
-        finally:
-            del engine.step  # the class's method shows again
+    engine.step = timed_step
+    try:
+        yield points
+    finally:
+        del engine.step  # the class's method shows again
 
 
 def _settled(steps: list[Sample]) -> bool:
@@ -287,26 +254,25 @@ def measure_steps(
     engine.reset_prefix_cache()  # an earlier run's prompts must not be hits
     samples: dict[tuple, list[Sample]] = {}
     keys: dict[_Decode | int, list[tuple]] = {}
-    with _recording(engine, kv_per_query) as shapes:
-        run = _Runner(engine, shapes)
-        run.add(max(1, min(64, engine.max_model_len, kv.pool.num_blocks * kv.block_size) - 5), 4)  # warm-up
-        while engine.has_unfinished_requests():
-            engine.step()
-        for rep in range(2 * repeats):
-            todo = cases
-            if rep >= repeats:
-                todo = [c for c in cases if not all(_settled(samples[k]) for k in keys[c])]
-                if not todo:
-                    break
-            start = time.perf_counter()
-            for case in todo:
-                timed = run.decode(case) if isinstance(case, _Decode) else run.prefill(case)
-                keys[case] = list(timed)
-                for key, sample in timed.items():
-                    samples.setdefault(key, []).append(sample)
-            elapsed = time.perf_counter() - start
-            what = f"{len(todo)} cases" if rep < repeats else f"{len(todo)} unsettled cases again"
-            progress(f"  pass {rep + 1}: {what} in {elapsed:.1f}s")
+    run = _Runner(engine, kv_per_query)
+    run.add(max(1, min(64, engine.max_model_len, kv.pool.num_blocks * kv.block_size) - 5), 4)  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    for rep in range(2 * repeats):
+        todo = cases
+        if rep >= repeats:
+            todo = [c for c in cases if not all(_settled(samples[k]) for k in keys[c])]
+            if not todo:
+                break
+        start = time.perf_counter()
+        for case in todo:
+            timed = run.decode(case) if isinstance(case, _Decode) else run.prefill(case)
+            keys[case] = list(timed)
+            for key, sample in timed.items():
+                samples.setdefault(key, []).append(sample)
+        elapsed = time.perf_counter() - start
+        what = f"{len(todo)} cases" if rep < repeats else f"{len(todo)} unsettled cases again"
+        progress(f"  pass {rep + 1}: {what} in {elapsed:.1f}s")
     points = [_fastest(steps) for steps in samples.values()]
     for key, p in zip(samples, points):
         label = _LABELS[key[0]].format(*key)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from seer_engine.engine.client import EngineClient, EngineDeadError, ServerStats
 from seer_engine.entrypoints.openai.errors import APIError, error_response
+from seer_engine.entrypoints.openai.json_body import JSONRoute
 from seer_engine.entrypoints.openai.protocol import (
     ERROR_RESPONSES,
     AbortRequest,
@@ -61,6 +62,24 @@ _METRICS: list[tuple[str, str, str, Callable[[ServerStats], float]]] = [
         "Draft tokens accepted since start.",
         lambda s: s.engine.draft_tokens_accepted,
     ),
+    (
+        "instance_failures_total",
+        "counter",
+        "Engine instances lost; their responses finished on the others.",
+        lambda s: s.health.instance_failures,
+    ),
+    (
+        "instances_alive",
+        "gauge",
+        "Engine instances serving (rollout mode; 1 otherwise).",
+        lambda s: sum(i["alive"] for i in s.health.instances) if s.health.instances else 1,
+    ),
+    (
+        "kv_pool_failures_total",
+        "counter",
+        "KV pool calls that failed; those responses recomputed.",
+        lambda s: s.health.kv_pool_failures,
+    ),
     ("paused", "gauge", "1 while generation is paused.", lambda s: float(s.paused is not None)),
     ("sleeping", "gauge", "1 while the engine sleeps.", lambda s: float(s.sleeping)),
 ]
@@ -81,15 +100,22 @@ def render_metrics(stats: ServerStats, model_name: str, prefix: str = "seer_engi
 
 
 def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], list[str]]) -> APIRouter:
-    router = APIRouter(tags=["rl"], responses=ERROR_RESPONSES)
+    router = APIRouter(tags=["rl"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 
     @router.get("/health")
     async def health() -> JSONResponse:
+        """200 while the server serves: "ok", or "degraded" with the reason (an instance
+        lost, the KV pool failing); 503 once it cannot serve at all."""
         try:
-            engine.check_health()
+            state = engine.check_health()
         except EngineDeadError as e:
             return error_response(503, str(e), code="engine_dead")
-        return JSONResponse({"status": "ok"})
+        body: dict = {"status": "degraded" if state.degraded else "ok"}
+        if state.degraded:
+            body["reason"] = state.degraded
+        if state.instances:
+            body["instances"] = state.instances
+        return JSONResponse(body)
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
@@ -28,9 +28,12 @@ from seer_engine.engine.client import EngineClient
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.entrypoints.openai.admin import admin_router
-from seer_engine.entrypoints.openai.batch import BatchManager, BatchStore, batches_router
+from seer_engine.entrypoints.openai.batch import BatchManager, batches_router
+from seer_engine.entrypoints.openai.batch_store import BatchStore
 from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers
 from seer_engine.entrypoints.openai.files import FileStore, files_router
+from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
+from seer_engine.entrypoints.openai.limits import DEFAULT_MAX_UPLOAD_BYTES, BodyLimits, RequestBounds
 from seer_engine.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from seer_engine.entrypoints.openai.serving_base import RequestRegistry
@@ -42,7 +45,6 @@ from seer_engine.rollout.config import RolloutConfig
 logger = logging.getLogger("seer_engine.serve")
 
 DEFAULT_DATA_DIR = Path("~/.cache/seer_engine/server")
-DEFAULT_MAX_BODY_BYTES = 200 * 1024 * 1024  # the OpenAI limit for a batch input file
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -55,7 +57,8 @@ class ServerSettings:
     served_model_names: list[str]
     data_dir: Path = DEFAULT_DATA_DIR
     api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int | None = None  # JSON routes; None: sized to max_model_len (limits.py)
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # POST /v1/files
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
@@ -116,12 +119,23 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     chat = OpenAIServingChat(engine, settings.served_model_names, registry)
     data_dir = settings.data_dir.expanduser()
     files = FileStore(data_dir / "files")
+    bounds = RequestBounds(engine.max_model_len)
+    limits = BodyLimits.for_model(engine.max_model_len, settings.max_body_bytes, settings.max_upload_bytes)
 
     async def completion_line(body: dict, request_id: str) -> dict:
+        bounds.completion(body)
         return await completions.create(parse_body(CompletionRequest, body, request_id))  # type: ignore[return-value]
 
     async def chat_line(body: dict, request_id: str) -> dict:
+        bounds.chat(body)
         return await chat.create(parse_body(ChatCompletionRequest, body, request_id))  # type: ignore[return-value]
+
+    # Run on the parsed JSON before pydantic validates the body (see limits.py).
+    async def bound_completion(request: JSONRequest) -> None:
+        bounds.completion(request.parsed)
+
+    async def bound_chat(request: JSONRequest) -> None:
+        bounds.chat(request.parsed)
 
     batches = BatchManager(
         BatchStore(data_dir / "batches"),
@@ -137,6 +151,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         await batches.stop()
 
     app = FastAPI(title="seer_engine", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = JSONRoute
     install_error_handlers(app)
 
     async def respond(request: Request, work: Awaitable[dict | AsyncIterator[str]]):
@@ -160,18 +175,25 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         ]
         return {"object": "list", "data": cards}
 
-    @app.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES)
+    @app.post(
+        "/v1/completions",
+        tags=["openai"],
+        responses=ERROR_RESPONSES,
+        dependencies=[Depends(bound_completion)],
+    )
     async def create_completion(req: CompletionRequest, request: Request):
         return await respond(request, completions.create(req))
 
-    @app.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES)
+    @app.post(
+        "/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES, dependencies=[Depends(bound_chat)]
+    )
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat.create(req))
 
     app.include_router(files_router(files))
     app.include_router(batches_router(batches))
     app.include_router(admin_router(engine, registry.expand))
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, limits=limits)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)  # outermost: before reading bodies
     return app
@@ -196,7 +218,20 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "--served-model-name", nargs="+", default=None, help="names clients use (default: --model)"
     )
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where files and batches are kept")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body of the JSON routes (completions, chat, batches, RL endpoints), "
+        "refused with 413 before it is read; default: sized to the model, "
+        "max_model_len * 32 characters per token * 6 bytes per JSON-escaped character + 1 MiB",
+    )
+    p.add_argument(
+        "--max-upload-bytes",
+        type=int,
+        default=DEFAULT_MAX_UPLOAD_BYTES,
+        help="largest file upload (POST /v1/files, a Batch API input file); default: 200 MiB, as OpenAI",
+    )
     RolloutConfig.add_cli_args(p)
     p.add_argument(
         "--timeout-keep-alive",
@@ -218,14 +253,17 @@ def run_server(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    for flag in ("max_body_bytes", "max_upload_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
         data_dir=args.data_dir,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
+        max_upload_bytes=args.max_upload_bytes,
         rollout=RolloutConfig.from_cli_args(args),
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)

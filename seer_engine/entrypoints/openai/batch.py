@@ -7,10 +7,12 @@ sees every request (and every group) at once.
 
 Batch objects are saved under the data folder at every status change (and at most
 once a second while lines finish), so a restart loses nothing accepted. A batch
-that was validating, in progress or finalizing when the server stopped is run
-again from its first line on the next start (lines that had finished are computed
-again; seeded requests give the same results). One that was cancelling is marked
-cancelled.
+that was validating or in progress when the server stopped is run again from its
+first line on the next start (lines that had finished are computed again; seeded
+requests give the same results). One that was finalizing is finished from its
+finalization plan when all its result files were written, else run again
+(batch_store.py); it is never reported with a missing or partial file. One that was
+cancelling is marked cancelled.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query
 
-from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
-from seer_engine.entrypoints.openai.files import FileStore, atomic_write, page
+from seer_engine.entrypoints.openai.batch_store import BatchStore, pause_for_test, plan_fields
+from seer_engine.entrypoints.openai.errors import APIError, BodyError, as_api_error, error_body
+from seer_engine.entrypoints.openai.files import FileStore, new_file_id, page
+from seer_engine.entrypoints.openai.json_body import JSONRoute, decode_utf8, parse_json_text
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, BatchCreateRequest
 
 logger = logging.getLogger(__name__)
@@ -53,16 +56,17 @@ def parse_lines(content: bytes, endpoint: str) -> list[dict]:
     lines: list[dict] = []
     seen: set[str] = set()
     try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BatchLineError(0, "invalid_file", "the input file is not UTF-8 text") from None
+        text = decode_utf8(content, "the input file")
+    except BodyError as e:
+        raise BatchLineError(0, "invalid_file", e.message) from None
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            line = json.loads(raw)
-        except ValueError as e:
-            errors.append({"code": "invalid_json_line", "message": f"not valid JSON: {e}", "line": number})
+            line = parse_json_text(raw, "the line")
+        except BodyError as e:
+            record = {"code": "invalid_json_line", "message": e.message, "line": number, "param": e.param}
+            errors.append(record)
             continue
         problem = _line_problem(line, endpoint, seen)
         if problem:
@@ -97,28 +101,7 @@ def _line_problem(line: Any, endpoint: str, seen: set[str]) -> tuple[str, str] |
 class BatchValidationError(Exception):
     def __init__(self, errors: list[dict]) -> None:
         super().__init__(f"{len(errors)} invalid lines")
-        self.records = [{**e, "param": None} for e in errors]
-
-
-class BatchStore:
-    """Batch objects, one JSON file each."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-
-    def save(self, batch: dict) -> None:
-        atomic_write(self.root / f"{batch['id']}.json", json.dumps(batch).encode())
-
-    def load_all(self) -> dict[str, dict]:
-        out = {}
-        for path in self.root.glob("batch_*.json"):
-            try:
-                batch = json.loads(path.read_text())
-                out[batch["id"]] = batch
-            except (OSError, ValueError, KeyError) as e:
-                logger.warning("skipping unreadable batch record %s: %s", path, e)
-        return out
+        self.records = [{"param": None, **e} for e in errors]
 
 
 class BatchManager:
@@ -141,6 +124,8 @@ class BatchManager:
     def start(self) -> None:
         """Resume what a previous server left unfinished (see the module docstring)."""
         for batch in self._batches.values():
+            if self._settle_finalization(batch):
+                continue
             if batch["status"] == "cancelling":
                 self._set(batch, "cancelled", cancelled_at=int(time.time()))
             elif batch["status"] not in TERMINAL:
@@ -148,6 +133,23 @@ class BatchManager:
                 batch["request_counts"] = {"total": 0, "completed": 0, "failed": 0}
                 self._set(batch, "validating")
                 self._launch(batch)
+
+    def _settle_finalization(self, batch: dict) -> bool:
+        """Apply or undo the finalization plan a killed server left; True when that
+        finished the batch."""
+        plan = self.store.load_plan(batch["id"])
+        if plan is None:
+            return False
+        file_ids = [file_id for file_id in plan["files"].values() if file_id is not None]
+        if batch["status"] not in TERMINAL and all(self.files.exists(f) for f in file_ids):
+            logger.info("finishing batch %s from its finalization plan", batch["id"])
+            self._set(batch, plan["status"], **plan_fields(plan))
+        elif batch["status"] not in TERMINAL:
+            logger.info("batch %s was killed while writing its results: running it again", batch["id"])
+            for file_id in file_ids:
+                self.files.discard(file_id)
+        self.store.drop_plan(batch["id"])
+        return batch["status"] in TERMINAL
 
     async def stop(self) -> None:
         """Stop running batches without changing their status: the next start resumes them."""
@@ -220,7 +222,7 @@ class BatchManager:
         batch = self.get(batch_id)
         if batch["status"] in ("cancelling", "cancelled"):
             return batch
-        if batch["status"] in TERMINAL:
+        if batch["status"] in (*TERMINAL, "finalizing"):  # finalizing: its results are being written
             raise APIError(
                 409, f"cannot cancel a batch that is {batch['status']}", code="batch_not_cancellable"
             )
@@ -257,7 +259,7 @@ class BatchManager:
     async def _execute(self, batch: dict) -> None:
         try:
             content = await asyncio.to_thread(self.files.read, batch["input_file_id"])
-            lines = parse_lines(content, batch["endpoint"])
+            lines = await asyncio.to_thread(parse_lines, content, batch["endpoint"])
         except (APIError, BatchLineError, BatchValidationError) as e:
             if isinstance(e, BatchValidationError):
                 records = e.records
@@ -291,6 +293,11 @@ class BatchManager:
         cancelled = batch["status"] == "cancelling"
         if not cancelled:
             self._set(batch, "finalizing", finalizing_at=int(time.time()))
+        await self._finalize(batch, lines, results, "cancelled" if cancelled else "completed")
+
+    async def _finalize(self, batch: dict, lines: list[dict], results: list, status: str) -> None:
+        """Write the result files and then the record that points at them, through a plan
+        that a restart can apply or undo (batch_store.py)."""
         outputs, errors = [], []
         in_tokens = out_tokens = 0
         for line, result in zip(lines, results):
@@ -301,15 +308,26 @@ class BatchManager:
             (outputs if ok else errors).append(record)
             in_tokens += usage.get("prompt_tokens", 0)
             out_tokens += usage.get("completion_tokens", 0)
-        fields: dict[str, Any] = {"usage": _usage(in_tokens, out_tokens)}
-        if outputs:
-            fields["output_file_id"] = (await self._write(batch, outputs, "output"))["id"]
-        if errors:
-            fields["error_file_id"] = (await self._write(batch, errors, "error"))["id"]
-        if cancelled:
-            self._set(batch, "cancelled", cancelled_at=int(time.time()), **fields)
-        else:
-            self._set(batch, "completed", completed_at=int(time.time()), **fields)
+        by_kind = {"output": outputs, "error": errors}
+        plan = {
+            "status": status,
+            "fields": {
+                f"{status}_at": int(time.time()),
+                "usage": _usage(in_tokens, out_tokens),
+                "request_counts": dict(batch["request_counts"]),
+            },
+            "files": {f"{kind}_file_id": new_file_id() if rows else None for kind, rows in by_kind.items()},
+        }
+        self.store.save_plan(batch["id"], plan)
+        for kind, rows in by_kind.items():
+            if rows:
+                content = await asyncio.to_thread(_jsonl, rows)
+                file_id = plan["files"][f"{kind}_file_id"]
+                await self.files.create(content, f"{batch['id']}_{kind}.jsonl", "batch_output", file_id)
+                await pause_for_test("partial")
+        await pause_for_test("files")
+        self._set(batch, status, **plan_fields(plan))
+        self.store.drop_plan(batch["id"])
 
     async def _run_line(
         self, batch: dict, handler: LineHandler, index: int, line: dict
@@ -332,9 +350,9 @@ class BatchManager:
             self._saved_at[batch["id"]] = time.monotonic()
         return record, ok, usage
 
-    async def _write(self, batch: dict, records: list[dict], kind: str) -> dict:
-        content = "".join(json.dumps(r) + "\n" for r in records).encode()
-        return await self.files.create(content, f"{batch['id']}_{kind}.jsonl", "batch_output")
+
+def _jsonl(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
 
 
 def _record(
@@ -365,7 +383,7 @@ def _usage(input_tokens: int, output_tokens: int) -> dict:
 
 
 def batches_router(manager: BatchManager) -> APIRouter:
-    router = APIRouter(tags=["batches"], responses=ERROR_RESPONSES)
+    router = APIRouter(tags=["batches"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 
     @router.post("/v1/batches")
     async def create_batch(req: BatchCreateRequest) -> dict:

@@ -42,6 +42,21 @@ class APIError(Exception):
         self.code = code
 
 
+class BodyError(StarletteHTTPException):
+    """A request body refused while it is read or parsed (too large, not UTF-8, not JSON,
+    too deep, a lone surrogate, a non-finite number).
+
+    An HTTPException so that FastAPI's body reading passes it through unchanged (it
+    turns other exceptions into a generic "error parsing the body").
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(status, message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -76,6 +91,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if first.get("type") == "finite_number":
+        return 400, f"{param or 'body'} must be a finite number, got {first.get('input')}", param
     parts = []
     for e in errors[:5]:
         where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
@@ -96,6 +113,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(status, message, param)
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, BodyError):
+            return error_response(exc.status_code, exc.message, exc.param, exc.code)
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(exc.status_code, message)
 

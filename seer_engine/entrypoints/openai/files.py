@@ -22,6 +22,7 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 
 from seer_engine.entrypoints.openai.errors import APIError
+from seer_engine.entrypoints.openai.json_body import JSONRoute
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,29 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def remove_partial_writes(root: Path) -> None:
+    """Remove the temporary files of writes that a killed process left unfinished."""
+    for tmp in root.glob(".*"):
+        if tmp.is_file():
+            logger.info("removing %s, left by an interrupted write", tmp)
+            tmp.unlink(missing_ok=True)
+
+
 class FileStore:
-    """Files on disk with their OpenAI file objects kept in memory for listing."""
+    """Files on disk with their OpenAI file objects kept in memory for listing.
+
+    At start, what interrupted writes left is removed: temporary files, and data whose
+    file object was never written (the file was never listed, so nothing refers to it).
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        remove_partial_writes(root)
         self._files: dict[str, dict] = {}
         for meta_path in root.glob("file-*.json"):
             try:
@@ -58,6 +76,10 @@ class FileStore:
                 continue
             if self.data_path(meta["id"]).is_file():
                 self._files[meta["id"]] = meta
+        for data in root.glob("file-*.data"):
+            if data.stem not in self._files:
+                logger.info("removing %s: its file object was never written", data)
+                data.unlink(missing_ok=True)
 
     def data_path(self, file_id: str) -> Path:
         return self.root / f"{file_id}.data"
@@ -95,14 +117,23 @@ class FileStore:
             raise APIError(
                 400, f"purpose must be one of {list(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose"
             )
-        file_id = f"file-{uuid.uuid4().hex}"
         return await asyncio.to_thread(
-            self._save, file_id, lambda f: shutil.copyfileobj(source, f, 1 << 20), filename, purpose
+            self._save, new_file_id(), lambda f: shutil.copyfileobj(source, f, 1 << 20), filename, purpose
         )
 
-    async def create(self, content: bytes, filename: str, purpose: str) -> dict:
-        file_id = f"file-{uuid.uuid4().hex}"
+    async def create(self, content: bytes, filename: str, purpose: str, file_id: str | None = None) -> dict:
+        file_id = file_id or new_file_id()
         return await asyncio.to_thread(self._save, file_id, lambda f: f.write(content), filename, purpose)
+
+    def exists(self, file_id: str) -> bool:
+        """Whether the file is complete and listed."""
+        return file_id in self._files
+
+    def discard(self, file_id: str) -> None:
+        """Remove whatever exists of a file, listed or not."""
+        self._files.pop(file_id, None)
+        (self.root / f"{file_id}.json").unlink(missing_ok=True)
+        self.data_path(file_id).unlink(missing_ok=True)
 
     def get(self, file_id: str) -> dict:
         meta = self._files.get(file_id)
@@ -148,7 +179,7 @@ def page(items: list[dict], after: str | None, limit: int) -> dict:
 
 
 def files_router(store: FileStore) -> APIRouter:
-    router = APIRouter(tags=["files"], responses=ERROR_RESPONSES)
+    router = APIRouter(tags=["files"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 
     @router.post("/v1/files")
     async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)) -> dict:  # noqa: B008

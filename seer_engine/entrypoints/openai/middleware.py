@@ -12,7 +12,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from seer_engine.entrypoints.openai.errors import error_body
+from seer_engine.entrypoints.openai.errors import BodyError, error_body
+from seer_engine.entrypoints.openai.limits import BodyLimits
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -49,47 +50,51 @@ class APIKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """Refuse bodies over ``max_bytes`` with 413, by Content-Length or while reading.
+    """Refuse a body over its route's limit (``BodyLimits``) with 413, early.
 
-    The body is read here (up to the limit) and replayed to the route, so a client
-    that lies about, or omits, Content-Length is caught as well.
+    A declared Content-Length over the limit is refused before a byte is read. The
+    body is not buffered here: it streams to the route through a counting ``receive``
+    that raises a 413 ``BodyError`` once the bytes read pass the limit, so a client
+    that lies about, or omits, Content-Length is caught as well, and a 200 MB upload
+    is never held in memory twice. (uvicorn discards the rest of a refused body.)
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, limits: BodyLimits) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await send_error(send, 413, self._message(), code="request_too_large")
-        chunks: list[bytes] = []
+        limit, source = self.limits.limit(scope["method"], scope["path"])
+        too_large = BodyError(
+            413,
+            f"the request body is larger than {limit} bytes, the limit for {scope['path']} ({source})",
+            code="request_too_large",
+        )
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await send_error(send, too_large.status_code, too_large.message, too_large.code)
         size = 0
-        while True:
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal size
             message = await receive()
-            if message["type"] != "http.request":  # the client left before sending the body
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return await send_error(send, 413, self._message(), code="request_too_large")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    raise too_large
+            return message
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: wait for the disconnect, as ASGI does
+        async def watching_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
-        await self.app(scope, replay, send)
-
-    def _message(self) -> str:
-        return f"request body exceeds the limit of {self.max_bytes} bytes"
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except BodyError as e:  # a route that let it escape: answer here if nothing was sent
+            if started or e is not too_large:
+                raise
+            await send_error(send, e.status_code, e.message, e.code)

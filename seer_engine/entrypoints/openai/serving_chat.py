@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -35,13 +36,19 @@ def _content_text(message: ChatMessage, index: int) -> str:
 
 
 class OpenAIServingChat(ServingBase):
-    def render_prompt(self, req: ChatCompletionRequest) -> str:
-        """The conversation as one prompt string, through the model's chat template."""
+    async def render_prompt(self, req: ChatCompletionRequest) -> str:
+        """The conversation as one prompt string, through the model's chat template.
+
+        Rendered on a worker thread: the template is Python (jinja), so a long conversation
+        shares the interpreter with the event loop instead of stopping it. Rendering with
+        ``tokenize=False`` does not touch the (thread-unsafe) Rust tokenizer.
+        """
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         messages = [{"role": m.role, "content": _content_text(m, i)} for i, m in enumerate(req.messages)]
+        render = self.engine.detokenizer.apply_chat_template
         try:
-            return self.engine.detokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            return await asyncio.to_thread(render, messages, req.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault or the model's
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -51,7 +58,7 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, "tools are not supported", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt = self.render_prompt(req)
+        prompt = await self.render_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, logprobs)

@@ -54,3 +54,8 @@ class InstanceHandle:
 
     def close(self) -> None:
         """Stop the instance (its process, if it has one)."""
+
+    def poll_alive(self) -> bool:
+        """Is the instance still there, as far as can be seen without waiting? (A process
+        that died while idle is noticed here, before a chunk is sent to it.)"""
+        return self.alive

@@ -185,6 +185,9 @@ class ProcessInstance(InstanceHandle):
     def wait_any(handles: Sequence[ProcessInstance], timeout: float) -> None:
         wait([i._conn for i in handles], timeout=timeout)
 
+    def poll_alive(self) -> bool:
+        return self.alive and self.process.is_alive()
+
     def close(self) -> None:
         if self.process.is_alive():
             try:

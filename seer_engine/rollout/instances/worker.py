@@ -8,6 +8,7 @@ pool when the chunk ends by length.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -41,7 +42,7 @@ class InstanceWorker:
         e = self.engine
         kv = e.kv_manager
         return InstanceInfo(kv.pool.num_blocks, kv.block_size, e.config.max_num_seqs, e.max_model_len,
-                            e.vocab_size)  # fmt: skip
+                            e.vocab_size, os.getpid())  # fmt: skip
 
     def submit(self, chunk: ChunkRequest) -> None:
         if chunk.load_kv:
@@ -103,6 +104,7 @@ class InstanceWorker:
             drafter=self.engine.drafter.stats if self.engine.drafter else None,
             connector=self.connector.stats,
             loads=loads,
+            shapes=[self.engine.last_step_shape] if self.engine.last_step_shape is not None else [],
             draft_updates=self.replica.take_updates() if self.replica is not None else [],
         )
 

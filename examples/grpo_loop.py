@@ -1,0 +1,547 @@
+"""Synchronous GRPO driving a running ``seer_engine serve --rollout-mode`` over HTTP.
+
+Plain torch, no trainer framework. Each iteration:
+
+1. sends its prompts (an epoch over a small fixed set, so prompts recur across
+   iterations) as token ids with ``n`` samples, ``return_token_ids`` and logprobs,
+   through the OpenAI Batch API (default) or ``/v1/completions`` (``--via
+   completions``), the way veRL and slime call inference servers;
+2. grades every response with the task's grader and normalizes rewards within each
+   group (GRPO's advantage: ``(r - mean) / (std + eps)``);
+3. takes a clipped policy-gradient step on CPU on the trainer's own copy of the model
+   (the last ``--train-layers`` decoder layers and the final norm unfrozen), with the
+   log-probabilities of the sampled tokens recomputed under the current policy;
+4. writes the weights as a Hugging Face folder, calls ``/update_weights_from_disk``
+   and checks that ``/get_weight_version`` went up by one.
+
+Against ``make run``'s server (SmolLM2-135M-Instruct on 127.0.0.1:8000)::
+
+    python examples/grpo_loop.py --model smollm2-135m --iterations 3 \\
+        --knob steps=1 --knob max_operand=10 --knob ops=add,sub,mul
+
+``--model`` names the trainer's copy and must be the weights the server serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from seer_engine.rollout.machine import machine_info
+from seer_engine.tasks import TASKS, TaskPrompt, get_task, parse_knobs, task_prompts
+
+BATCH_TERMINAL = ("completed", "failed", "cancelled", "expired")
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.gguf")
+
+Reward = Callable[[TaskPrompt, str], float]
+
+
+class GRPOError(RuntimeError):
+    """Something the loop cannot go on from; the message says what went wrong."""
+
+
+@dataclass
+class GRPOConfig:
+    server: str = "http://127.0.0.1:8000"
+    api_key: str | None = None
+    model: str = "smollm2-135m"  # the trainer's copy: the weights the server serves
+    served_model: str | None = None  # the name in requests (default: the server's first model)
+    task: str = "arith"
+    knobs: dict[str, Any] = field(default_factory=dict)
+    prompts: int = 8  # the fixed prompt set
+    batch_prompts: int = 4  # prompts per iteration, taken in turn from the set
+    n: int = 8
+    iterations: int = 3
+    max_tokens: int = 128
+    temperature: float = 0.7
+    via: str = "batch"  # or "completions"
+    lr: float = 1e-5
+    train_layers: int = 2
+    clip: float = 0.2  # PPO clip range of the probability ratio
+    epochs: int = 1  # gradient steps over each rollout (the ratio leaves 1 from the second on)
+    kl_coef: float = 0.0  # k3 KL to the initial policy
+    max_grad_norm: float = 1.0
+    micro_batch: int = 4  # sequences per forward pass
+    format_bonus: float = 0.0  # added to the reward when an answer could be read (R1-style format reward)
+    seed: int = 0
+    out_dir: Path = Path("grpo-checkpoints")
+    keep_checkpoints: bool = False
+    num_threads: int | None = None
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.via not in ("batch", "completions"):
+            raise ValueError(f"--via must be batch or completions, got {self.via!r}")
+        for name in ("prompts", "batch_prompts", "n", "iterations", "max_tokens", "train_layers", "epochs",
+                     "micro_batch"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.batch_prompts > self.prompts:
+            raise ValueError(f"--batch-prompts ({self.batch_prompts}) must be <= --prompts ({self.prompts})")
+        if self.n < 2:
+            raise ValueError("--n must be >= 2: GRPO's advantages compare the responses of a group")
+        if self.temperature <= 0:
+            raise ValueError("--temperature must be > 0 (GRPO needs sampled, different responses)")
+        if self.lr <= 0 or self.clip <= 0 or self.kl_coef < 0 or self.max_grad_norm <= 0:
+            raise ValueError("--lr, --clip and --max-grad-norm must be > 0 and --kl-coef >= 0")
+        self.out_dir = Path(self.out_dir)
+
+
+@dataclass
+class Sample:
+    """One response as the trainer uses it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    engine_logprobs: list[float]  # the server's, of the raw (temperature 1) distribution
+    reward: float = 0.0
+    advantage: float = 0.0
+    old_logprobs: torch.Tensor | None = None  # of the sampling distribution, before this iteration's steps
+
+
+# ---------------------------------------------------------------------------------- the server
+
+
+class ServerClient:
+    """The HTTP calls the loop makes; every failure becomes a GRPOError that says what happened."""
+
+    def __init__(self, url: str, api_key: str | None, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def request(self, method: str, path: str, what: str, text: bool = False, **kwargs: Any) -> Any:
+        """The JSON answer (``text``: the body as text) of one call."""
+        try:
+            resp = self.http.request(method, path, **kwargs)
+        except httpx.TimeoutException:
+            raise GRPOError(
+                f"{what}: the server at {self.url} did not answer within {self.timeout_s:.0f}s"
+            ) from None
+        except httpx.TransportError as e:
+            raise GRPOError(
+                f"{what}: cannot reach the seer_engine server at {self.url} ({e}); start one with "
+                "`seer_engine serve --rollout-mode --model MODEL` (or `make run`) or pass --server"
+            ) from None
+        if resp.status_code >= 400:
+            raise GRPOError(f"{what}: HTTP {resp.status_code} from {method} {path}: {_error_message(resp)}")
+        if text:
+            return resp.text
+        try:
+            return resp.json()
+        except ValueError:
+            raise GRPOError(f"{what}: {method} {path} answered with no JSON: {resp.text[:200]!r}") from None
+
+    def served_model(self) -> str:
+        models = self.request("GET", "/v1/models", "listing the served models")["data"]
+        if not models:
+            raise GRPOError("the server serves no model")
+        return models[0]["id"]
+
+    def weight_version(self) -> str:
+        return str(self.request("GET", "/get_weight_version", "reading the weight version")["weight_version"])
+
+    def update_weights(self, path: Path) -> str:
+        """Load ``path`` on the server; the new version (refusals raise)."""
+        body = {"model_path": str(path.resolve())}
+        try:
+            out = self.request("POST", "/update_weights_from_disk", "weight update", json=body)
+        except GRPOError as e:
+            raise GRPOError(f"weight update refused: {e}") from None
+        if not out.get("success"):
+            raise GRPOError(f"weight update refused: {out}")
+        return str(out["weight_version"])
+
+    def completions(self, bodies: list[dict]) -> list[dict]:
+        """All requests at once (one thread each), so the server schedules them together."""
+        with ThreadPoolExecutor(max(1, min(len(bodies), 64))) as pool:
+            futures = [
+                pool.submit(self.request, "POST", "/v1/completions", f"completion request {k}", json=b)
+                for k, b in enumerate(bodies)
+            ]
+            return [f.result() for f in futures]
+
+    def batch(self, bodies: list[dict], poll_s: float = 0.2) -> list[dict]:
+        """One Batch API batch of the requests; every line must come back answered."""
+        lines = [{"custom_id": f"req-{k}", "method": "POST", "url": "/v1/completions", "body": b}
+                 for k, b in enumerate(bodies)]  # fmt: skip
+        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        upload = self.request(
+            "POST", "/v1/files", "uploading the batch input",
+            files={"file": ("grpo.jsonl", content, "application/jsonl")}, data={"purpose": "batch"},
+        )  # fmt: skip
+        batch = self.request("POST", "/v1/batches", "creating the batch", json={
+            "input_file_id": upload["id"], "endpoint": "/v1/completions", "completion_window": "24h",
+        })  # fmt: skip
+        deadline = time.monotonic() + self.timeout_s
+        while batch["status"] not in BATCH_TERMINAL:
+            if time.monotonic() > deadline:
+                raise GRPOError(f"batch {batch['id']} still {batch['status']} after {self.timeout_s:.0f}s")
+            time.sleep(poll_s)
+            batch = self.request("GET", f"/v1/batches/{batch['id']}", "polling the batch")
+        try:
+            if batch["status"] != "completed":
+                raise GRPOError(f"batch {batch['id']} {batch['status']}: {json.dumps(batch.get('errors'))}")
+            outputs = self._records(batch.get("output_file_id"))
+            errors = self._records(batch.get("error_file_id"))
+            if errors:
+                cid, record = next(iter(errors.items()))
+                raise GRPOError(f"{len(errors)} of {len(lines)} batch requests failed, e.g. {cid}: "
+                                f"{_record_message(record)}")  # fmt: skip
+            missing = [line["custom_id"] for line in lines if line["custom_id"] not in outputs]
+            if missing:
+                raise GRPOError(
+                    f"batch {batch['id']} returned no answer for {len(missing)} requests: {missing[:5]}"
+                )
+            return [outputs[line["custom_id"]]["response"]["body"] for line in lines]
+        finally:
+            for fid in (upload["id"], batch.get("output_file_id"), batch.get("error_file_id")):
+                if fid:  # best effort: keeps the server's data folder small
+                    try:
+                        self.http.delete(f"/v1/files/{fid}")
+                    except httpx.HTTPError:
+                        pass
+
+    def _records(self, file_id: str | None) -> dict[str, dict]:
+        if not file_id:
+            return {}
+        text = self.request("GET", f"/v1/files/{file_id}/content", "reading the batch results", text=True)
+        return {r["custom_id"]: r for r in map(json.loads, text.splitlines()) if r}
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:300]
+
+
+def _record_message(record: dict) -> str:
+    response = record.get("response") or {}
+    body = response.get("body") or {}
+    message = (body.get("error") or {}).get("message") or (record.get("error") or {}).get("message")
+    return f"HTTP {response.get('status_code')}: {message}"
+
+
+def parse_choices(body: dict, prompt_ids: list[int], n: int) -> list[Sample]:
+    """The n samples of one completion response, checked: none lost, tokens and logprobs aligned."""
+    choices = sorted(body.get("choices", []), key=lambda c: c["index"])
+    if [c["index"] for c in choices] != list(range(n)):
+        raise GRPOError(f"expected {n} choices, got indices {[c['index'] for c in choices]}")
+    samples = []
+    for c in choices:
+        if c.get("prompt_token_ids") != prompt_ids:
+            raise GRPOError("the server's prompt_token_ids differ from the prompt sent")
+        ids = c.get("token_ids")
+        logprobs = (c.get("logprobs") or {}).get("token_logprobs")
+        if ids is None or logprobs is None or len(logprobs) != len(ids):
+            raise GRPOError("a choice lacks token_ids or per-token logprobs (return_token_ids, logprobs=0)")
+        samples.append(Sample(prompt_ids, list(ids), c["text"], c["finish_reason"], list(logprobs)))
+    return samples
+
+
+# ---------------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """The policy on CPU: a transformers model with its last layers trainable."""
+
+    def __init__(self, path: Path, cfg: GRPOConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.path = path
+        self.cfg = cfg
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        self.model.eval()  # no dropout: the recomputed logprobs must be the policy's own
+        decoder = self.model.model
+        layers = decoder.layers
+        if cfg.train_layers > len(layers):
+            raise ValueError(f"--train-layers {cfg.train_layers} but the model has {len(layers)} layers")
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        for module in [*layers[-cfg.train_layers :], decoder.norm]:
+            for p in module.parameters():
+                p.requires_grad_(True)
+        self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(list(self.trainable.values()), lr=cfg.lr, weight_decay=0.0)
+        self.reference = {n: p.detach().clone() for n, p in self.trainable.items()} if cfg.kl_coef else None
+
+    def logprobs(
+        self, batch: list[Sample], params: dict | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sample: log-probabilities of its tokens under the sampling distribution
+        (logits / temperature) and, detached, under the raw one (what the server reports)."""
+        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
+        ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, s in enumerate(batch):
+            ids[b, : lengths[b]] = torch.tensor(s.prompt_ids + s.token_ids)
+            mask[b, : lengths[b]] = 1
+        kwargs = {"input_ids": ids, "attention_mask": mask}
+        if params is None:
+            hidden = self.model.model(**kwargs).last_hidden_state
+        else:
+            hidden = torch.func.functional_call(self.model.model, _strip(params), args=(), kwargs=kwargs)[0]
+        head = self.model.get_output_embeddings()
+        scaled, raw = [], []
+        for b, s in enumerate(batch):
+            start = len(s.prompt_ids) - 1  # the position whose logits predict the first response token
+            logits = head(hidden[b, start : start + len(s.token_ids)])
+            target = torch.tensor(s.token_ids).unsqueeze(1)
+            scaled.append(torch.log_softmax(logits / self.cfg.temperature, -1).gather(1, target).squeeze(1))
+            with torch.no_grad():
+                raw.append(torch.log_softmax(logits, -1).gather(1, target).squeeze(1))
+        return scaled, raw
+
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        """``epochs`` clipped policy-gradient steps on the samples with a nonzero advantage
+        (a group whose rewards are all equal teaches nothing). Token-mean loss."""
+        active = [s for s in samples if s.advantage != 0.0]
+        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "kl": 0.0, "logp_gap": float("nan")}
+        if not active:
+            return out
+        tokens = sum(len(s.token_ids) for s in active)
+        gaps: list[float] = []
+        for epoch in range(self.cfg.epochs):
+            loss_sum = clipped = kl_sum = 0.0
+            self.optimizer.zero_grad(set_to_none=True)
+            for start in range(0, len(active), self.cfg.micro_batch):
+                micro = active[start : start + self.cfg.micro_batch]
+                scaled, raw = self.logprobs(micro)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref, _ = self.logprobs(micro, self.reference)
+                loss = torch.zeros(())
+                for k, s in enumerate(micro):
+                    if epoch == 0:
+                        s.old_logprobs = scaled[k].detach()
+                        gaps += (raw[k] - torch.tensor(s.engine_logprobs)).abs().tolist()
+                    ratio = torch.exp(scaled[k] - s.old_logprobs)
+                    bounded = torch.clamp(ratio, 1 - self.cfg.clip, 1 + self.cfg.clip)
+                    surrogate = -torch.minimum(ratio * s.advantage, bounded * s.advantage)
+                    clipped += float(((ratio - bounded).abs() > 1e-9).sum())
+                    if ref is not None:
+                        delta = ref[k] - scaled[k]
+                        kl = torch.exp(delta) - delta - 1
+                        surrogate = surrogate + self.cfg.kl_coef * kl
+                        kl_sum += float(kl.detach().sum())
+                    loss = loss + surrogate.sum() / tokens
+                loss.backward()
+                loss_sum += float(loss.detach())
+            norm = torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), self.cfg.max_grad_norm)
+            self.optimizer.step()
+            out.update(loss=loss_sum, grad_norm=float(norm), clip_frac=clipped / tokens, kl=kl_sum / tokens)
+        out["logp_gap"] = statistics.fmean(gaps) if gaps else float("nan")
+        return out
+
+    def save(self, out: Path) -> Path:
+        """A full Hugging Face folder: these weights in safetensors, every other file
+        (config, tokenizer, notices) copied from the source folder, so the server's
+        architecture check sees the same config."""
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(str(tmp), safe_serialization=True)
+        for f in self.path.iterdir():
+            if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
+                shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return out
+
+
+def _strip(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameter names of the full model as names inside its decoder (``model.`` dropped)."""
+    return {n.removeprefix("model."): p for n, p in params.items()}
+
+
+def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
+    """GRPO: each reward against its group's mean, in units of the group's std (0 if all equal)."""
+    mean = statistics.fmean(rewards)
+    std = statistics.pstdev(rewards)
+    return [0.0 if std < eps else (r - mean) / (std + eps) for r in rewards]
+
+
+# ---------------------------------------------------------------------------------- the loop
+
+
+def task_reward(task, format_bonus: float) -> Reward:
+    def reward(prompt: TaskPrompt, text: str) -> float:
+        grade = task.grade(prompt, text)
+        return grade.reward + (format_bonus if grade.parsed is not None else 0.0)
+
+    return reward
+
+
+def run_grpo(cfg: GRPOConfig, reward: Reward | None = None, log: Callable[[str], None] = print) -> list[dict]:
+    """``cfg.iterations`` iterations; one record per iteration (what the table prints)."""
+    from transformers import AutoTokenizer
+
+    from seer_engine.engine.llm_engine import resolve_model_path
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    task = get_task(cfg.task, **cfg.knobs)
+    reward = reward or task_reward(task, cfg.format_bonus)
+    client = ServerClient(cfg.server, cfg.api_key, cfg.timeout_s)
+    try:
+        served = cfg.served_model or client.served_model()
+        version = client.weight_version()
+        path = resolve_model_path(cfg.model)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+        def chat(messages: list[dict[str, str]]) -> str:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        prompts = task_prompts(task, cfg.prompts, cfg.seed, chat_template=chat)
+        prompt_ids = [tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
+        trainer = Trainer(path, cfg)
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        log(
+            f"GRPO: {served} at {cfg.server} (weight version {version}), trainer copy {path}, "
+            f"{cfg.task} {task.knobs()}, {cfg.prompts} prompts, {cfg.batch_prompts} x n={cfg.n} "
+            f"per iteration via {cfg.via}"
+        )
+        log(HEADER)
+        records: list[dict] = []
+        previous: Path | None = None
+        for it in range(1, cfg.iterations + 1):
+            chosen = [((it - 1) * cfg.batch_prompts + j) % cfg.prompts for j in range(cfg.batch_prompts)]
+            bodies = [{
+                "model": served, "prompt": prompt_ids[k], "n": cfg.n, "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature, "seed": (cfg.seed * 1_000_003 + it * 1009 + k) % 2**31,
+                "logprobs": 0, "return_token_ids": True,
+            } for k in chosen]  # fmt: skip
+            start = time.perf_counter()
+            answers = client.batch(bodies) if cfg.via == "batch" else client.completions(bodies)
+            rollout_s = time.perf_counter() - start
+            groups = [parse_choices(body, prompt_ids[k], cfg.n) for body, k in zip(answers, chosen)]
+            for k, group in zip(chosen, groups):
+                for s in group:
+                    s.reward = reward(prompts[k], s.text)
+                for s, a in zip(group, group_advantages([s.reward for s in group])):
+                    s.advantage = a
+            samples = [s for g in groups for s in g]
+            start = time.perf_counter()
+            figures = trainer.step(samples)
+            checkpoint = trainer.save(cfg.out_dir / f"iter-{it}")
+            train_s = time.perf_counter() - start
+            start = time.perf_counter()
+            new_version = client.update_weights(checkpoint)
+            check_version(version, new_version, client.weight_version())
+            update_s = time.perf_counter() - start
+            if previous is not None and not cfg.keep_checkpoints:
+                shutil.rmtree(previous, ignore_errors=True)
+            previous, version = checkpoint, new_version
+            lengths = [len(s.token_ids) for s in samples]
+            record = {
+                "iteration": it, "prompts": [prompts[k].id for k in chosen], "responses": len(samples),
+                "rollout_s": round(rollout_s, 3), "tokens": sum(lengths),
+                "tokens_per_s": round(sum(lengths) / rollout_s, 1),
+                "mean_reward": round(statistics.fmean(s.reward for s in samples), 4),
+                "mixed_groups": sum(len({s.reward for s in g}) > 1 for g in groups),
+                "mean_len": round(statistics.fmean(lengths), 1), "max_len": max(lengths),
+                **{k: float(f"{v:.4g}") for k, v in figures.items()},
+                "train_s": round(train_s, 2), "update_s": round(update_s, 2),
+                "weight_version": new_version, "checkpoint": str(checkpoint),
+            }  # fmt: skip
+            records.append(record)
+            log(format_row(record, len(groups)))
+        return records
+    finally:
+        client.close()
+
+
+def check_version(before: str, returned: str, read_back: str) -> None:
+    """The update took: the server reports the version it returned, one past the last."""
+    if read_back != returned:
+        raise GRPOError(f"/get_weight_version says {read_back!r} but the update returned {returned!r}")
+    expected = str(int(before) + 1) if before.isdigit() else "1"
+    if returned != expected:
+        raise GRPOError(f"weight version went from {before!r} to {returned!r}, expected {expected!r}")
+
+
+HEADER = (f"{'iter':>4} {'rollout_s':>9} {'tok/s':>7} {'reward':>6} {'mixed':>5} {'len_mean':>8} "
+          f"{'len_max':>7} {'loss':>9} {'grad':>7} {'logp_gap':>8} {'train_s':>7} "
+          f"{'version':>7}")  # fmt: skip
+
+
+def format_row(r: dict, groups: int) -> str:
+    return (f"{r['iteration']:>4} {r['rollout_s']:>9.1f} {r['tokens_per_s']:>7.1f} {r['mean_reward']:>6.3f} "
+            f"{r['mixed_groups']:>2}/{groups:<2} {r['mean_len']:>8.1f} {r['max_len']:>7} {r['loss']:>9.5f} "
+            f"{r['grad_norm']:>7.3f} {r['logp_gap']:>8.1e} {r['train_s']:>7.1f} "
+            f"{r['weight_version']:>7}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = GRPOConfig()
+    p.add_argument("--server", default=d.server)
+    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--model", default=d.model, help="the trainer's copy (folder or alias): what the server serves"
+    )
+    p.add_argument("--served-model-name", dest="served_model", default=None)
+    p.add_argument("--task", default=d.task, choices=sorted(TASKS))
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE", help="task knob, repeatable")
+    p.add_argument("--via", default=d.via, choices=("batch", "completions"))
+    p.add_argument("--log-json", default=None, help="write the per-iteration records here")
+    p.add_argument("--out-dir", default=str(d.out_dir), help="checkpoints (the latest is kept)")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    for name in ("prompts", "batch_prompts", "n", "iterations", "max_tokens", "train_layers", "epochs",
+                 "micro_batch", "seed", "num_threads"):  # fmt: skip
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("temperature", "lr", "clip", "kl_coef", "max_grad_norm", "format_bonus", "timeout_s"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    args = p.parse_args(argv)
+    meta = {
+        "command": " ".join(["python", "examples/grpo_loop.py", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),  # the load as the run starts
+    }
+    try:
+        values = {k: v for k, v in vars(args).items() if k not in ("knob", "log_json")}
+        cfg = GRPOConfig(**values, knobs=parse_knobs(args.task, args.knob))
+        records = run_grpo(cfg)
+    except (GRPOError, ValueError) as e:
+        print(f"grpo_loop: error: {e}", file=sys.stderr)
+        return 1
+    if args.log_json:
+        log = {"meta": meta, "config": asdict(cfg), "iterations": records}
+        Path(args.log_json).write_text(json.dumps(_jsonable(log), indent=2) + "\n")
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

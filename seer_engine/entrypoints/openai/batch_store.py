@@ -1,0 +1,87 @@
+"""Batch objects on disk, and the plan that makes finalizing a batch atomic.
+
+A batch's results are written in this order: a *plan* beside its record (the final
+status, counts and usage, and the ids of its output and error files, chosen up
+front); the files, each complete before it is listed (files.py); the record, now
+pointing at the files; then the plan is removed. So the record only ever points at
+complete files, and a server killed at any point leaves something a restart can
+settle (``BatchManager.start``): a plan whose files all exist is applied (the batch
+is finished without running again); a plan with a file missing has its files
+removed and the batch is run again; no plan means no result file was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from seer_engine.entrypoints.openai.files import atomic_write, remove_partial_writes
+
+logger = logging.getLogger(__name__)
+
+# For tests only: "<stage>:<path>" stops finalization at <stage> ("partial": the plan
+# and the first result file are written; "files": every result file is written, the
+# record not yet), creates <path>, and waits there until the process is killed. This
+# lets a test SIGKILL a server at a known point of finalization instead of racing it.
+TEST_PAUSE_ENV = "SEER_ENGINE_TEST_PAUSE_FINALIZING"
+
+
+async def pause_for_test(stage: str) -> None:
+    spec = os.environ.get(TEST_PAUSE_ENV, "")
+    wanted, _, marker = spec.partition(":")
+    if wanted == stage:
+        logger.warning("finalization paused at %r for a test (%s)", stage, TEST_PAUSE_ENV)
+        Path(marker).touch()
+        await asyncio.Event().wait()
+
+
+class BatchStore:
+    """Batch objects, one JSON file each, and the plans of batches being finalized."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        remove_partial_writes(root)
+
+    def save(self, batch: dict) -> None:
+        atomic_write(self.root / f"{batch['id']}.json", json.dumps(batch).encode())
+
+    def load_all(self) -> dict[str, dict]:
+        out = {}
+        for path in self.root.glob("batch_*.json"):
+            try:
+                batch = json.loads(path.read_text())
+                out[batch["id"]] = batch
+            except (OSError, ValueError, KeyError) as e:
+                logger.warning("skipping unreadable batch record %s: %s", path, e)
+        return out
+
+    # -- finalization plans ---------------------------------------------------------------
+
+    def _plan_path(self, batch_id: str) -> Path:
+        return self.root / f"{batch_id}.plan"
+
+    def save_plan(self, batch_id: str, plan: dict) -> None:
+        atomic_write(self._plan_path(batch_id), json.dumps(plan).encode())
+
+    def load_plan(self, batch_id: str) -> dict | None:
+        try:
+            return json.loads(self._plan_path(batch_id).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:  # written atomically, so only a damaged disk gets here
+            logger.warning("ignoring unreadable finalization plan of %s: %s", batch_id, e)
+            return None
+
+    def drop_plan(self, batch_id: str) -> None:
+        self._plan_path(batch_id).unlink(missing_ok=True)
+
+
+def plan_fields(plan: dict) -> dict[str, Any]:
+    """The record fields a plan sets (besides the status): counts, usage, time, files."""
+    files = {name: file_id for name, file_id in plan["files"].items() if file_id is not None}
+    return {**plan["fields"], **files}

@@ -1,0 +1,238 @@
+"""Batch finalization is atomic: a server stopped at any point of writing a batch's
+results comes back with the batch finished from its plan or run again, never with a
+missing, partial or orphaned result file.
+
+The stop points are reached deterministically through the test-only pause
+(``SEER_ENGINE_TEST_PAUSE_FINALIZING``): finalization stops there and waits, so the
+"kill" never races the writes. The unit tests stop the manager at the pause (nothing
+runs after it, as after a kill); the server test SIGKILLs a real server there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from seer_engine.entrypoints.openai.batch import BatchManager
+from seer_engine.entrypoints.openai.batch_store import TEST_PAUSE_ENV, BatchStore
+from seer_engine.entrypoints.openai.errors import APIError
+from seer_engine.entrypoints.openai.files import FileStore
+from seer_engine.entrypoints.openai.protocol import BatchCreateRequest
+
+pytest_plugins = ["server_harness"]
+
+ENDPOINT = "/v1/completions"
+
+
+def _lines(n: int, bad: int) -> bytes:
+    """n lines, of which the first ``bad`` fail (an error record each)."""
+    rows = [
+        {"custom_id": f"c{i}", "method": "POST", "url": ENDPOINT, "body": {"prompt": f"q{i}", "bad": i < bad}}
+        for i in range(n)
+    ]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+async def _answer(body: dict, request_id: str) -> dict:
+    if body.get("bad"):
+        raise APIError(400, "refused", param="prompt")
+    return {"id": request_id, "text": body["prompt"], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}
+
+
+def _manager(root: Path) -> BatchManager:
+    """A manager over the folders of ``root``: a new one is what a restarted server builds."""
+    return BatchManager(BatchStore(root / "batches"), FileStore(root / "files"), {ENDPOINT: _answer}, "m")
+
+
+async def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def _submit(manager: BatchManager, content: bytes) -> str:
+    input_id = (await manager.files.create(content, "in.jsonl", "batch"))["id"]
+    req = BatchCreateRequest(input_file_id=input_id, endpoint=ENDPOINT)
+    return manager.create(req)["id"]
+
+
+def _stop_at(root: Path, stage: str, monkeypatch, content: bytes) -> tuple[str, dict]:
+    """Run a batch until finalization pauses at ``stage``, then stop the manager there.
+
+    Returns the batch id and its finalization plan as it is on disk.
+    """
+    marker = root / f"paused-{stage}"
+    monkeypatch.setenv(TEST_PAUSE_ENV, f"{stage}:{marker}")
+
+    async def run() -> str:
+        manager = _manager(root)
+        manager.start()
+        batch_id = await _submit(manager, content)
+        await _wait_for(marker.exists, f"finalization to pause at {stage}")
+        await manager.stop()  # nothing after the pause runs: the state a kill leaves
+        return batch_id
+
+    batch_id = asyncio.run(run())
+    monkeypatch.delenv(TEST_PAUSE_ENV)
+    plan = BatchStore(root / "batches").load_plan(batch_id)
+    assert plan is not None
+    return batch_id, plan
+
+
+def _restart(root: Path, batch_id: str) -> tuple[dict, FileStore]:
+    """Start a new manager on the same folders and wait for the batch to finish."""
+
+    async def run() -> dict:
+        manager = _manager(root)
+        manager.start()
+        await _wait_for(lambda: manager.get(batch_id)["status"] == "completed", "the batch to complete")
+        await manager.stop()
+        return manager.get(batch_id)
+
+    batch = asyncio.run(run())
+    return batch, FileStore(root / "files")
+
+
+def _records(files: FileStore, file_id: str) -> dict[str, dict]:
+    return {r["custom_id"]: r for r in map(json.loads, files.read(file_id).decode().splitlines())}
+
+
+def _on_disk(root: Path) -> set[str]:
+    return {p.name for p in (root / "files").iterdir()} | {p.name for p in (root / "batches").iterdir()}
+
+
+def test_a_batch_killed_with_every_file_written_is_finished_from_its_plan(tmp_path, monkeypatch):
+    batch_id, plan = _stop_at(tmp_path, "files", monkeypatch, _lines(5, bad=2))
+    store = BatchStore(tmp_path / "batches")
+    assert store.load_all()[batch_id]["status"] == "finalizing"
+    assert store.load_all()[batch_id]["output_file_id"] is None  # the record never points ahead
+
+    batch, files = _restart(tmp_path, batch_id)
+    assert batch["output_file_id"] == plan["files"]["output_file_id"]  # finished, not run again
+    assert batch["error_file_id"] == plan["files"]["error_file_id"]
+    assert batch["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    assert batch["usage"]["input_tokens"] == 6 and batch["completed_at"] == plan["fields"]["completed_at"]
+    assert set(_records(files, batch["output_file_id"])) == {"c2", "c3", "c4"}
+    assert set(_records(files, batch["error_file_id"])) == {"c0", "c1"}
+    assert store.load_plan(batch_id) is None
+    assert not any(name.startswith(".") or name.endswith(".plan") for name in _on_disk(tmp_path))
+
+
+def test_a_batch_killed_between_its_files_is_run_again_without_orphans(tmp_path, monkeypatch):
+    batch_id, plan = _stop_at(tmp_path, "partial", monkeypatch, _lines(5, bad=2))
+    written, missing = plan["files"]["output_file_id"], plan["files"]["error_file_id"]
+    assert FileStore(tmp_path / "files").exists(written) and not FileStore(tmp_path / "files").exists(missing)
+
+    batch, files = _restart(tmp_path, batch_id)
+    assert batch["output_file_id"] not in (None, written) and batch["error_file_id"] not in (None, missing)
+    assert not files.exists(written)  # the half set of results is gone
+    assert {m["id"] for m in files.list(None, None, 100, "asc")["data"]} == {
+        batch["input_file_id"],
+        batch["output_file_id"],
+        batch["error_file_id"],
+    }
+    assert set(_records(files, batch["output_file_id"])) == {"c2", "c3", "c4"}
+    assert set(_records(files, batch["error_file_id"])) == {"c0", "c1"}
+    assert batch["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    assert not any(name.endswith(".plan") for name in _on_disk(tmp_path))
+
+
+def test_leftovers_of_interrupted_writes_are_removed_at_start(tmp_path):
+    files = FileStore(tmp_path / "files")
+    kept = asyncio.run(files.create(b"{}\n", "kept.jsonl", "batch"))["id"]
+    (tmp_path / "files" / f".{kept}.tmp123").write_bytes(b"half a file")  # killed mid-write
+    (tmp_path / "files" / "file-deadbeef.data").write_bytes(b"{}\n")  # its file object never written
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / ".batch_x.json.tmp9").write_bytes(b"{")
+    files = FileStore(tmp_path / "files")
+    BatchStore(tmp_path / "batches")
+    assert _on_disk(tmp_path) == {f"{kept}.data", f"{kept}.json"}
+    assert files.read(kept) == b"{}\n"
+
+
+def test_a_stale_plan_beside_a_finished_batch_is_dropped(tmp_path):
+    async def run() -> str:
+        manager = _manager(tmp_path)
+        manager.start()
+        batch_id = await _submit(manager, _lines(2, bad=0))
+        await _wait_for(lambda: manager.get(batch_id)["status"] == "completed", "the batch")
+        await manager.stop()
+        return batch_id
+
+    batch_id = asyncio.run(run())
+    store = BatchStore(tmp_path / "batches")
+    done = store.load_all()[batch_id]
+    store.save_plan(batch_id, {"status": "completed", "fields": {}, "files": {"output_file_id": "file-x"}})
+    batch, _ = _restart(tmp_path, batch_id)  # killed after the record, before dropping the plan
+    assert batch == done and store.load_plan(batch_id) is None
+
+
+# ------------------------------------------------------------------- a real server
+
+
+@pytest.fixture
+def batch_server(server_models, tmp_path):
+    from server_harness import MODEL_NAME, ServerProcess
+
+    args = [
+        "--model", str(server_models[0]), "--served-model-name", MODEL_NAME,
+        "--data-dir", str(tmp_path / "data"), "--max-model-len", "128", "--num-kv-blocks", "128",
+        "--num-threads", "1", "--log-level", "warning",
+    ]  # fmt: skip
+    proc = ServerProcess(args, tmp_path / "server.log")
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("stage", ["partial", "files"])
+def test_server_killed_while_finalizing_reports_each_batch_whole(batch_server, tmp_path, stage):
+    """SIGKILL a real server paused in finalization; after a restart the batch is
+    completed with complete files (from the plan, or run again), and nothing is orphaned."""
+    marker = tmp_path / "paused"
+    batch_server.env = {TEST_PAUSE_ENV: f"{stage}:{marker}"}
+    batch_server.start()
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": ENDPOINT,
+         "body": {"prompt": f"Question {i}:", "max_tokens": 4, "seed": i, "n": 0 if i == 0 else 1}}
+        for i in range(6)
+    ]  # fmt: skip
+    with batch_server.openai() as client:
+        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        input_id = client.files.create(file=("in.jsonl", content), purpose="batch").id
+        batch_id = client.batches.create(
+            input_file_id=input_id, endpoint=ENDPOINT, completion_window="24h"
+        ).id
+    batch_server.wait_until(marker.exists, timeout=60, what=f"finalization to pause at {stage}")
+    batch_server.kill()
+    data = tmp_path / "data"
+    plan = BatchStore(data / "batches").load_plan(batch_id)
+    assert plan is not None and json.loads((data / "batches" / f"{batch_id}.json").read_text())["status"] == (
+        "finalizing"
+    )
+
+    batch_server.env = {}
+    batch_server.start()
+    with batch_server.openai() as client:
+        batch = batch_server.wait_until(
+            lambda: (b := client.batches.retrieve(batch_id)).status == "completed" and b,
+            timeout=60,
+            what="the batch to complete after the restart",
+        )
+        assert batch.request_counts.total == 6 and batch.request_counts.completed == 5
+        outputs = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+        listed = {f.id for f in client.files.list()}
+    assert sorted(r["custom_id"] for r in outputs) == [f"c{i}" for i in range(1, 6)]
+    assert all(r["response"]["status_code"] == 200 for r in outputs)
+    assert [r["custom_id"] for r in errors] == ["c0"]
+    assert listed == {input_id, batch.output_file_id, batch.error_file_id}
+    finished_from_plan = batch.output_file_id == plan["files"]["output_file_id"]
+    assert finished_from_plan == (stage == "files")
+    on_disk = {p.name for p in (data / "files").iterdir()}
+    assert on_disk == {f"{f}.{ext}" for f in listed for ext in ("data", "json")}
+    assert not (data / "batches" / f"{batch_id}.plan").exists()

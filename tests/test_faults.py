@@ -1,0 +1,146 @@
+"""Faults under ``seer_engine serve --rollout-mode``: an instance process (or Ray actor)
+killed mid-rollout, one that dies while the server is idle, a Mooncake master killed
+mid-rollout. Every sample comes back exactly once with the tokens of a fault-free run
+(sampling is seeded, so tokens depend on seed and position only), and the server
+keeps serving: /health and /metrics answer 200 and say what was lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["server_harness"]
+
+GROUPS, N, MAX_TOKENS = 4, 8, 200  # 32 samples in flight, in 16-token chunks
+COMMON = ["--rollout-mode", "--chunk-tokens", "16", "--max-model-len", "512", "--num-kv-blocks", "256",
+          "--max-num-seqs", "8", "--num-threads", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Path:
+    return tiny_model("qwen3")
+
+
+def _request(server, g: int) -> list[tuple[int, list[int]]]:
+    with server.openai() as client:
+        out = client.completions.create(
+            model=server.model,
+            prompt=[3 + g, 7, 11 + g, 5],
+            n=N,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=100 + g,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    return sorted((c.index, list(c.token_ids)) for c in out.choices)
+
+
+def _rollout(server, during=None) -> dict[int, list[tuple[int, list[int]]]]:
+    """All groups at once; ``during()`` runs on this thread while they are in flight."""
+    with ThreadPoolExecutor(GROUPS) as pool:
+        futures = {g: pool.submit(_request, server, g) for g in range(GROUPS)}
+        if during is not None:
+            during()
+        return {g: f.result(timeout=600) for g, f in futures.items()}
+
+
+def _assert_complete(outputs: dict, reference: dict) -> None:
+    for choices in outputs.values():
+        assert [i for i, _ in choices] == list(range(N)), "every sample exactly once"
+        assert all(len(tokens) == MAX_TOKENS for _, tokens in choices)
+    assert outputs == reference, "a lost instance changed no output"
+
+
+def _health(server) -> dict:
+    with server.http() as http:
+        resp = http.get("/health")
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _kill_mid_rollout(server, pid: int) -> dict:
+    """Once some tokens are out (and most are not), SIGKILL ``pid``; returns when it died."""
+    total = GROUPS * N * MAX_TOKENS
+    start = server.metrics()["generation_tokens_total"]
+    at = server.wait_until(
+        lambda: (t := server.metrics()["generation_tokens_total"] - start) >= total // 8 and t,
+        timeout=300,
+        what="the rollout to get going",
+    )
+    os.kill(pid, signal.SIGKILL)
+    return {"tokens_before_kill": at, "total": total}
+
+
+def test_killed_instance_processes_lose_no_sample(model, start_server):
+    server = start_server("--model", str(model), "--instances", "3", *COMMON)
+    instances = _health(server)["instances"]
+    assert [i["alive"] for i in instances] == [True] * 3 and all(i["pid"] > 0 for i in instances)
+    reference = _rollout(server)
+
+    os.kill(instances[2]["pid"], signal.SIGKILL)  # dies while the server is idle
+    health = server.wait_until(lambda: (h := _health(server))["status"] == "degraded" and h, what="degraded")
+    assert "[2]" in health["reason"] and [i["alive"] for i in health["instances"]] == [True, True, False]
+    assert server.metrics()["instance_failures_total"] == 1
+
+    kill = {}
+    outputs = _rollout(server, during=lambda: kill.update(_kill_mid_rollout(server, instances[1]["pid"])))
+    assert kill["tokens_before_kill"] < kill["total"], "the instance died mid-rollout"
+    _assert_complete(outputs, reference)
+    metrics = server.metrics()
+    assert metrics["instance_failures_total"] == 2 and metrics["instances_alive"] == 1
+    assert metrics["num_requests_running"] == 0 and metrics["kv_cache_usage_perc"] == 0.0
+    assert _health(server)["status"] == "degraded"
+    assert _rollout(server) == reference, "the last instance keeps serving"
+
+
+def test_killed_ray_actor_loses_no_sample(model, start_server):
+    pytest.importorskip("ray")
+    server = start_server(
+        "--model", str(model), "--instances", "2", "--distributed-backend", "ray", *COMMON
+    )  # fmt: skip
+    reference = _rollout(server)
+    victim = _health(server)["instances"][1]["pid"]
+    kill = {}
+    outputs = _rollout(server, during=lambda: kill.update(_kill_mid_rollout(server, victim)))
+    assert kill["tokens_before_kill"] < kill["total"], "the actor died mid-rollout"
+    _assert_complete(outputs, reference)
+    assert server.metrics()["instance_failures_total"] == 1
+    assert _health(server)["status"] == "degraded"
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child processes of ``pid`` and their command lines."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out[int(entry)] = cmdline
+    return out
+
+
+def test_killed_mooncake_master_makes_moves_recompute(model, start_server):
+    pytest.importorskip("mooncake")
+    server = start_server(
+        "--model", str(model), "--instances", "2", "--kv-connector", "mooncake",
+        "--migration-spread", "0", "--pool-pull-tokens", "0", *COMMON,
+    )  # fmt: skip
+    reference = _rollout(server)
+    masters = [pid for pid, cmd in _children(server.proc.pid).items() if "mooncake_master" in cmd]
+    assert len(masters) == 1, _children(server.proc.pid)
+    kill = {}
+    outputs = _rollout(server, during=lambda: kill.update(_kill_mid_rollout(server, masters[0])))
+    assert kill["tokens_before_kill"] < kill["total"], "the master died mid-rollout"
+    _assert_complete(outputs, reference)
+    assert server.metrics()["kv_pool_failures_total"] > 0
+    health = _health(server)
+    assert health["status"] == "degraded" and "KV pool" in health["reason"]

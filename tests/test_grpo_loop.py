@@ -1,0 +1,136 @@
+"""examples/grpo_loop.py against a real ``seer_engine serve --rollout-mode`` on 127.0.0.1.
+
+A tiny random model never solves a task, so the loop here adds the format bonus (an
+answer could be read from the response, which random text sometimes gives): groups
+then have mixed rewards, the policy-gradient step has a gradient, and the served
+model's greedy output must change once the new weights are loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import socket
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["server_harness"]
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_loop.py"
+API_KEY = "test-key"  # what the harness's start_server sets
+SERVED = "tiny-test"
+
+
+@pytest.fixture(scope="module")
+def grpo():
+    spec = importlib.util.spec_from_file_location("grpo_loop", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["grpo_loop"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("grpo_loop", None)
+
+
+@pytest.fixture
+def served(start_server, tiny_model):
+    """A rollout-mode server of the tiny model (weights change, so each test gets its own)."""
+    model = tiny_model("qwen3")
+    proc = start_server("--model", str(model), "--rollout-mode", "--chunk-tokens", "16", "--max-model-len",
+                        "512", "--num-kv-blocks", "256", "--num-threads", "1")  # fmt: skip
+    return proc, model
+
+
+def _greedy(server) -> list[str]:
+    with server.http(API_KEY) as http:
+        body = {"model": SERVED, "prompt": ["Mia has 3 apples.", "Then"], "max_tokens": 16,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+        resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
+
+
+def _version(server) -> int:
+    with server.http(API_KEY) as http:
+        value = http.get("/get_weight_version").json()["weight_version"]
+    return int(value) if value.isdigit() else 0
+
+
+def _config(grpo, proc, model, out: Path, **changes):
+    cfg = grpo.GRPOConfig(
+        server=proc.url, api_key=API_KEY, model=str(model), task="arith",
+        knobs={"steps": 1, "max_operand": 10}, prompts=6, batch_prompts=4, n=8, iterations=2,
+        max_tokens=24, temperature=1.0, lr=1e-3, format_bonus=1.0, out_dir=out, num_threads=1, seed=3,
+    )  # fmt: skip
+    return replace(cfg, **changes)
+
+
+def _check_iterations(records, first_version: int, expected_prompts: list[list[str]]) -> None:
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert [int(r["weight_version"]) for r in records] == [first_version + 1, first_version + 2]
+    assert [r["prompts"] for r in records] == expected_prompts
+    for r in records:
+        assert r["responses"] == 4 * 8  # every prompt x n came back
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+        assert 0 < r["mean_len"] <= r["max_len"] <= 24 and r["tokens"] > 0
+        assert r["logp_gap"] < 1e-3  # the trainer's log-probabilities are the server's
+    assert any(r["mixed_groups"] > 0 and r["grad_norm"] > 0 for r in records), records
+
+
+def test_two_iterations_via_batch_then_completions(grpo, served, tmp_path):
+    server, model = served
+    before, version = _greedy(server), _version(server)
+    records = grpo.run_grpo(_config(grpo, server, model, tmp_path / "batch"), log=lambda line: None)
+    ids = [f"arith-3-{k}" for k in range(6)]
+    _check_iterations(records, version, [ids[:4], ids[4:] + ids[:2]])  # prompts recur: an epoch of 6
+    after_batch = _greedy(server)
+    assert after_batch != before
+    latest = Path(records[-1]["checkpoint"])
+    assert (latest / "model.safetensors").is_file() and (latest / "tokenizer.json").is_file()
+    assert not (tmp_path / "batch" / "iter-1").exists()  # earlier checkpoints are removed
+
+    # The same loop through /v1/completions, the trainer starting from the served weights,
+    # with a KL term to the starting policy and two gradient steps per rollout.
+    cfg = _config(grpo, server, latest, tmp_path / "completions", via="completions", kl_coef=0.1, epochs=2)
+    records = grpo.run_grpo(cfg, log=lambda line: None)
+    _check_iterations(records, version + 2, [ids[:4], ids[4:] + ids[:2]])
+    assert any(r["kl"] > 0 for r in records)
+    assert _greedy(server) != after_batch
+
+
+def test_server_errors_are_clear(grpo, served, tmp_path):
+    server, model = served
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cases = [
+        ({"server": closed}, "cannot reach the seer_engine server at " + closed),
+        ({"api_key": "wrong"}, "HTTP 401"),
+        ({"served_model": "nope"}, "4 of 4 batch requests failed, e.g. req-0: HTTP 404"),
+        ({"served_model": "nope", "via": "completions"}, "HTTP 404 from POST /v1/completions"),
+    ]
+    for changes, message in cases:
+        cfg = _config(grpo, server, model, tmp_path / "err", iterations=1, **changes)
+        with pytest.raises(grpo.GRPOError, match=message):
+            grpo.run_grpo(cfg, log=lambda line: None)
+    client = grpo.ServerClient(server.url, API_KEY, 30)
+    with pytest.raises(grpo.GRPOError, match="weight update refused: .*HTTP 4"):
+        client.update_weights(tmp_path / "missing")
+    client.close()
+    with pytest.raises(grpo.GRPOError, match="went from '3' to '5', expected '4'"):
+        grpo.check_version("3", "5", "5")
+
+
+def test_command_line_errors(grpo, capsys):
+    for argv, message in [
+        (["--batch-prompts", "9", "--prompts", "4"], "--batch-prompts (9) must be <= --prompts (4)"),
+        (["--n", "1"], "--n must be >= 2"),
+        (["--knob", "steps=x"], "knob steps wants int"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+    ]:
+        assert grpo.main(argv) == 1
+        assert message in capsys.readouterr().err
+    assert grpo.group_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    assert grpo.group_advantages([0.5, 0.5]) == [0.0, 0.0]
