@@ -24,13 +24,17 @@ PANEL = 16  # output columns per packed panel, as csrc/cpu_ops.cpp lays them out
 
 @functools.cache
 def native() -> ModuleType | None:
-    """The extension module, or None where it cannot run (not built, no AVX-512)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+    """The extension module, or None where it cannot run (not built, failed to load, no
+    AVX-512); the reason is logged once, as a warning, since the model then runs the
+    slower torch ops."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        logger.warning("C++ CPU kernels need AVX-512 (this CPU: %s); running torch ops", capability)
         return None
     try:
         import seer_engine._cpu_ops as _cpu_ops
-    except ImportError as e:
-        logger.info("C++ CPU kernels unavailable (%s); running torch ops", e)
+    except (ImportError, OSError) as e:
+        logger.warning("C++ CPU kernels unavailable (%s); running torch ops", e)
         return None
     return _cpu_ops
 
