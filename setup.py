@@ -23,7 +23,7 @@ ext_modules = [
 ]
 cmdclass = {"build_ext": build_ext}
 try:
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, library_paths
 except ImportError:
     print(f"torch is not importable: {OPTIONAL} (CPU decode kernels) is not built")
 else:
@@ -57,7 +57,8 @@ else:
                 "-ffp-contract=off",
                 "-fopenmp",  # at::parallel_for runs serially without it (torch's libgomp at run time)
             ],
-            extra_link_args=["-fopenmp"],
+            # torch's libraries found without torch imported first (``import seer_engine._cpu_ops``)
+            extra_link_args=["-fopenmp", *(f"-Wl,-rpath,{path}" for path in library_paths())],
         )
     )
     cmdclass = {"build_ext": OptionalBuild}
