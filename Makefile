@@ -15,6 +15,8 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet "pybind11>=2.11" setuptools wheel  # setup.py below; venvs of Python >= 3.12 have no setuptools
+	$(BIN)/python setup.py build_ext --inplace  # the CPU kernels build against the venv's torch (optional: a failed build leaves torch ops)
 	touch $@
 
 setup: $(BIN)/.installed

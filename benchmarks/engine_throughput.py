@@ -1,13 +1,21 @@
-"""Output tokens/s of seer_engine vs ``transformers.generate``, side by side in one run.
+"""Output tokens/s of seer_engine vs ``transformers.generate`` on a real model, side by side
+in one run, against the machine's roofs measured in the same run.
 
-Same random-weight model, same prompts, greedy decoding, at batch 1, 16 and 64 with
-mixed output lengths. ``transformers.generate`` runs a static padded batch until its
-longest member finishes, so its useful throughput counts only the tokens each prompt
-asked for; its raw rate (every padded position) is reported too. Also measured: the
-memory-bandwidth floor of one decode step (weight bytes / measured copy bandwidth)
-and the fraction of it the engine reaches at batch 1.
+Greedy decoding at each batch size, mixed output lengths (batch 1: one full-length
+output), both sides with the same thread count, alternating runs with the best of
+``--repeats`` kept (the machine is shared). ``transformers.generate`` runs a static
+left-padded batch until its longest member finishes, so its useful rate counts only the
+tokens each prompt asked for (its raw rate, every padded position, is reported too).
 
-    python benchmarks/engine_throughput.py [--batches 1,16,64] [--out benchmarks/results]
+Roofs: the bandwidth floor of a decode step is weight bytes / read bandwidth (a 1 GiB
+``sum``), so at most ``batch * bandwidth / weight_bytes`` tokens/s; the compute roof is
+what a large ``torch.mm`` sustains over 2 FLOPs per matmul weight per token. Each row
+reports the share of both that the engine reaches (float32); the opt-in bfloat16
+weights (``--cpu-weight-dtype bfloat16``) get a column of their own. A random-weight
+model (the earlier benchmark's) gives the comparison rows. Startup: engine_startup.py.
+
+    PYTHONPATH=. python benchmarks/engine_throughput.py --model smollm2-135m --threads 2 \\
+        [--batches 1,16,32,64] [--max-new-tokens 64] [--out benchmarks/results/engine_speed]
 """
 
 from __future__ import annotations
@@ -23,21 +31,13 @@ import time
 from pathlib import Path
 
 import torch
+from roofs import linear_shapes, mm_gflops, read_bandwidth_gbs, resolve_model
 
 from seer_engine import LLM, SamplingParams
 from seer_engine.model_executor.tiny_model import make_tiny_model
 from seer_engine.rollout.machine import machine_info
 
 SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "traces" / "bpe32k-tokenizer.json"
-
-
-def copy_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes moved (read + write) per second by a large tensor copy: the memory roofline."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * nbytes / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -54,13 +54,12 @@ def workload(batch: int, vocab: int, max_new: int, seed: int) -> tuple[list[list
     return prompts, [rng.randint(max_new // 8, max_new) for _ in range(batch)]
 
 
-def run_seer(llm: LLM, prompts, lengths) -> tuple[float, int]:
+def run_seer(llm: LLM, prompts, lengths) -> float:
     params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n) for n in lengths]
-    elapsed = _timed(lambda: llm.generate(prompts, params))
-    return elapsed, sum(lengths)
+    return _timed(lambda: llm.generate(prompts, params))
 
 
-def run_hf(model, prompts, lengths) -> tuple[float, int, int]:
+def run_hf(model, prompts, lengths) -> float:
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -80,118 +79,166 @@ def run_hf(model, prompts, lengths) -> tuple[float, int, int]:
                 pad_token_id=0,
             )
 
-    return _timed(go), sum(lengths), len(prompts) * longest
+    return _timed(go)
+
+
+def measure(path: Path, batches: list[int], args, roofs: dict, label: str, bf16: bool) -> list[dict]:
+    """Rows for one model: both engines at each batch size, with the share of each roof;
+    with ``bf16``, also the engine with its opt-in bfloat16 weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = LLM(str(path), max_num_seqs=max(batches), num_threads=args.threads)
+    low = None
+    if bf16:
+        low = LLM(str(path), max_num_seqs=max(batches), num_threads=args.threads, cpu_weight_dtype="bfloat16")
+    model = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    flops_per_token = 2 * sum(o * i for o, i in linear_shapes(model))
+    warm_prompts, warm_lengths = workload(2, hf.config.vocab_size, 8, seed=99)
+    for engine in filter(None, (llm, low)):
+        run_seer(engine, warm_prompts, warm_lengths)
+    run_hf(hf, warm_prompts, warm_lengths)
+    rows = []
+    for batch in batches:
+        prompts, lengths = workload(batch, hf.config.vocab_size, args.max_new_tokens, seed=batch)
+        seer_s, hf_s, low_s = float("inf"), float("inf"), float("inf")
+        for _ in range(args.repeats):  # alternate, so that other load hits all alike
+            seer_s = min(seer_s, run_seer(llm, prompts, lengths))
+            hf_s = min(hf_s, run_hf(hf, prompts, lengths))
+            if low is not None:
+                low_s = min(low_s, run_seer(low, prompts, lengths))
+        useful = sum(lengths)
+        remeasure_roofs(roofs)
+        floor = batch * roofs["read_gbs"] * 1e9 / weight_bytes
+        roof = roofs["mm_gflops"] * 1e9 / flops_per_token
+        row = {
+            "model": label,
+            "batch": batch,
+            "useful_output_tokens": useful,
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+            "seer_tokens_per_s": round(useful / seer_s, 1),
+            "hf_tokens_per_s": round(useful / hf_s, 1),
+            "hf_raw_tokens_per_s": round(len(prompts) * max(lengths) / hf_s, 1),
+            "speedup": round(hf_s / seer_s, 2),
+            "bandwidth_floor_tokens_per_s": round(floor, 1),
+            "compute_roof_tokens_per_s": round(roof, 1),
+            "share_of_bandwidth_floor": round(useful / seer_s / floor, 3),
+            "share_of_compute_roof": round(useful / seer_s / roof, 3),
+            "seer_bf16_weights_tokens_per_s": round(useful / low_s, 1) if low is not None else None,
+            "read_gbs": roofs["read_gbs"],  # the roofs this row was first set against
+            "mm_gflops": roofs["mm_gflops"],
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def remeasure_roofs(roofs: dict) -> None:
+    """Measure both roofs again and keep the best seen in the run: on a shared machine a
+    roof measured under load would flatter every share set against it."""
+    roofs["read_gbs"] = max(roofs["read_gbs"], round(read_bandwidth_gbs(), 1))
+    roofs["mm_gflops"] = max(roofs["mm_gflops"], round(mm_gflops(), 1))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--model", default="smollm2-135m", help="a Hugging Face folder or an alias")
+    parser.add_argument("--batches", default="1,16,32,64")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per side; best kept")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--random-batches", default="1,64", help="batches for the random-model rows ('' for none)"
+    )
+    parser.add_argument(
+        "--bf16-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the opt-in bfloat16 weights on the real model",
+    )
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_speed"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    machine = machine_info(threads=args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
-
-    from transformers import AutoModelForCausalLM
-
-    tmp = Path(tempfile.mkdtemp(prefix="seer-bench-"))
-    tokenizer = str(SHARED_TOKENIZER) if SHARED_TOKENIZER.is_file() else None
-    path = make_tiny_model(
-        tmp / "model",
-        arch="qwen3",
-        tokenizer=tokenizer,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=3 * args.hidden,
-    )
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(str(path), max_num_seqs=max(batches), num_threads=args.threads)
-    vocab = hf.config.vocab_size
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    bandwidth = copy_bandwidth_gbs()
-    floor_s = weight_bytes / (bandwidth * 1e9)
-
-    # Warm both up (first-call allocations, tokenizer, kernels).
-    warm_prompts, warm_lengths = workload(2, vocab, 8, seed=99)
-    run_seer(llm, warm_prompts, warm_lengths)
-    run_hf(hf, warm_prompts, warm_lengths)
-
-    rows = []
-    for batch in batches:
-        prompts, lengths = workload(batch, vocab, args.max_new_tokens, seed=batch)
-        # Alternate the two and keep each one's best run: other load on a shared
-        # machine then hits both alike instead of whichever ran second.
-        seer_runs, hf_runs = [], []
-        for _ in range(args.repeats):
-            seer_runs.append(run_seer(llm, prompts, lengths))
-            hf_runs.append(run_hf(hf, prompts, lengths))
-        seer_s, useful = min(seer_runs)
-        hf_s, hf_useful, hf_raw = min(hf_runs)
-        row = {
-            "batch": batch,
-            "useful_output_tokens": useful,
-            "seer_s": round(seer_s, 3),
-            "seer_tokens_per_s": round(useful / seer_s, 1),
-            "hf_s": round(hf_s, 3),
-            "hf_tokens_per_s": round(hf_useful / hf_s, 1),
-            "hf_raw_tokens_per_s": round(hf_raw / hf_s, 1),
-            "speedup": round(hf_s / seer_s, 2),
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    batch1 = next((r for r in rows if r["batch"] == 1), None)
-    step_s = batch1["seer_s"] / batch1["useful_output_tokens"] if batch1 else None
+    path = resolve_model(args.model)
+    roofs = {"read_gbs": 0.0, "mm_gflops": 0.0}
+    remeasure_roofs(roofs)
+    print(json.dumps(roofs), flush=True)
+    rows = measure(path, [int(b) for b in args.batches.split(",")], args, roofs, path.name, args.bf16_weights)
+    if args.random_batches:
+        tmp = Path(tempfile.mkdtemp(prefix="seer-bench-"))
+        tokenizer = str(SHARED_TOKENIZER) if SHARED_TOKENIZER.is_file() else None
+        random_path = make_tiny_model(
+            tmp / "model", arch="qwen3", tokenizer=tokenizer, num_layers=8, hidden_size=512,
+            num_heads=8, num_kv_heads=4, intermediate_size=1536,
+        )  # fmt: skip
+        random_batches = [int(b) for b in args.random_batches.split(",")]
+        rows += measure(random_path, random_batches, args, roofs, "random-qwen3-8L", bf16=False)
+    for row in rows:  # every share against the best roofs of the whole run
+        tok_s = row["seer_tokens_per_s"]
+        row["bandwidth_floor_tokens_per_s"] *= roofs["read_gbs"] / row.pop("read_gbs")
+        row["compute_roof_tokens_per_s"] *= roofs["mm_gflops"] / row.pop("mm_gflops")
+        for key in ("bandwidth_floor_tokens_per_s", "compute_roof_tokens_per_s"):
+            row[key] = round(row[key], 1)
+        row["share_of_bandwidth_floor"] = round(tok_s / row["bandwidth_floor_tokens_per_s"], 3)
+        row["share_of_compute_roof"] = round(tok_s / row["compute_roof_tokens_per_s"], 3)
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.date.today().isoformat(),
-        "machine": machine,
-        "model": {
-            "arch": "qwen3",
-            "layers": args.layers,
-            "hidden": args.hidden,
-            "vocab": vocab,
-            "weight_bytes": weight_bytes,
-        },
-        "copy_bandwidth_gb_s": round(bandwidth, 2),
-        "decode_floor_ms": round(floor_s * 1e3, 2),
-        "batch1_ms_per_token": round(step_s * 1e3, 2) if step_s else None,
-        "batch1_fraction_of_floor": round(floor_s / step_s, 3) if step_s else None,
+        "command": " ".join(["python", *sys.argv]),
+        "date": dt.datetime.now().isoformat(timespec="minutes"),
+        "machine": machine_info(threads=args.threads),
+        "model_path": str(path),
+        "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
+        "roofs": roofs,  # the best measured in the run (also before every row)
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
         "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(rows, out / "engine_throughput.png")
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    plot([r for r in rows if r["model"] == path.name], roofs, out / "engine_throughput.png", path.name)
     return 0
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], roofs: dict, path: Path, title: str) -> None:
+    """tok/s vs batch for both engines, under the bandwidth floor and the compute roof."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [str(r["batch"]) for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([i - 0.2 for i in x], [r["seer_tokens_per_s"] for r in rows], 0.4, label="seer_engine")
-    ax.bar([i + 0.2 for i in x], [r["hf_tokens_per_s"] for r in rows], 0.4, label="transformers.generate")
-    for i, r in zip(x, rows):
-        ax.annotate(f"{r['speedup']}x", (i - 0.2, r["seer_tokens_per_s"]), ha="center", va="bottom")
-    ax.set_xticks(list(x), labels)
+    batches = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot(batches, [r["seer_tokens_per_s"] for r in rows], "o-", label="seer_engine")
+    if rows and rows[0].get("seer_bf16_weights_tokens_per_s"):
+        low = [r["seer_bf16_weights_tokens_per_s"] for r in rows]
+        ax.plot(batches, low, "o--", alpha=0.6, label="seer_engine, bf16 weights (opt-in)")
+    ax.plot(batches, [r["hf_tokens_per_s"] for r in rows], "s-", label="transformers.generate (useful)")
+    ax.plot(
+        batches,
+        [r["bandwidth_floor_tokens_per_s"] for r in rows],
+        "--",
+        label="bandwidth floor (weights/step)",
+    )
+    ax.plot(
+        batches, [r["compute_roof_tokens_per_s"] for r in rows], ":", label="compute roof (large torch.mm)"
+    )
+    for r in rows:
+        ax.annotate(
+            f"{r['speedup']}x",
+            (r["batch"], r["seer_tokens_per_s"]),
+            textcoords="offset points",
+            xytext=(4, 4),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch (mixed output lengths)")
     ax.set_ylabel("useful output tokens/s")
-    ax.legend()
+    ax.set_title(
+        f"{title}, float32, read {roofs['read_gbs']} GB/s, mm {roofs['mm_gflops']} GFLOP/s", fontsize=9
+    )
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

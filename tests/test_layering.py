@@ -3,7 +3,8 @@
 Layers, lowest first (a module may import from its own layer and from lower ones):
 
     0  kernels            pure Triton kernels; they import nothing from seer_engine
-       native             seer_engine._C, the C++ extension built from csrc/ (a leaf)
+       native             seer_engine._C and seer_engine._cpu_ops, the C++ extensions built
+                          from csrc/ (leaves)
     1  core               + seer_engine/sampling_params.py, seer_engine/outputs.py
     2  model_executor, spec_decode
     3  engine
@@ -72,6 +73,7 @@ TOP_LEVEL_MODULES = {
     f"{PACKAGE}.sampling_params": "core",
     f"{PACKAGE}.outputs": "core",
     f"{PACKAGE}._C": "native",
+    f"{PACKAGE}._cpu_ops": "native",
 }
 
 
@@ -105,7 +107,8 @@ def collect_imports(root: Path) -> tuple[list[Import], set[str]]:
     """Every import of a ``root`` module (``root`` is the package folder) as an edge to a
     module of the same package, and the set of its modules."""
     files = sorted(root.rglob("*.py"))
-    modules = {module_name(f, root) for f in files} | {n for n in TOP_LEVEL_MODULES if n.endswith("._C")}
+    native = {n for n, layer in TOP_LEVEL_MODULES.items() if layer == "native"}  # built from csrc/
+    modules = {module_name(f, root) for f in files} | native
     package = root.name
     edges: list[Import] = []
     for file in files:

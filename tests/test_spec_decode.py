@@ -14,6 +14,7 @@ from conftest import hf_greedy
 from seer_engine.core.draft import DraftTree, accept
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.model_executor import cpu_kernels
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
@@ -233,11 +234,13 @@ class _LadderProposer(proposers.Proposer):
         return DraftTree(tokens, parents)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_widest_draft_tree_keeps_greedy_output(model, backend):
     """A draft of 63 nodes (MAX_DRAFT_NODES) goes through a real step: verification rows
     0..63 use all 64 bits of the tree mask, and greedy output stays token for token (the
     Triton backend runs under the interpreter without a GPU)."""
+    if backend == "cpu" and cpu_kernels.native() is None:
+        pytest.skip("C++ CPU kernels not built or no AVX-512 on this CPU")
     prompt = [(5 * i) % 40 + 2 for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     reference = _engine(model, attention_backend=backend)

@@ -24,7 +24,14 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
+    # The C++ CPU kernels (packed GEMM, fused norm/RoPE, paged attention) for float32 on
+    # AVX-512 CPUs, where the extension is built; False runs plain torch ops.
+    cpu_kernels: bool = True
+    # Opt-in: "bfloat16" packs the CPU kernels' linear weights as bfloat16 (activations,
+    # norms, attention and the KV cache stay float32): half the bytes a decode step
+    # streams; greedy output may then differ from float32 transformers.
+    cpu_weight_dtype: str = "float32"
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads for this instance
@@ -44,6 +51,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.cpu_weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"cpu_weight_dtype must be float32 or bfloat16, got {self.cpu_weight_dtype!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -23,6 +23,7 @@ from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.output_processor import OutputProcessor, UserRequest
 from seer_engine.engine.stats import EngineStats, StepShape
+from seer_engine.model_executor import cpu_kernels
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
 from seer_engine.model_executor.model_runner import (
     ModelRunner,
@@ -87,10 +88,18 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_kv_blocks()
         backend = config.attention_backend
+        native = config.cpu_kernels and cpu_kernels.usable(self.device, self.dtype)
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = "triton" if self.device.type == "cuda" else "cpu" if native else "torch"
         self.runner = ModelRunner(
-            self.model_config, self.dtype, self.device, config.block_size, num_blocks, backend
+            self.model_config,
+            self.dtype,
+            self.device,
+            config.block_size,
+            num_blocks,
+            backend,
+            native,
+            parse_dtype(config.cpu_weight_dtype),
         )
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.input_processor = InputProcessor(

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
+from seer_engine.model_executor import cpu_kernels as native_kernels
 from seer_engine.model_executor.attention import AttentionMetadata, get_attention_backend
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.model_executor.sampler import Sampler, SamplingRow
@@ -56,14 +58,23 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         attention_backend: str = "torch",
+        cpu_kernels: bool = False,
+        cpu_weight_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``cpu_kernels``: run linear layers, norms and RoPE on the C++ CPU kernels where
+        they serve this device and dtype (see ``cpu_kernels.usable``), their weights packed
+        in ``cpu_weight_dtype`` (bfloat16: opt-in, half the bytes, other numerics). On a
+        GPU, norms and RoPE run as Triton kernels (``kernels.norm_rope``), as attention does."""
         self.cfg = model_config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
+        self.native = fused_ops(device, dtype, cpu_kernels)
+        self.cpu_weight_dtype = cpu_weight_dtype
         self.model = load_model(model_config, dtype, device)
+        self.model.use_native(self.native, cpu_weight_dtype)
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
 
@@ -82,6 +93,7 @@ class ModelRunner:
     def load_weights_from(self, model_config: ModelConfig) -> None:
         """Swap in new weights of the same architecture (RL weight sync)."""
         self.model = load_model(model_config, self.dtype, self.device)
+        self.model.use_native(self.native, self.cpu_weight_dtype)
         self.cfg = model_config
 
     # -- one step ------------------------------------------------------------------
@@ -223,6 +235,18 @@ class ModelRunner:
 
     def slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def fused_ops(device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> ModuleType | None:
+    """The kernel set the model runs its fused ops on here: Triton on a GPU, the C++ CPU
+    kernels where they serve (and are wanted), else None (plain torch ops)."""
+    if device.type == "cuda":
+        from seer_engine.kernels import norm_rope
+
+        return norm_rope
+    if cpu_kernels and native_kernels.usable(device, dtype):
+        return native_kernels.native()
+    return None
 
 
 def _tree_mask(trees: list[tuple[int, list[int]]], num_tokens: int, device: torch.device):

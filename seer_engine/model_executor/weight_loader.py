@@ -42,12 +42,20 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
-    """Build the decoder on ``device`` in ``dtype`` and fill it from the folder's weights."""
+    """Build the decoder on ``device`` in ``dtype`` and fill it from the folder's weights.
+
+    Parameters are allocated uninitialised (built on the meta device, then made empty on
+    ``device``): ``load_weights`` fills every one of them or fails, so a random init would
+    only cost startup time. Buffers (the rotary tables) are computed on ``device``."""
     torch_default = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
-        with torch.device(device):
+        with torch.device("meta"):
             model = DecoderForCausalLM(cfg)
+        model.to_empty(device=device)
+        model.tie_weights()
+        with torch.device(device):
+            model.rotary = model.make_rotary()
     finally:
         torch.set_default_dtype(torch_default)
     # Rotary tables stay float32 (as in the reference); only parameters take the model dtype.

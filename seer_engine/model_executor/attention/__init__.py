@@ -1,8 +1,9 @@
 """Attention backends over the paged KV cache, by name.
 
 ``base`` holds the batch metadata and the backend interface, ``torch`` the reference
-backend, ``triton`` the GPU backend (a thin wrapper over ``seer_engine.kernels``; it is
-imported only when asked for, as it needs triton).
+backend, ``cpu`` the fast CPU backend over the C++ kernels (float32), ``triton`` the GPU
+backend (a thin wrapper over ``seer_engine.kernels``; it is imported only when asked
+for, as it needs triton).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ __all__ = [
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """A backend by name: ``torch`` or ``triton``."""
+    """A backend by name: ``torch``, ``cpu`` or ``triton``."""
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        from seer_engine.model_executor.attention.cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         from seer_engine.model_executor.attention.triton import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'cpu' or 'triton'")

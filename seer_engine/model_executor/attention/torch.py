@@ -74,16 +74,19 @@ def _tree_visible(
 
 
 def _plan_torch_attention(
-    meta: AttentionMetadata, block_size: int, device: torch.device
+    meta: AttentionMetadata, block_size: int, device: torch.device, long_only: bool = False
 ) -> list[_TorchAttentionGroup]:
     """Group the batch once per step (every layer reuses it): see ``_group_requests``.
 
     Grouping keeps the CPU cost of a decode or verification step at a few kernel launches
     per layer rather than a few per request. ``tree_mask`` only applies to grouped
-    requests: longer prefill spans carry no tree (their mask is -1).
+    requests: longer prefill spans carry no tree (their mask is -1). ``long_only``: plan
+    only the spans longer than ``_MAX_GROUPED_Q_LEN`` (a backend attends the rest itself).
     """
     plan = []
     for reqs in _group_requests(meta.query_lens_cpu):
+        if long_only and meta.query_lens_cpu[reqs[0]] <= _MAX_GROUPED_Q_LEN:
+            continue
         q_len = meta.query_lens_cpu[reqs[0]]
         ctx_len = max(meta.seq_lens_cpu[i] for i in reqs)
         num_blocks = -(-ctx_len // block_size)

@@ -3,18 +3,20 @@
 The architectures differ only in switches read by ``ModelConfig`` (q/k/v bias,
 q/k RMSNorm, tied embeddings, rope scaling). Projections are fused (qkv, gate+up)
 to halve the matmuls per layer; ``load_weights`` maps Hugging Face tensor names onto
-the fused parameters.
+the fused parameters. The residual stream travels beside the hidden states so that each
+norm adds it in the same pass (one fused op with the native CPU kernels).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from seer_engine.model_executor.attention import AttentionBackend, AttentionMetadata
-from seer_engine.model_executor.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from seer_engine.model_executor.layers import Linear, RMSNorm, Rope, RotaryEmbedding, silu_and_mul
 from seer_engine.model_executor.model_config import ModelConfig, ModelLoadError
 
 
@@ -24,8 +26,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -33,7 +35,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
@@ -44,7 +46,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, cos_sin)
+        q, k = rope(q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -52,11 +54,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self._act = silu_and_mul
+
+    def use_native(self, ops: ModuleType | None) -> None:
+        self._act = getattr(ops, "silu_and_mul", silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self._act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -67,9 +73,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos_sin, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -87,15 +107,22 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.rotary = self.make_rotary()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The LM head reads the embedding table when the checkpoint ties them (again after
+        ``to_empty``, which gives every parameter its own storage)."""
+        if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_rotary(self) -> RotaryEmbedding:
+        c = self.cfg
+        return RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
 
     def forward(
         self,
@@ -106,13 +133,24 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.rotary.for_positions(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta, backend)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def use_native(self, ops: ModuleType | None, linear_dtype: torch.dtype = torch.float32) -> None:
+        """Run on a fused-op kernel set (``model_runner.fused_ops``), or on torch ops (None).
+        Linear layers pack their weights now (in ``linear_dtype`` where the set has a
+        ``linear``), so call it once the weights are loaded."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_native(ops, linear_dtype)
+            elif module is not self and hasattr(module, "use_native"):
+                module.use_native(ops)
 
     # -- weights -------------------------------------------------------------------
 
