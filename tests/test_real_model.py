@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from references import transformers_greedy
 
 from seer_engine import LLM, SamplingParams
 from seer_engine.model_executor.model_source import cached_alias_dir
@@ -34,18 +35,6 @@ CHAT_PROMPTS = [
     "Write one sentence about a cat.",
 ]
 NEW_TOKENS = 64
-
-
-def transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Plain argmax decoding with transformers' KV cache (no logits processors, no EOS stop)."""
-    out: list[int] = []
-    with torch.no_grad():
-        res = model(torch.tensor([prompt]), use_cache=True)
-        while True:
-            out.append(int(res.logits[0, -1].argmax()))
-            if len(out) == n:
-                return out
-            res = model(torch.tensor([[out[-1]]]), past_key_values=res.past_key_values, use_cache=True)
 
 
 def test_greedy_equals_transformers():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from references import transformers_greedy
 
 from seer_engine import LLM, SamplingParams
 from seer_engine.model_executor import cpu_kernels
@@ -30,18 +31,6 @@ PROMPTS = [
     "Give me three tips for sleeping better.",
 ]
 NEW_TOKENS = 40
-
-
-def transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Plain argmax decoding with transformers' KV cache (no logits processors, no EOS stop)."""
-    out: list[int] = []
-    with torch.no_grad():
-        res = model(torch.tensor([prompt]), use_cache=True)
-        while True:
-            out.append(int(res.logits[0, -1].argmax()))
-            if len(out) == n:
-                return out
-            res = model(torch.tensor([[out[-1]]]), past_key_values=res.past_key_values, use_cache=True)
 
 
 @pytest.fixture(scope="module")

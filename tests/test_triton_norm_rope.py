@@ -12,13 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from references import compile_for_hopper  # noqa: E402
 
 from seer_engine.kernels import norm_rope  # noqa: E402
 from seer_engine.model_executor.layers import RMSNorm, RotaryEmbedding  # noqa: E402
@@ -91,13 +89,4 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels for real")
 def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
-    nvidia = pytest.importorskip("triton.backends.nvidia")
-    bundled = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
-    if not os.path.exists(bundled) and shutil.which("ptxas") is None:
-        pytest.skip("no ptxas to assemble the kernels with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    repo_root = str(Path(norm_rope.__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    compile_for_hopper(_COMPILE_SCRIPT, tmp_path)
