@@ -347,7 +347,7 @@ def test_bench_rollout_task_samples_the_same_responses_under_every_policy(model,
     for run in ("a", "b"):
         assert main([*modeled, str(tmp_path / run)]) == 0
         again = json.loads((tmp_path / run / "report.json").read_text())
-        assert again["meta"]["clock"] == "moonlight"
+        assert again["meta"]["clock"] == "moonlight" and again["meta"]["admission"] == "peak"
         assert again["policies"]["divided"]["identical_responses"] == 9
         makespans.append(again["policies"]["divided"]["makespan_s"])
     assert makespans[0] == makespans[1] > 0
@@ -360,6 +360,8 @@ def test_bench_rollout_task_samples_the_same_responses_under_every_policy(model,
         (["--groups", "4"], "--groups goes with --trace"),
         (["--policy", "oracle"], "oracle takes its lengths from another policy's run"),
         (["--model", None], "--task needs --model"),
+        (["--admission", "peak:x"], "peak:TOKENS needs a positive number of tokens, got 'x'"),
+        (["--backfill", "some"], "backfill must be one of none, any"),
     ],
 )
 def test_bench_rollout_task_errors(model, capsys, change, message):

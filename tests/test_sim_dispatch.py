@@ -231,7 +231,7 @@ def test_simulate_cli_iterations_report_every_iteration(tmp_path, capsys):
         (["--policy", "divided+history"], "unknown policy 'divided+history'"),
         (["--drift", "0.2"], "--drift moves repeated prompts"),
         (["--admission", "peak:x"], "peak:TOKENS needs a positive number of tokens, got 'x'"),
-        (["--backfill", "some"], "--backfill must be one of none, any"),
+        (["--backfill", "some"], "backfill must be one of none, any"),
     ],
 )
 def test_simulate_cli_names_bad_iteration_input(args, message, capsys):

@@ -37,7 +37,7 @@ from seer_engine.entrypoints.rollout_cli import (
 )
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig, history_help, open_history, save_history
-from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.dispatcher import Dispatcher, check_dispatch_rules
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.metrics import RolloutResult
@@ -82,6 +82,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--starvation-s", type=float, default=120.0)
+    p.add_argument(
+        "--admission", default=None,
+        help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
+    )  # fmt: skip
+    p.add_argument("--backfill", default="none", help="none (strict priority) | any")
     p.add_argument(
         "--model", default=None, help="--task: the model that samples; --trace default: a tiny random "
         "model with the trace tokenizer"
@@ -149,6 +154,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     machine = machine_info()
     policies = _parse_policies(args.policy)
     timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
+    args.admission = check_dispatch_rules(args.admission, args.backfill)
     if args.history == "off" and any(_split(p)[0] in HISTORY_POLICIES for p in policies):
         raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
     if args.task is not None:
@@ -294,8 +300,9 @@ def _run_policy(
         pool.reset_clocks()
         start = time.perf_counter()
         dispatcher = Dispatcher(
-            pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement()
-        )
+            pool, policy, args.chunk_tokens, on_sample_finished=progress, placement=cluster.placement(),
+            admission=args.admission, backfill=args.backfill,
+        )  # fmt: skip
         result = dispatcher.run(groups)
         seeded = pool.seed_stats
     seeds = (
@@ -316,7 +323,7 @@ def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutC
         "instances": args.instances, "num_threads": args.num_threads,
         "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
         "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
-        "clock": args.clock,
+        "clock": args.clock, "admission": args.admission, "backfill": args.backfill,
     }  # fmt: skip
 
 

@@ -121,8 +121,7 @@ def _acceptance(history, samples: int):
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from seer_engine.rollout.admission import make_admission
-    from seer_engine.rollout.dispatcher import BACKFILL_RULES, DEFAULT_ADMISSION
+    from seer_engine.rollout.dispatcher import check_dispatch_rules
     from seer_engine.rollout.history import HistoryStore
     from seer_engine.sim.diagnostics import diagnostics, format_diagnostics
     from seer_engine.sim.simulator import policy_for, simulate
@@ -134,10 +133,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--drift must be >= 0, got {args.drift}")
     if args.drift and not args.repeat_prompts:
         raise ValueError("--drift moves repeated prompts: pass --repeat-prompts too")
-    args.admission = args.admission or DEFAULT_ADMISSION
-    make_admission(args.admission)  # a bad rule is named before anything runs
-    if args.backfill not in BACKFILL_RULES:
-        raise ValueError(f"--backfill must be one of {', '.join(BACKFILL_RULES)}, got {args.backfill!r}")
+    args.admission = check_dispatch_rules(args.admission, args.backfill)
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
     if args.trace:

@@ -36,6 +36,16 @@ BACKFILL_RULES = ("none", "any")
 DEFAULT_ADMISSION = "peak"
 
 
+def check_dispatch_rules(admission: str | None, backfill: str) -> str:
+    """The admission rule to use (``None``: the default), after naming a bad rule or a bad
+    backfill value, so a command line fails before anything is loaded."""
+    rule = admission or DEFAULT_ADMISSION
+    make_admission(rule)
+    if backfill not in BACKFILL_RULES:
+        raise ValueError(f"backfill must be one of {', '.join(BACKFILL_RULES)}, got {backfill!r}")
+    return rule
+
+
 class Dispatcher:
     """The Request Buffer over an instance pool, driven one step at a time.
 
@@ -63,9 +73,11 @@ class Dispatcher:
         with lower-priority samples that fit."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        if backfill not in BACKFILL_RULES:
+        if isinstance(admission, str):
+            admission = make_admission(check_dispatch_rules(admission, backfill))
+        elif backfill not in BACKFILL_RULES:
             raise ValueError(f"backfill must be one of {', '.join(BACKFILL_RULES)}, got {backfill!r}")
-        self.admission = make_admission(admission) if isinstance(admission, str) else admission
+        self.admission = admission
         self.backfill = backfill
         self.pool = pool
         self.policy = policy
