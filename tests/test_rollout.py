@@ -216,6 +216,23 @@ def test_bench_rollout_report(tmp_path):
         main(args[:-1] + ["context+eagle"])
 
 
+def test_bench_rollout_names_a_chunk_no_instance_can_hold(tmp_path, capsys):
+    from conftest import SHARED
+
+    from seer_engine.entrypoints.cli import main
+
+    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
+    if not trace.is_file():
+        pytest.skip(f"traces not found at {trace}")
+    args = ["bench", "rollout", "--trace", str(trace), "--groups", "2", "--samples", "4", "--instances", "1",
+            "--kv-blocks", "6", "--chunk-tokens", "64", "--max-tokens", "200", "--policy", "divided",
+            "--distributed-backend", "inproc", "--report", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    assert err.value.code == 2
+    assert "a chunk needs more KV blocks than an instance has" in capsys.readouterr().err
+
+
 def test_bench_rollout_with_instance_processes_and_a_kv_pool(tmp_path):
     """Two instance processes and the local shared-memory KV pool (chunk ends saved
     to it): the replayed tokens are the same as in-process."""

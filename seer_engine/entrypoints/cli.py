@@ -122,12 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from seer_engine.kv_connector.base import KVPoolError
     from seer_engine.model_executor.model_config import ModelLoadError
+    from seer_engine.rollout.types import RolloutStalled
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (InvalidRequestError, ModelLoadError, ValueError, KVPoolError) as e:
+    except (InvalidRequestError, ModelLoadError, ValueError, KVPoolError, RolloutStalled) as e:
         parser.exit(2, f"seer_engine {args.command}: error: {e}\n")
     except KeyboardInterrupt:
         return 130

@@ -28,7 +28,14 @@ from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy
 from seer_engine.rollout.pool import InstancePool
 from seer_engine.rollout.request_buffer import RequestBuffer
-from seer_engine.rollout.types import ChunkRequest, Group, InstanceDied, RolloutSample, StepReply
+from seer_engine.rollout.types import (
+    ChunkRequest,
+    Group,
+    InstanceDied,
+    RolloutSample,
+    RolloutStalled,
+    StepReply,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +177,11 @@ class Dispatcher:
             if not self.buffer:
                 return []
             if not self.pool.alive:
-                raise RuntimeError(
+                raise RolloutStalled(
                     f"every engine instance of the rollout is gone ({self.counters.instance_failures} lost); "
                     f"{len(self.buffer)} responses cannot finish"
                 )
-            raise RuntimeError(
+            raise RolloutStalled(
                 f"{len(self.buffer)} responses cannot be dispatched: a chunk needs more KV "
                 "blocks than an instance has (raise the KV budget or lower chunk_tokens)"
             )

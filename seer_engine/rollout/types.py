@@ -130,6 +130,11 @@ class StepReply:
     progress: dict[str, int] = field(default_factory=dict)  # request id -> output tokens, chunks held
 
 
+class RolloutStalled(RuntimeError):
+    """Responses are left that no instance can ever run: every instance is gone, or a
+    chunk needs more KV than an empty instance has. A configuration error, not a bug."""
+
+
 class InstanceDied(RuntimeError):
     """An instance's process (or actor) is gone; its chunks go back to the buffer."""
 
