@@ -238,7 +238,7 @@ def _die_mid_put(store: LocalStore, keys: list[str]) -> None:
 
 def test_slots_of_a_put_that_died_are_taken_back():
     """An instance killed while saving a chunk's KV leaves claimed slots: removing the
-    response (it finished elsewhere) or a put into a full pool takes them back."""
+    response (it finished elsewhere), any later removal or a put into a full pool takes them back."""
     store = LocalStore.create(capacity_bytes=3 * BB, block_bytes=BB)
     try:
         _die_mid_put(store, ["r/0", "r/1"])
@@ -247,7 +247,30 @@ def test_slots_of_a_put_that_died_are_taken_back():
         _die_mid_put(store, ["q/0", "q/1"])
         store.put(["a/0", "a/1", "a/2"], rows(1, 2, 3))  # needs every slot: the dead put's go
         assert read(store, ["a/0", "a/1", "a/2"]) == [1.0, 2.0, 3.0] and store.used_slots == 3
+        store.remove_prefix("a/")
+        _die_mid_put(store, ["s/0", "s/1"])
+        assert store.remove_prefix("other/") == 0 and store.used_slots == 0  # any removal sweeps them
     finally:
+        store.close()
+
+
+def test_a_dead_writer_not_yet_reaped_counts_as_gone():
+    """A killed instance is a zombie until its parent reaps it; its claimed slots must go
+    back on removal all the same (it will never publish them)."""
+    store = LocalStore.create(capacity_bytes=3 * BB, block_bytes=BB)
+    spec = pickle.dumps(store.spec).hex()
+    argv = [sys.executable, "-c", _DIES_MID_PUT, spec, "z/0", "z/1"]
+    child = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE)
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        if not stat.exists():
+            pytest.skip("no /proc on this system")
+        while stat.read_text().rpartition(")")[2].split()[0] != "Z":  # exited, not reaped
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # blocks until it exits; reaps nothing
+        assert store.used_slots == 2
+        assert store.remove_prefix("z/") == 0 and store.used_slots == 0
+    finally:
+        assert child.wait() == 3, child.stderr.read().decode()
         store.close()
 
 

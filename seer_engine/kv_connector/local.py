@@ -31,8 +31,8 @@ has some 10^4 slots: well under a millisecond); millions of tiny slots would wan
 hash table instead.
 
 A process that dies between claiming slots and publishing them (an instance killed
-mid-save) leaves them claimed; they are taken back when their parent is removed or
-when a put finds the pool full, once the claiming pid is gone. An overwrite reads as
+mid-save) leaves them claimed; they are taken back at the next removal of any key or
+when a put finds the pool full, once the claiming pid is gone (a zombie counts as gone). An overwrite reads as
 absent while it is written (the connector then recomputes), and is lost if its copy
 fails.
 """
@@ -178,13 +178,22 @@ def _abandoned(m: _Mapping, among: np.ndarray) -> np.ndarray:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` still runs. A killed process that nobody has reaped yet (a zombie)
+    still answers ``kill(pid, 0)``, but it will never finish a put: it counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False  # reaped since the kill above
+    except (OSError, IndexError):
+        return True  # no /proc here: trust kill()
+    return state not in ("Z", "X")
 
 
 def _release(m: _Mapping) -> None:
@@ -444,7 +453,7 @@ class LocalStore(BlockStore):
         parent_h = _hash(prefix[:-1])
         with self._locked() as m:
             ours = m.parents == parent_h
-            self._free_slots(m, _abandoned(m, ours))
+            self._free_slots(m, _abandoned(m, np.ones_like(ours)))  # any dead put's, not only ours
             m.keys[ours & (m.keys == _WRITING)] = _CANCELLED  # the put frees them when done
             published = np.flatnonzero(ours & (m.keys >= _FIRST_HASH))
             self._free_slots(m, published)
