@@ -21,6 +21,15 @@ if not torch.cuda.is_available():
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
+@pytest.fixture
+def game24_trace() -> Path:
+    """The Game of 24 rollout trace in ``../shared/traces``; skips where it is missing."""
+    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
+    if not trace.is_file():
+        pytest.skip(f"traces not found at {trace}")
+    return trace
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """``tiny_model(arch="qwen3", **kwargs) -> Path``; each distinct model is built once."""

@@ -128,16 +128,12 @@ def test_server_keeps_history_under_its_data_dir_across_restarts_and_weight_upda
     assert not (tmp_path / "other").exists()
 
 
-def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys):
-    from conftest import SHARED
-
+def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys, game24_trace):
     from seer_engine.entrypoints.cli import main
     from seer_engine.workloads.groups import select_groups
     from seer_engine.workloads.traces import load_trace
 
-    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
-    if not trace.is_file():
-        pytest.skip(f"traces not found at {trace}")
+    trace = game24_trace
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
             "--distributed-backend", "inproc", "--iterations", "3", "--clock", "moonlight",

@@ -179,16 +179,12 @@ def test_rollout_cli_writes_groups_in_input_order(model, tmp_path):
         assert err.value.code == 2
 
 
-def test_bench_rollout_report(tmp_path):
+def test_bench_rollout_report(tmp_path, game24_trace):
     import json
-
-    from conftest import SHARED
 
     from seer_engine.entrypoints.cli import main
 
-    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
-    if not trace.is_file():
-        pytest.skip(f"traces not found at {trace}")
+    trace = game24_trace
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2:4", "--samples", "3",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
             "--report", str(tmp_path), "--distributed-backend", "inproc",
@@ -216,14 +212,10 @@ def test_bench_rollout_report(tmp_path):
         main(args[:-1] + ["context+eagle"])
 
 
-def test_bench_rollout_names_a_chunk_no_instance_can_hold(tmp_path, capsys):
-    from conftest import SHARED
-
+def test_bench_rollout_names_a_chunk_no_instance_can_hold(tmp_path, capsys, game24_trace):
     from seer_engine.entrypoints.cli import main
 
-    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
-    if not trace.is_file():
-        pytest.skip(f"traces not found at {trace}")
+    trace = game24_trace
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2", "--samples", "4", "--instances", "1",
             "--kv-blocks", "6", "--chunk-tokens", "64", "--max-tokens", "200", "--policy", "divided",
             "--distributed-backend", "inproc", "--report", str(tmp_path)]  # fmt: skip
@@ -233,18 +225,14 @@ def test_bench_rollout_names_a_chunk_no_instance_can_hold(tmp_path, capsys):
     assert "a chunk needs more KV blocks than an instance has" in capsys.readouterr().err
 
 
-def test_bench_rollout_with_instance_processes_and_a_kv_pool(tmp_path):
+def test_bench_rollout_with_instance_processes_and_a_kv_pool(tmp_path, game24_trace):
     """Two instance processes and the local shared-memory KV pool (chunk ends saved
     to it): the replayed tokens are the same as in-process."""
     import json
 
-    from conftest import SHARED
-
     from seer_engine.entrypoints.cli import main
 
-    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
-    if not trace.is_file():
-        pytest.skip(f"traces not found at {trace}")
+    trace = game24_trace
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2", "--samples", "3",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
             "--policy", "context,seer",
@@ -443,16 +431,12 @@ def test_step_shapes_count_what_the_rows_compute():
     assert StepShape.of([(29, 1, 10, 30)]).kind == "decode"
 
 
-def test_bench_rollout_on_a_modeled_clock(tmp_path):
+def test_bench_rollout_on_a_modeled_clock(tmp_path, game24_trace):
     import json
-
-    from conftest import SHARED
 
     from seer_engine.entrypoints.cli import main
 
-    trace = SHARED / "traces" / "gpt4-game24-cot.jsonl.gz"
-    if not trace.is_file():
-        pytest.skip(f"traces not found at {trace}")
+    trace = game24_trace
     args = ["bench", "rollout", "--trace", str(trace), "--groups", "2", "--samples", "2",
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "64",
             "--distributed-backend", "inproc", "--policy", "divided,context"]  # fmt: skip
