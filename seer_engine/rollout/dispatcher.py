@@ -48,9 +48,13 @@ def check_dispatch_rules(admission: str | None, backfill: str) -> str:
     backfill value, so a command line fails before anything is loaded."""
     rule = admission or DEFAULT_ADMISSION
     make_admission(rule)
+    _check_backfill(backfill)
+    return rule
+
+
+def _check_backfill(backfill: str) -> None:
     if backfill not in BACKFILL_RULES:
         raise ValueError(f"backfill must be one of {', '.join(BACKFILL_RULES)}, got {backfill!r}")
-    return rule
 
 
 class Dispatcher:
@@ -80,11 +84,8 @@ class Dispatcher:
         with lower-priority samples that fit."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        if isinstance(admission, str):
-            admission = make_admission(check_dispatch_rules(admission, backfill))
-        elif backfill not in BACKFILL_RULES:
-            raise ValueError(f"backfill must be one of {', '.join(BACKFILL_RULES)}, got {backfill!r}")
-        self.admission = admission
+        _check_backfill(backfill)
+        self.admission = make_admission(admission) if isinstance(admission, str) else admission
         self.backfill = backfill
         self.pool = pool
         self.policy = policy
