@@ -170,9 +170,9 @@ class _Mapping:
         return self.lock_fd
 
 
-def _abandoned(m: _Mapping, among: np.ndarray) -> np.ndarray:
-    """Slots in ``among`` claimed by a put whose process is gone (it died mid-copy)."""
-    claimed = np.flatnonzero(among & ((m.keys == _WRITING) | (m.keys == _CANCELLED)))
+def _abandoned(m: _Mapping) -> np.ndarray:
+    """Slots claimed by a put whose process is gone (it died mid-copy)."""
+    claimed = np.flatnonzero((m.keys == _WRITING) | (m.keys == _CANCELLED))
     dead = [slot for slot in claimed.tolist() if not _pid_alive(int(m.writers[slot]))]
     return np.asarray(dead, dtype=np.int64)
 
@@ -380,7 +380,7 @@ class LocalStore(BlockStore):
             if need:
                 free = np.flatnonzero(m.keys == _FREE)
                 if len(free) < need:
-                    self._free_slots(m, _abandoned(m, np.ones_like(m.keys, dtype=bool)))
+                    self._free_slots(m, _abandoned(m))
                     free = np.flatnonzero(m.keys == _FREE)
                 if len(free) < need:  # before any change: a failed put leaves nothing behind
                     raise KVPoolError(
@@ -453,7 +453,7 @@ class LocalStore(BlockStore):
         parent_h = _hash(prefix[:-1])
         with self._locked() as m:
             ours = m.parents == parent_h
-            self._free_slots(m, _abandoned(m, np.ones_like(ours)))  # any dead put's, not only ours
+            self._free_slots(m, _abandoned(m))  # any dead put's, not only ours
             m.keys[ours & (m.keys == _WRITING)] = _CANCELLED  # the put frees them when done
             published = np.flatnonzero(ours & (m.keys >= _FIRST_HASH))
             self._free_slots(m, published)
