@@ -10,7 +10,9 @@ tokens each prompt asked for (its raw rate, every padded position, is reported t
 Roofs: the bandwidth floor of a decode step is weight bytes / read bandwidth (a 1 GiB
 ``sum``), so at most ``batch * bandwidth / weight_bytes`` tokens/s; the compute roof is
 what a large ``torch.mm`` sustains over 2 FLOPs per matmul weight per token. Each row
-reports the share of both that the engine reaches (float32); the opt-in bfloat16
+reports the share of both that the engine reaches (float32), and the share of the floor
+its decode phase reaches (from the step where every request has its first token: the
+floor bounds decode steps; prefill is compute-bound work it leaves out); the opt-in bfloat16
 weights (``--cpu-weight-dtype bfloat16``) get a column of their own. A random-weight
 model (the earlier benchmark's) gives the comparison rows. Startup: engine_startup.py.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import random
@@ -54,9 +57,26 @@ def workload(batch: int, vocab: int, max_new: int, seed: int) -> tuple[list[list
     return prompts, [rng.randint(max_new // 8, max_new) for _ in range(batch)]
 
 
-def run_seer(llm: LLM, prompts, lengths) -> float:
-    params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n) for n in lengths]
-    return _timed(lambda: llm.generate(prompts, params))
+_request_ids = itertools.count()
+
+
+def run_seer(llm: LLM, prompts, lengths) -> tuple[float, float, int]:
+    """(seconds for the whole batch, seconds of its decode phase, tokens decoded in that
+    phase). The decode phase starts once every request has its first token (prefill done):
+    the bandwidth floor bounds that phase, prefill is compute-bound work the floor omits."""
+    engine = llm.engine
+    start = time.perf_counter()
+    reqs = []
+    for prompt, n in zip(prompts, lengths):
+        params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+        reqs += engine.add_request(f"bench-{next(_request_ids)}", prompt, params)
+    decode_start, decoded_before = None, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if decode_start is None and all(r.num_output_tokens for r in reqs):
+            decode_start, decoded_before = time.perf_counter(), sum(r.num_output_tokens for r in reqs)
+    end = time.perf_counter()
+    return end - start, end - decode_start, sum(r.num_output_tokens for r in reqs) - decoded_before
 
 
 def run_hf(model, prompts, lengths) -> float:
@@ -102,12 +122,14 @@ def measure(path: Path, batches: list[int], args, roofs: dict, label: str, bf16:
     rows = []
     for batch in batches:
         prompts, lengths = workload(batch, hf.config.vocab_size, args.max_new_tokens, seed=batch)
-        seer_s, hf_s, low_s = float("inf"), float("inf"), float("inf")
+        seer_s, hf_s, low_s, decode_rate = float("inf"), float("inf"), float("inf"), 0.0
         for _ in range(args.repeats):  # alternate, so that other load hits all alike
-            seer_s = min(seer_s, run_seer(llm, prompts, lengths))
+            total, decode_s, decoded = run_seer(llm, prompts, lengths)
+            seer_s = min(seer_s, total)
+            decode_rate = max(decode_rate, decoded / decode_s if decode_s > 0 else 0.0)
             hf_s = min(hf_s, run_hf(hf, prompts, lengths))
             if low is not None:
-                low_s = min(low_s, run_seer(low, prompts, lengths))
+                low_s = min(low_s, run_seer(low, prompts, lengths)[0])
         useful = sum(lengths)
         remeasure_roofs(roofs)
         floor = batch * roofs["read_gbs"] * 1e9 / weight_bytes
@@ -124,6 +146,8 @@ def measure(path: Path, batches: list[int], args, roofs: dict, label: str, bf16:
             "bandwidth_floor_tokens_per_s": round(floor, 1),
             "compute_roof_tokens_per_s": round(roof, 1),
             "share_of_bandwidth_floor": round(useful / seer_s / floor, 3),
+            "seer_decode_tokens_per_s": round(decode_rate, 1),
+            "decode_share_of_bandwidth_floor": round(decode_rate / floor, 3),
             "share_of_compute_roof": round(useful / seer_s / roof, 3),
             "seer_bf16_weights_tokens_per_s": round(useful / low_s, 1) if low is not None else None,
             "read_gbs": roofs["read_gbs"],  # the roofs this row was first set against
@@ -181,6 +205,9 @@ def main() -> int:
         for key in ("bandwidth_floor_tokens_per_s", "compute_roof_tokens_per_s"):
             row[key] = round(row[key], 1)
         row["share_of_bandwidth_floor"] = round(tok_s / row["bandwidth_floor_tokens_per_s"], 3)
+        row["decode_share_of_bandwidth_floor"] = round(
+            row["seer_decode_tokens_per_s"] / row["bandwidth_floor_tokens_per_s"], 3
+        )
         row["share_of_compute_roof"] = round(tok_s / row["compute_roof_tokens_per_s"], 3)
     result = {
         "command": " ".join(["python", *sys.argv]),

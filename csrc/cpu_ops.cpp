@@ -1,7 +1,7 @@
 // CPU kernels for the decode step (float32, AVX-512): what stock torch leaves on the table
 // on a small CPU at decode batch sizes.
 //
-// - linear: y = x W^T + b over W packed in 16-column panels ([P, K, 16]). Each panel is one
+// - linear: y = x W^T + b over W packed in 48-column blocks ([G, K, 48]). Each block is one
 //   sequential stream, so at a handful of rows the kernel reads weights at memory speed, and
 //   at 8-64 rows an 8x48 register tile keeps the FMA units busy (MKL's sgemm does neither on
 //   this class of CPU). Weights may be packed as bfloat16 (opt-in: half the bytes to stream,
@@ -28,9 +28,13 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output columns per packed panel (one zmm)
+constexpr int64_t kPanel = 16;  // output columns per zmm register
+constexpr int kGroup = 3;       // panels per packed block (one register tile's columns)
+constexpr int64_t kBlock = kGroup * kPanel;  // output columns per packed block
 constexpr int kRows = 8;        // rows of x per register tile
-constexpr int kGroup = 3;       // panels per register tile
+// Weights are prefetched this far ahead into L2: the hardware prefetcher alone leaves the
+// stream ~15% below memory speed at one row, and an L1 prefetch evicts the tile's own data.
+constexpr int64_t kPrefetchBytes = 1024;
 
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -40,34 +44,33 @@ void check_f32(const torch::Tensor& t, const char* name) {
 // ---------------------------------------------------------------------------------------
 // linear
 
-// A panel row: 16 weights as float32 (stored as float32, or as bfloat16 = its top 16 bits).
+// 16 weights as float32 (stored as float32, or as bfloat16 = its top 16 bits).
 inline __m512 load_panel(const float* p) { return _mm512_load_ps(p); }
 inline __m512 load_panel(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// y[MR, NP*16] = x[MR, K] @ panels (+ bias); `cols` valid output columns (ragged last tile).
-template <int MR, int NP, typename W>
-void tile(const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y, int64_t ldy, int64_t cols) {
-  __m512 acc[MR][NP];
-  for (int j = 0; j < NP; ++j) {
+// y[MR, 48] = x[MR, K] @ block (+ bias); `cols` valid output columns (ragged last block).
+// The block is [K, 48]: one sequential stream of weights, whatever the row count.
+template <int MR, typename W>
+void tile(const float* x, int64_t ldx, const W* wb, int64_t K, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[MR][kGroup];
+  for (int j = 0; j < kGroup; ++j) {
     __m512 b = bias ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) acc[m][j] = b;
   }
   for (int64_t k = 0; k < K; ++k) {
-    __m512 w[NP];
-    for (int j = 0; j < NP; ++j) {
-      const W* p = wp + (j * K + k) * kPanel;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 512, _MM_HINT_T0);
-      w[j] = load_panel(p);
-    }
+    const W* row = wb + k * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T1);
+    __m512 w[kGroup];
+    for (int j = 0; j < kGroup; ++j) w[j] = load_panel(row + j * kPanel);
     for (int m = 0; m < MR; ++m) {
       __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(w[j], xb, acc[m][j]);
+      for (int j = 0; j < kGroup; ++j) acc[m][j] = _mm512_fmadd_ps(w[j], xb, acc[m][j]);
     }
   }
-  for (int j = 0; j < NP; ++j) {
+  for (int j = 0; j < kGroup; ++j) {
     int64_t left = cols - j * kPanel;
     if (left <= 0) break;
     __mmask16 mask = left >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
@@ -75,51 +78,45 @@ void tile(const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias
   }
 }
 
-template <int NP, typename W>
-void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y,
+template <typename W>
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* wb, int64_t K, const float* bias, float* y,
                int64_t ldy, int64_t cols) {
   switch (rows) {
-    case 1: return tile<1, NP>(x, ldx, wp, K, bias, y, ldy, cols);
-    case 2: return tile<2, NP>(x, ldx, wp, K, bias, y, ldy, cols);
-    case 3: return tile<3, NP>(x, ldx, wp, K, bias, y, ldy, cols);
-    case 4: return tile<4, NP>(x, ldx, wp, K, bias, y, ldy, cols);
-    case 5: return tile<5, NP>(x, ldx, wp, K, bias, y, ldy, cols);
-    case 6: return tile<6, NP>(x, ldx, wp, K, bias, y, ldy, cols);
-    case 7: return tile<7, NP>(x, ldx, wp, K, bias, y, ldy, cols);
-    default: return tile<8, NP>(x, ldx, wp, K, bias, y, ldy, cols);
+    case 1: return tile<1>(x, ldx, wb, K, bias, y, ldy, cols);
+    case 2: return tile<2>(x, ldx, wb, K, bias, y, ldy, cols);
+    case 3: return tile<3>(x, ldx, wb, K, bias, y, ldy, cols);
+    case 4: return tile<4>(x, ldx, wb, K, bias, y, ldy, cols);
+    case 5: return tile<5>(x, ldx, wb, K, bias, y, ldy, cols);
+    case 6: return tile<6>(x, ldx, wb, K, bias, y, ldy, cols);
+    case 7: return tile<7>(x, ldx, wb, K, bias, y, ldy, cols);
+    default: return tile<8>(x, ldx, wb, K, bias, y, ldy, cols);
   }
 }
 
-// One group of up to kGroup panels against all M rows: the group's weights stay in L2 while
-// the row tiles pass over them.
+// One block against all M rows: the block's weights stay in L2 while the row tiles pass
+// over them.
 template <typename W>
-void linear_group(int64_t g, int64_t M, int64_t N, int64_t K, int64_t P, const float* x, int64_t ldx, const W* wp,
+void linear_block(int64_t g, int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const W* wp,
                   const float* bias, float* y) {
-  int64_t p0 = g * kGroup;
-  int64_t np = std::min<int64_t>(kGroup, P - p0);
-  int64_t cols = std::min<int64_t>(np * kPanel, N - p0 * kPanel);
-  const W* w = wp + p0 * K * kPanel;
-  const float* b = bias ? bias + p0 * kPanel : nullptr;
+  int64_t cols = std::min<int64_t>(kBlock, N - g * kBlock);
+  const W* w = wp + g * K * kBlock;
+  const float* b = bias ? bias + g * kBlock : nullptr;
   for (int64_t m = 0; m < M; m += kRows) {
     int64_t rows = std::min<int64_t>(kRows, M - m);
-    float* out = y + m * N + p0 * kPanel;
-    const float* xm = x + m * ldx;
-    if (np == 3) tile_rows<3>(rows, xm, ldx, w, K, b, out, N, cols);
-    else if (np == 2) tile_rows<2>(rows, xm, ldx, w, K, b, out, N, cols);
-    else tile_rows<1>(rows, xm, ldx, w, K, b, out, N, cols);
+    tile_rows(rows, x + m * ldx, ldx, w, K, b, y + m * N + g * kBlock, N, cols);
   }
 }
 
-// [N, K] -> [ceil(N/16), K, 16], zero-padded: each panel one contiguous stream for `linear`.
+// [N, K] -> [ceil(N/48), K, 48], zero-padded: each block one contiguous stream for `linear`.
 // float32 or bfloat16 (the packed copy keeps the weight's dtype).
 template <typename T>
-void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      T* out = dst + p * K * kPanel;
-      for (int64_t i = 0; i < kPanel; ++i) {
-        int64_t n = p * kPanel + i;
-        for (int64_t k = 0; k < K; ++k) out[k * kPanel + i] = n < N ? src[n * K + k] : T(0);
+void pack_blocks(const T* src, T* dst, int64_t N, int64_t K, int64_t G) {
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      T* out = dst + g * K * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        int64_t n = g * kBlock + i;
+        for (int64_t k = 0; k < K; ++k) out[k * kBlock + i] = n < N ? src[n * K + k] : T(0);
       }
     }
   });
@@ -128,14 +125,14 @@ void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
 torch::Tensor pack_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "pack_weight: weight must be a CPU [out, in] tensor");
   auto w = weight.contiguous();
-  int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  auto packed = torch::empty({P, K, kPanel}, w.options());
+  int64_t N = w.size(0), K = w.size(1), G = (N + kBlock - 1) / kBlock;
+  auto packed = torch::empty({G, K, kBlock}, w.options());
   if (w.scalar_type() == torch::kFloat32) {
-    pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), N, K, P);
+    pack_blocks(w.data_ptr<float>(), packed.data_ptr<float>(), N, K, G);
   } else {
     TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "pack_weight: float32 or bfloat16 weights, got ", w.scalar_type());
-    pack_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K, P);
+    pack_blocks(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K, G);
   }
   return packed;
 }
@@ -145,10 +142,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   check_f32(x, "x");
   bool bf16 = packed.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || packed.scalar_type() == torch::kFloat32, "packed weight must be float32 or bfloat16");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
-              "packed weight must be a contiguous [panels, K, 16] tensor");
-  int64_t P = packed.size(0), K = packed.size(1), N = out_features;
-  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "out_features ", N, " does not match ", P, " panels");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
+              "packed weight must be a contiguous [blocks, K, ", kBlock, "] tensor");
+  int64_t G = packed.size(0), K = packed.size(1), N = out_features;
+  TORCH_CHECK(N > (G - 1) * kBlock && N <= G * kBlock, "out_features ", N, " does not match ", G, " blocks");
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   auto x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
@@ -156,7 +153,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     check_f32(*bias, "bias");
-    TORCH_CHECK(bias->numel() == P * kPanel && bias->is_contiguous(), "bias must be padded to ", P * kPanel);
+    TORCH_CHECK(bias->numel() == G * kBlock && bias->is_contiguous(), "bias must be padded to ", G * kBlock);
     bp = bias->data_ptr<float>();
   }
   auto sizes = x.sizes().vec();
@@ -165,20 +162,19 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   if (M == 0) return y;
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  int64_t groups = (P + kGroup - 1) / kGroup;
   // A thread gets at least ~1M multiply-adds (at few rows, ~100 KB of weights to stream):
   // smaller pieces cost more in fork/join than they save.
-  int64_t per_group = std::max<int64_t>(M, 4) * K * kGroup * kPanel;
-  int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / per_group);
+  int64_t per_block = std::max<int64_t>(M, 4) * K * kBlock;
+  int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / per_block);
   if (bf16) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) linear_group(g, M, N, K, P, xp, ldx, wp, bp, yp);
+    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) linear_block(g, M, N, K, xp, ldx, wp, bp, yp);
     });
   } else {
     const float* wp = packed.data_ptr<float>();
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) linear_group(g, M, N, K, P, xp, ldx, wp, bp, yp);
+    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) linear_block(g, M, N, K, xp, ldx, wp, bp, yp);
     });
   }
   return y;
@@ -539,7 +535,7 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels for the decode step (float32, AVX-512)";
-  m.def("pack_weight", &pack_weight, "[N, K] -> [ceil(N/16), K, 16] panels for linear (float32 or bfloat16)");
+  m.def("pack_weight", &pack_weight, "[N, K] -> [ceil(N/48), K, 48] blocks for linear (float32 or bfloat16)");
   m.def("linear", &linear, "y = x W^T + b over a [P, K, 16] packed weight (float32 or bfloat16), float32 x and y");
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place");
@@ -547,5 +543,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "neox rotary embedding in place on the first `heads` heads of each row");
   m.def("store_kv", &store_kv);
   m.def("paged_attention", &paged_attention);
-  m.attr("PANEL") = kPanel;
+  m.attr("BLOCK") = kBlock;
 }

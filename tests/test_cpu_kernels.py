@@ -25,10 +25,10 @@ F32 = dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])
-@pytest.mark.parametrize("out_features,in_features", [(48, 32), (50, 33), (17, 5), (960, 576)])
+@pytest.mark.parametrize("out_features,in_features", [(48, 32), (50, 33), (17, 5), (100, 33), (960, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_torch(rows: int, out_features: int, in_features: int, bias: bool) -> None:
-    """Ragged last panels, tiles of 1-8 rows, 1-3 panels per tile, with and without bias."""
+    """Ragged last blocks (1-47 of 48 columns), tiles of 1-8 rows, with and without bias."""
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     layer = Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
@@ -65,8 +65,8 @@ def test_linear_rejects_bad_input() -> None:
         ops.linear(torch.randn(2, 8, dtype=torch.float64), packed, None, 20)
     with pytest.raises(RuntimeError, match="features"):
         ops.linear(torch.randn(2, 9), packed, None, 20)
-    with pytest.raises(RuntimeError, match="panels"):
-        ops.linear(torch.randn(2, 8), packed, None, 40)
+    with pytest.raises(RuntimeError, match="blocks"):
+        ops.linear(torch.randn(2, 8), packed, None, 60)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 300])

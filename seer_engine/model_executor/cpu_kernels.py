@@ -2,7 +2,7 @@
 
 Stock torch on a small CPU runs a decode step far below the machine's limits: its
 small-M matmul reads weights at half the memory bandwidth and each norm or rotary
-embedding is half a dozen dispatched ops. The kernels here (a GEMM over panel-packed
+embedding is half a dozen dispatched ops. The kernels here (a GEMM over block-packed
 weights, fused residual+RMSNorm, in-place RoPE, paged attention without a context
 gather) cover float32 on AVX-512 CPUs; elsewhere, or when the extension was not built,
 ``native()`` is None and the model runs plain torch ops.
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-PANEL = 16  # output columns per packed panel, as csrc/cpu_ops.cpp lays them out
+BLOCK = 48  # output columns per packed block, as csrc/cpu_ops.cpp lays them out
 
 
 @functools.cache
@@ -45,20 +45,20 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[N, K]`` -> ``[ceil(N/16), K, 16]`` in ``dtype`` (float32, or bfloat16 to halve the
-    bytes a step streams): each 16-column panel one contiguous stream."""
+    """``[N, K]`` -> ``[ceil(N/48), K, 48]`` in ``dtype`` (float32, or bfloat16 to halve the
+    bytes a step streams): each 48-column block one contiguous stream."""
     ops = native()
     weight = weight.detach().to(dtype)
     if ops is not None and weight.device.type == "cpu":
         return ops.pack_weight(weight)
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = F.pad(weight, (0, 0, 0, panels * PANEL - n))
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    blocks = -(-n // BLOCK)
+    padded = F.pad(weight, (0, 0, 0, blocks * BLOCK - n))
+    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
 
 
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """The bias zero-padded to whole panels, as the kernel reads it."""
+    """The bias zero-padded to whole blocks, as the kernel reads it."""
     if bias is None:
         return None
-    return F.pad(bias.detach(), (0, -(-n // PANEL) * PANEL - n)).contiguous()
+    return F.pad(bias.detach(), (0, -(-n // BLOCK) * BLOCK - n)).contiguous()

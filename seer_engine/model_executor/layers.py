@@ -21,7 +21,7 @@ from seer_engine.model_executor import cpu_kernels
 
 class Linear(nn.Linear):
     """``nn.Linear`` that, switched to kernels with a ``linear`` (the C++ CPU kernels),
-    multiplies by a panel-packed copy of its weight (made by ``use_native`` once the
+    multiplies by a block-packed copy of its weight (made by ``use_native`` once the
     weights are final). Other kernel sets leave matmuls to torch (cuBLAS on a GPU)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
