@@ -366,7 +366,7 @@ def test_bench_rollout_task_samples_the_same_responses_under_every_policy(model,
         (["--policy", "oracle"], "oracle takes its lengths from another policy's run"),
         (["--model", None], "--task needs --model"),
         (["--admission", "peak:x"], "peak:TOKENS needs a positive number of tokens, got 'x'"),
-        (["--backfill", "some"], "backfill must be one of none, any"),
+        (["--backfill", "some"], "backfill must be one of none, claim, any"),
     ],
 )
 def test_bench_rollout_task_errors(model, capsys, change, message):

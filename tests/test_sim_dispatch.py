@@ -69,6 +69,34 @@ def test_a_sample_that_does_not_fit_holds_back_lower_priority_ones(backfill, dis
     assert sorted(k for k, _ in dispatcher.dispatch_log) == ["A/0", "B/0", "C/0"]
 
 
+@pytest.mark.parametrize(
+    "backfill,dispatched",
+    [("none", ["X/0", "Y/0"]), ("claim", ["X/0", "Y/0", "B/0"]), ("any", ["X/0", "Y/0", "B/0", "D/0"])],
+)
+def test_a_blocked_sample_claims_one_instance_and_the_others_backfill(backfill, dispatched):
+    # Two instances of 4,000 KV tokens; X and Y (2,600 each) take one each. A (3,500) fits
+    # nowhere now. Under `claim` A holds one instance and B (1,100) backfills the other; D
+    # (1,100) would need A's instance too, so it waits. `none` backfills nothing, `any` both.
+    prompts = {"X": 1600, "Y": 1600, "A": 2500, "B": 100, "D": 100}
+    world = SimWorld({f"{g}/0": 1000 for g in prompts}, 1000, {g: 1 for g in prompts})
+    insts = [
+        SimInstance(i, _profile(kv_tokens=4000), world, make_policy("fcfs"), max_model_len=4000)
+        for i in range(2)
+    ]
+    policy = Ranked({g: k for k, g in enumerate(prompts)})
+    dispatcher = Dispatcher(
+        SimPool(insts, True), policy, chunk_tokens=1000, admission="reserve", backfill=backfill
+    )
+    params = SamplingParams(max_tokens=1000)
+    dispatcher.start([Group(g, SimPrompt(n, g), params, 1, 1000) for g, n in prompts.items()])
+    dispatcher._dispatch(0.0)
+    assert [key for key, _ in dispatcher.dispatch_log] == dispatched
+    assert len({inst for _, inst in dispatcher.dispatch_log}) == 2
+    while dispatcher.has_work:
+        dispatcher.step()
+    assert sorted(k for k, _ in dispatcher.dispatch_log) == ["A/0", "B/0", "D/0", "X/0", "Y/0"]
+
+
 def test_the_priority_index_hands_out_the_policy_order_as_keys_change():
     rng = random.Random(3)
 
@@ -231,7 +259,7 @@ def test_simulate_cli_iterations_report_every_iteration(tmp_path, capsys):
         (["--policy", "divided+history"], "unknown policy 'divided+history'"),
         (["--drift", "0.2"], "--drift moves repeated prompts"),
         (["--admission", "peak:x"], "peak:TOKENS needs a positive number of tokens, got 'x'"),
-        (["--backfill", "some"], "backfill must be one of none, any"),
+        (["--backfill", "some"], "backfill must be one of none, claim, any"),
     ],
 )
 def test_simulate_cli_names_bad_iteration_input(args, message, capsys):
@@ -241,3 +269,26 @@ def test_simulate_cli_names_bad_iteration_input(args, message, capsys):
         main(["simulate", "--prompts", "4", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_trace_groups_iterations_take_the_benchmarks_sibling_sets(game24_trace):
+    """``simulate --trace T --groups G --repeat-prompts``: iteration k replays responses
+    k*N .. k*N+N-1 of each group, the same ones ``bench rollout --iterations`` replays."""
+    from seer_engine.workloads.groups import select_groups
+    from seer_engine.workloads.replay import ReplayWorkload
+    from seer_engine.workloads.traces import load_trace
+
+    chosen = select_groups(load_trace(str(game24_trace)), "2:5")
+    for iteration in range(3):
+        groups = simulator.bench_groups(str(game24_trace), "2:5", 3, 4096, iteration=iteration)
+        replay = ReplayWorkload(chosen, 3, 4096, first=iteration * 3)
+        assert [g.group_id for g in groups] == [gid for gid, _ in replay.prompts]
+        lengths = {f"{g.group_id}/{j}": n for g in groups for j, n in enumerate(g.lengths)}
+        assert lengths == replay.true_lengths
+    assert len({g.prompt_key for g in groups}) == 3
+    first = simulator.bench_groups(str(game24_trace), "2:5", 3, 4096)
+    assert [g.prompt_key for g in first] == [g.prompt_key for g in groups]
+    assert [g.lengths for g in first] != [g.lengths for g in groups], "disjoint sibling sets"
+    too_many = min(g.num_samples for g in chosen) // 3
+    with pytest.raises(ValueError, match=f"iteration {too_many + 1} takes responses"):
+        simulator.bench_groups(str(game24_trace), "2:5", 3, 4096, iteration=too_many)

@@ -86,7 +86,11 @@ def add_cli(subparsers) -> None:
         "--admission", default=None,
         help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
     )  # fmt: skip
-    p.add_argument("--backfill", default="none", help="none (strict priority) | any")
+    p.add_argument(
+        "--backfill", default="none",
+        help="none (strict priority) | claim (a blocked sample holds the roomiest instance, "
+        "the others backfill) | any",
+    )  # fmt: skip
     p.add_argument(
         "--model", default=None, help="--task: the model that samples; --trace default: a tiny random "
         "model with the trace tokenizer"

@@ -39,7 +39,11 @@ def add_cli(subparsers) -> None:
         "--admission", default=None,
         help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
     )  # fmt: skip
-    p.add_argument("--backfill", default="none", help="none (strict priority) | any")
+    p.add_argument(
+        "--backfill", default="none",
+        help="none (strict priority) | claim (a blocked sample holds the roomiest instance, "
+        "the others backfill) | any",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"
@@ -97,7 +101,9 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
     repeat = args.repeat_prompts
     seed = args.seed if repeat else args.seed + iteration
     if args.trace and args.groups:
-        return simulator.bench_groups(args.trace, args.groups, setup.samples, setup.max_tokens)
+        return simulator.bench_groups(
+            args.trace, args.groups, setup.samples, setup.max_tokens, iteration=iteration if repeat else 0
+        )
     if args.trace:
         return simulator.trace_groups(
             args.trace, setup.prompts, setup.samples, setup.max_tokens, seed,

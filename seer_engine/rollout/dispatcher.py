@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from seer_engine.core.seeds import sample_seed
 from seer_engine.outputs import RequestOutput
@@ -39,7 +39,7 @@ from seer_engine.rollout.types import (
 
 logger = logging.getLogger(__name__)
 
-BACKFILL_RULES = ("none", "any")
+BACKFILL_RULES = ("none", "claim", "any")
 DEFAULT_ADMISSION = "peak"
 
 
@@ -80,8 +80,11 @@ class Dispatcher:
         server runs for days; an offline rollout keeps them all). ``admission``: the
         rule that decides a chunk fits an instance (``rollout/admission.py``).
         ``backfill``: when a sample fits no instance, ``none`` stops the dispatch there
-        (strict priority: nothing passes a higher-priority sample), ``any`` goes on
-        with lower-priority samples that fit."""
+        (strict priority: nothing passes a higher-priority sample); ``claim`` lets the
+        blocked sample claim the instance with the most free KV and goes on with
+        lower-priority samples on the other instances only (they take nothing the blocked
+        sample waits for; the dispatch stops once every open instance is claimed);
+        ``any`` goes on with lower-priority samples that fit anywhere."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         _check_backfill(backfill)
@@ -250,10 +253,11 @@ class Dispatcher:
         ranked = self.buffer.ranked(now)
         try:
             failed: dict[int, int] = {}  # instance -> the smallest need it turned down in this dispatch
+            claimed: set[int] = set()  # instances held for a blocked higher-priority sample
             for sample in ranked:
-                inst = self._place(sample, failed)
+                inst = self._place(sample, failed, claimed)
                 if inst is None:
-                    if self.backfill == "none" or self._nothing_fits(failed):
+                    if self.backfill == "none" or self._nothing_fits(failed) or not self._claim(claimed):
                         return
                     continue
                 self.buffer.remove(sample)  # a lost instance puts its samples back
@@ -266,21 +270,38 @@ class Dispatcher:
     def _open_instances(self) -> list[InstanceHandle]:
         return [inst for inst in self.pool.alive if inst.books.has_free_seq]
 
+    def _claim(self, claimed: set[int]) -> bool:
+        """Under ``claim``, hold the unclaimed open instance with the most free KV for the
+        sample that just fit nowhere; whether any open instance is left to backfill."""
+        if self.backfill != "claim":
+            return True
+        free = [inst for inst in self._open_instances() if inst.index not in claimed]
+        if free:
+            claimed.add(max(free, key=lambda inst: inst.books.free_blocks).index)
+        return any(inst.index not in claimed for inst in self._open_instances())
+
     def _nothing_fits(self, failed: dict[int, int]) -> bool:
         """Every open instance has turned down a chunk no larger than the buffer's smallest."""
         smallest = self.buffer.smallest_need
         return all(failed.get(inst.index, smallest + 1) <= smallest for inst in self._open_instances())
 
-    def _place(self, sample: RolloutSample, failed: dict[int, int] | None = None) -> InstanceHandle | None:
+    def _place(
+        self,
+        sample: RolloutSample,
+        failed: dict[int, int] | None = None,
+        claimed: Container[int] = frozenset(),
+    ) -> InstanceHandle | None:
         """An instance the sample's chunk fits, chosen by the placement policy. An
-        in-process instance busy in the past of this event is skipped. ``failed``: per
-        instance, the smallest need that did not fit it in this dispatch (a larger one
-        is not tried there again)."""
+        in-process instance busy in the past of this event is skipped, and so are
+        ``claimed`` ones. ``failed``: per instance, the smallest need that did not fit it
+        in this dispatch (a larger one is not tried there again)."""
         alive = self.pool.alive
         need = self.buffer.need(sample) if sample in self.buffer else 0
         limit = self._chunk_limit(sample)
         fits = []
         for inst in alive:
+            if inst.index in claimed:
+                continue
             if not inst.books.has_free_seq or not self.pool.accepts_at(inst, sample.enqueued_at):
                 continue
             if failed is not None and need >= failed.get(inst.index, need + 1):

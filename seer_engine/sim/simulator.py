@@ -244,14 +244,28 @@ def trace_groups(
     return groups
 
 
-def bench_groups(trace: str, spec: str, samples: int, max_tokens: int) -> list[SimGroup]:
+def bench_groups(trace: str, spec: str, samples: int, max_tokens: int, iteration: int = 0) -> list[SimGroup]:
     """The workload ``bench rollout --trace T --groups SPEC --samples N`` replays: the
-    same groups, real prompt lengths, and each response's tokens plus its EOS."""
+    same groups, real prompt lengths, and each response's tokens plus its EOS. Iteration
+    ``k`` of a rollout that revisits its prompts takes responses ``k*N .. k*N+N-1`` of each
+    group, as the benchmark's iterations do (disjoint sibling sets)."""
     from seer_engine.workloads.groups import select_groups
     from seer_engine.workloads.traces import load_trace
 
-    chosen = select_groups(load_trace(trace), spec, samples)
+    chosen = select_groups(load_trace(trace), spec)
+    first = iteration * samples
+    short = [g for g in chosen if g.num_samples < first + samples]
+    if short:
+        raise ValueError(
+            f"iteration {iteration + 1} takes responses {first}..{first + samples - 1} of each group, "
+            f"but group {short[0].group_id!r} has only {short[0].num_samples}"
+        )
     return [
-        SimGroup(f"t{g.group_id}", len(g.prompt_token_ids), [min(n + 1, max_tokens) for n in g.lengths])
+        SimGroup(
+            f"t{g.group_id}",
+            len(g.prompt_token_ids),
+            [min(n + 1, max_tokens) for n in g.lengths[first : first + samples]],
+            f"trace-{g.group_id}",
+        )
         for g in chosen
     ]
