@@ -4,6 +4,7 @@ schedules with is the engine's own code (Rollout, policies, Context Manager, bud
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +162,7 @@ def test_simulate_cli_writes_the_bench_report_keys_and_a_png(tmp_path, capsys):
         (["--groups", "8"], "pass --trace too"),
         (["--profile", "/nonexistent.json"], "not found"),
         (["--trace", "/nonexistent.jsonl.gz"], "trace '/nonexistent.jsonl.gz' not found"),
+        (["--acceptance", "/nonexistent.json"], "acceptance model '/nonexistent.json' not found"),
     ],
 )
 def test_simulate_cli_names_bad_input(args, message, capsys):
@@ -170,6 +172,25 @@ def test_simulate_cli_names_bad_input(args, message, capsys):
         main(["simulate", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_simulate_takes_an_acceptance_model_fitted_elsewhere(tmp_path, capsys):
+    """``--acceptance``: speculation drafts as the given fit says (here the committed
+    history fit, which accepts more than the default) and the report names it."""
+    from seer_engine.entrypoints.cli import main
+
+    history_fit = Path(simulator.__file__).parent / "profiles" / "acceptance_qwen3_history.json"
+    accepted = {}
+    for name, extra in (("default", []), ("fitted", ["--acceptance", str(history_fit)])):
+        args = ["simulate", "--setup", "moonlight", "--prompts", "6", "--instances", "2",
+                "--max-tokens", "8192", "--policy", "seer", "--report", str(tmp_path / name),
+                *extra]  # fmt: skip
+        assert main(args) == 0
+        report = json.loads((tmp_path / name / "moonlight" / "report.json").read_text())
+        accepted[name] = report["policies"]["seer"]["accepted_tokens_per_step"]
+        assert report["meta"]["acceptance"] == (str(history_fit) if extra else "default")
+    capsys.readouterr()
+    assert accepted["fitted"] > accepted["default"] > 0
 
 
 def test_the_context_managers_batch_order_is_its_one_by_one_order():

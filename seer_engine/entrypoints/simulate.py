@@ -62,6 +62,16 @@ def add_cli(subparsers) -> None:
         help="with --trace: exactly these trace groups ('8', '60:90') with unscaled lengths, as bench "
         "rollout replays them (default: every group, cycled to --prompts, lengths scaled to --max-tokens)",
     )  # fmt: skip
+    p.add_argument(
+        "--acceptance", default=None,
+        help="speculation's acceptance model (fit one on the workload's trace with `python -m "
+        "seer_engine.sim.acceptance`); default: the committed Qwen3 fit",
+    )  # fmt: skip
+    p.add_argument(
+        "--history-acceptance", default=None,
+        help="the same for +history policies once the store holds an iteration (fit with "
+        "--history-samples); default: the committed Qwen3 history fit",
+    )  # fmt: skip
     p.add_argument("--no-kv-pool", action="store_true", help="moved responses recompute (no global KV pool)")
     p.add_argument("--migration-spread", type=int, default=32)
     p.add_argument("--pool-pull-tokens", type=int, default=512)
@@ -116,14 +126,26 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
     )  # fmt: skip
 
 
-def _acceptance(history, samples: int):
-    """A history store that holds earlier iterations seeds every group's suffix tree:
-    the acceptance model fitted with history (None: the default one)."""
+def _acceptance(history, samples: int, models: dict):
+    """The acceptance model for a policy: with a history store that holds earlier
+    iterations (it seeds every group's suffix tree), the one fitted with history; else
+    the plain one (None: the simulator's default)."""
     if history is None or not history.iteration or not len(history):
-        return None
+        return models["plain"]
+    if models["history"] is not None:
+        return models["history"]
     from seer_engine.sim.acceptance import history_acceptance
 
     return history_acceptance(samples)
+
+
+def _acceptance_models(args: argparse.Namespace) -> dict:
+    from seer_engine.sim.acceptance import AcceptanceModel
+
+    return {
+        "plain": AcceptanceModel.load(args.acceptance) if args.acceptance else None,
+        "history": AcceptanceModel.load(args.history_acceptance) if args.history_acceptance else None,
+    }
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -150,6 +172,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
+    acceptance = _acceptance_models(args)
     for setup in _setups(args):
         p = setup.profile
         print(f"simulate {setup.name}: {setup.instances} instances x {p.kv_capacity_tokens:,} KV tokens, "
@@ -168,7 +191,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store)
                 results[name] = simulate(
                     groups, policy, p, setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
-                    acceptance=_acceptance(store, setup.samples), pooled=not args.no_kv_pool,
+                    acceptance=_acceptance(store, setup.samples, acceptance), pooled=not args.no_kv_pool,
                     on_sample_finished=Progress(label, total), admission=args.admission,
                     backfill=args.backfill,
                 )  # fmt: skip
@@ -244,6 +267,8 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
         "workload": args.trace or "synthetic", "kv_pool": not args.no_kv_pool,
         "mean_tokens": setup.mean_tokens, "repeat_prompts": args.repeat_prompts, "drift": args.drift,
         "admission": args.admission, "backfill": args.backfill,
+        "acceptance": args.acceptance or "default",
+        "history_acceptance": args.history_acceptance or "default",
         "profile": dataclasses.asdict(setup.profile), "notes": setup.notes,
     }  # fmt: skip
     path = write_report(out, runs[0], meta)  # figures and per-policy keys: the first iteration
