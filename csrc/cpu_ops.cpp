@@ -531,12 +531,110 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
   });
 }
 
+// ---------------------------------------------------------------------------------------
+// The decoder stack of a decode step in one call: the same ops in the same order as the
+// Python layer (models/decoder.py), so the result is bit for bit the same; what goes is
+// the ~25 Python-level calls per layer between them.
+
+using OptTensor = c10::optional<torch::Tensor>;
+
+// One decoder layer's weights as the kernels take them (packed matmuls, padded biases).
+struct NativeLayer {
+  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
+  OptTensor qkv_bias, o_bias, gate_up_bias, down_bias;
+  int64_t heads, kv_heads, head_dim, hidden, intermediate;
+  double eps, scale;
+};
+
+// One step's attention and rotary inputs, shared by every layer.
+struct StepInputs {
+  torch::Tensor positions, cos, sin, slots, block_tables, seq_lens, query_start_loc, requests;
+  OptTensor tree_mask;
+};
+
+void attention_block(const NativeLayer& w, torch::Tensor& x, torch::Tensor& kv_cache, const StepInputs& in) {
+  int64_t q_size = w.heads * w.head_dim, kv_size = w.kv_heads * w.head_dim, T = x.size(0);
+  auto qkv = linear(x, w.qkv, w.qkv_bias, q_size + 2 * kv_size);
+  auto q = qkv.narrow(1, 0, q_size);
+  auto k = qkv.narrow(1, q_size, kv_size);
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size);
+  rope_(q, in.positions, in.cos, in.sin, w.heads, w.head_dim);
+  rope_(k, in.positions, in.cos, in.sin, w.kv_heads, w.head_dim);
+  auto q3 = q.view({T, w.heads, w.head_dim});
+  store_kv(k.view({T, w.kv_heads, w.head_dim}), v.view({T, w.kv_heads, w.head_dim}), kv_cache, in.slots);
+  auto out = torch::empty(q3.sizes(), q3.options());
+  paged_attention(out, q3, kv_cache, in.block_tables, in.seq_lens, in.query_start_loc, in.tree_mask, in.requests,
+                  w.scale);
+  x = linear(out.view({T, q_size}), w.o, w.o_bias, w.hidden);
+}
+
+// hidden [T, H] (the embeddings) -> (the last layer's output, the residual stream before it
+// is added), as DecoderForCausalLM.forward's loop returns them.
+std::tuple<torch::Tensor, torch::Tensor> run_layers(const std::vector<NativeLayer>& layers,
+                                                    const std::vector<torch::Tensor>& kv_caches, torch::Tensor hidden,
+                                                    const StepInputs& in) {
+  TORCH_CHECK(!layers.empty() && kv_caches.size() == layers.size(), "run_layers: one KV cache per layer");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "run_layers: hidden must be a contiguous [T, H]");
+  torch::Tensor x = hidden, residual;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const NativeLayer& w = layers[i];
+    if (i == 0) {
+      residual = x;
+      x = rms_norm(x, w.input_norm, w.eps);
+    } else {
+      add_rms_norm_(x, residual, w.input_norm, w.eps);
+    }
+    torch::Tensor cache = kv_caches[i];
+    attention_block(w, x, cache, in);
+    add_rms_norm_(x, residual, w.post_norm, w.eps);
+    x = linear(silu_and_mul(linear(x, w.gate_up, w.gate_up_bias, 2 * w.intermediate)), w.down, w.down_bias,
+               w.hidden);
+  }
+  return {x, residual};
+}
+
+// The layers, converted once (per weight load), run by every decode step.
+struct NativeDecoder {
+  std::vector<NativeLayer> layers;
+  std::tuple<torch::Tensor, torch::Tensor> run(const std::vector<torch::Tensor>& kv_caches, torch::Tensor hidden,
+                                               const StepInputs& in) const {
+    return run_layers(layers, kv_caches, hidden, in);
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<NativeLayer>(m, "NativeLayer")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor qkv, OptTensor qkv_bias, torch::Tensor o,
+                       OptTensor o_bias, torch::Tensor post_norm, torch::Tensor gate_up, OptTensor gate_up_bias,
+                       torch::Tensor down, OptTensor down_bias, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t hidden, int64_t intermediate, double eps, double scale) {
+             return NativeLayer{input_norm, qkv,      o,         post_norm,    gate_up, down,   qkv_bias,
+                                o_bias,     gate_up_bias, down_bias, heads,  kv_heads, head_dim, hidden,
+                                intermediate, eps,     scale};
+           }),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"),
+           py::arg("post_norm"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("scale"));
+  py::class_<StepInputs>(m, "StepInputs")
+      .def(py::init([](torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                       torch::Tensor requests, OptTensor tree_mask) {
+             return StepInputs{positions, cos, sin, slots, block_tables, seq_lens, query_start_loc, requests,
+                               tree_mask};
+           }),
+           py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("requests"), py::arg("tree_mask"));
+  py::class_<NativeDecoder>(m, "NativeDecoder")
+      .def(py::init([](std::vector<NativeLayer> layers) { return NativeDecoder{std::move(layers)}; }),
+           py::arg("layers"))
+      .def("run", &NativeDecoder::run, "the decoder layers of a step whose every request is a short span",
+           py::arg("kv_caches"), py::arg("hidden"), py::arg("inputs"));
   m.doc() = "CPU kernels for the decode step (float32, AVX-512)";
   m.def("pack_weight", &pack_weight, "[N, K] -> [ceil(N/48), K, 48] blocks for linear (float32 or bfloat16)");
-  m.def("linear", &linear, "y = x W^T + b over a [P, K, 16] packed weight (float32 or bfloat16), float32 x and y");
+  m.def("linear", &linear, "y = x W^T + b over a [G, K, 48] packed weight (float32 or bfloat16), float32 x and y");
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over rows [gate | up]");

@@ -67,6 +67,12 @@ class AttentionBackend:
         """query ``[num_tokens, num_heads, head_dim]`` -> output of the same shape."""
         raise NotImplementedError
 
+    def native_requests(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """Where the C++ decoder (``cpu_kernels``) can attend every request of this step in
+        its one call, the int64 indices of those requests; else None (the layers run one
+        op at a time)."""
+        return None
+
     def forward(
         self,
         query: torch.Tensor,

@@ -42,10 +42,19 @@ class CpuAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, kv_cache, meta):
         self.ops.store_kv(key, value, kv_cache, meta.slot_mapping)
 
-    def attend(self, query, kv_cache, meta, scale):
+    def native_requests(self, meta, kv_cache):
+        plan = self._plan_for(meta, kv_cache)
+        return None if plan.long else plan.short
+
+    def _plan_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _CpuPlan:
         plan = meta.plan_cache.get("cpu")
         if plan is None:
-            plan = meta.plan_cache["cpu"] = _plan(meta, kv_cache.shape[2], query.shape[-1], query.device)
+            block_size, head_dim = kv_cache.shape[2], kv_cache.shape[-1]
+            plan = meta.plan_cache["cpu"] = _plan(meta, block_size, head_dim, kv_cache.device)
+        return plan
+
+    def attend(self, query, kv_cache, meta, scale):
+        plan = self._plan_for(meta, kv_cache)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.short is not None:
             self.ops.paged_attention(

@@ -113,6 +113,8 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self._ops: ModuleType | None = None
+        self._native: object | None = None  # the layers as one C++ call (cpu_kernels.NativeDecoder)
 
     def tie_weights(self) -> None:
         """The LM head reads the embedding table when the checkpoint ties them (again after
@@ -134,6 +136,14 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary.for_positions(positions, x.dtype)
+        requests = None if self._native is None else backend.native_requests(meta, kv_caches[0])
+        if requests is not None:
+            inputs = self._ops.StepInputs(
+                rope.positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, requests, meta.tree_mask,
+            )  # fmt: skip
+            x, residual = self._native.run(kv_caches, x, inputs)
+            return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta, backend)
@@ -151,6 +161,39 @@ class DecoderForCausalLM(nn.Module):
                 module.use_native(ops, linear_dtype)
             elif module is not self and hasattr(module, "use_native"):
                 module.use_native(ops)
+        self._ops = ops
+        self._native = self._native_decoder(ops)
+
+    def _native_decoder(self, ops: ModuleType | None):
+        """The layers as one C++ call, where the kernel set has it and runs every op of a
+        layer (packed matmuls; q/k norms, Qwen3's, go through torch ops: not covered)."""
+        if not hasattr(ops, "NativeDecoder") or self.cfg.qk_norm or self.lm_head._packed is None:
+            return None
+        c = self.cfg
+        return ops.NativeDecoder(
+            [
+                ops.NativeLayer(
+                    layer.input_layernorm.weight.detach(),
+                    layer.self_attn.qkv_proj._packed,
+                    layer.self_attn.qkv_proj._packed_bias,
+                    layer.self_attn.o_proj._packed,
+                    layer.self_attn.o_proj._packed_bias,
+                    layer.post_attention_layernorm.weight.detach(),
+                    layer.mlp.gate_up_proj._packed,
+                    layer.mlp.gate_up_proj._packed_bias,
+                    layer.mlp.down_proj._packed,
+                    layer.mlp.down_proj._packed_bias,
+                    c.num_heads,
+                    c.num_kv_heads,
+                    c.head_dim,
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.rms_norm_eps,
+                    layer.self_attn.scale,
+                )
+                for layer in self.layers
+            ]
+        )
 
     # -- weights -------------------------------------------------------------------
 
