@@ -130,7 +130,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--configs", default="torch,cpu", help="torch (plain torch ops), cpu (C++ kernels)")
+    parser.add_argument(
+        "--configs", default="torch,cpu",
+        help="torch (plain torch ops), cpu (C++ kernels), layers (C++ kernels one layer at a time, "
+        "without the C++ decoder stack; measured on the cpu engine right after it)",
+    )  # fmt: skip
     parser.add_argument("--no-gemm", action="store_true", help="skip the per-library matmul table")
     parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "engine_speed" / "profile.json")
@@ -162,6 +166,12 @@ def main() -> int:
             row["tokens_per_s"] = round(batch * 1e3 / row["step_ms_best"], 1)
             result["steps"][f"{name} b{batch}"] = row
             print(name, batch, json.dumps(row), flush=True)
+            if flag and "layers" in wanted and getattr(engine.runner.model, "_native", None) is not None:
+                engine.runner.model._native = None  # the same engine, its layers driven from Python
+                row = {"loadavg_1m": os.getloadavg()[0], **profile_steps(engine, args.steps)}
+                row["tokens_per_s"] = round(batch * 1e3 / row["step_ms_best"], 1)
+                result["steps"][f"cpu kernels per layer b{batch}"] = row
+                print("cpu kernels per layer", batch, json.dumps(row), flush=True)
             native = getattr(engine.runner, "native", None) or native
             weights = [
                 m.weight.detach() for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)
