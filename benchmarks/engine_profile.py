@@ -60,11 +60,15 @@ def decode_engine(model: Path, batch: int, context: int, threads: int, native: b
 
 
 def categorize(profile: cProfile.Profile, steps: int) -> dict[str, float]:
-    """ms per step by kind: matmul / attention / other tensor ops (C calls) and Python."""
-    out = {"matmul_ms": 0.0, "attention_ms": 0.0, "other_ops_ms": 0.0, "python_ms": 0.0}
+    """ms per step by kind: matmul / attention / other tensor ops (C calls) and Python; the
+    C++ decoder stack (all layers in one call) as one item."""
+    kinds = ("matmul_ms", "attention_ms", "other_ops_ms", "python_ms", "decoder_stack_ms")
+    out = dict.fromkeys(kinds, 0.0)
     for (file, _, name), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():
         if file != "~":
             out["python_ms"] += tottime
+        elif name.endswith("_cpu_ops.run>"):  # NativeDecoder.run: every layer in one C++ call
+            out["decoder_stack_ms"] += tottime
         elif any(k in name for k in MATMUL):
             out["matmul_ms"] += tottime
         elif any(k in name for k in ATTENTION):
