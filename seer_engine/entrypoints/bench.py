@@ -37,6 +37,7 @@ from seer_engine.entrypoints.rollout_cli import (
 )
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig, history_help, open_history, save_history
+from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
 from seer_engine.rollout.dispatcher import Dispatcher, check_dispatch_rules
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
@@ -81,7 +82,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--starvation-s", type=float, default=120.0)
+    p.add_argument("--starvation-s", type=float, default=DEFAULT_STARVATION_S)
     p.add_argument(
         "--admission", default=None,
         help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",

@@ -9,6 +9,7 @@ from pathlib import Path
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import TokenSource
 from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS, kv_pool_for
+from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREAD_THRESHOLD, SeerPlacement
 from seer_engine.rollout.policies import HISTORY_POLICIES, HISTORY_SUFFIX, ROLLOUT_POLICIES, RolloutPolicy
@@ -63,7 +64,7 @@ class RolloutConfig:
     policy: str | None = None  # None: "seer" in rollout mode, else "baseline"
     instances: int = 1
     chunk_tokens: int = 8192
-    starvation_s: float = 120.0
+    starvation_s: float = DEFAULT_STARVATION_S
     # None: an instance per process for --instances N > 1, in this process for one.
     distributed_backend: str | None = None
     # None: "local" (shared memory on this host) when instances > 1, else "none".
@@ -168,7 +169,10 @@ class RolloutConfig:
             "--chunk-tokens", type=int, default=8192, help="divided rollout: most tokens per dispatch"
         )
         parser.add_argument(
-            "--starvation-s", type=float, default=120.0, help="a response waiting this long goes first"
+            "--starvation-s",
+            type=float,
+            default=DEFAULT_STARVATION_S,
+            help="a response waiting this long goes first",
         )
         RolloutConfig.add_cluster_args(parser)
 

@@ -41,10 +41,16 @@ class _GroupState:
     seen_before: bool = False  # the history store knows the prompt
 
 
+# A response that has waited this long in the buffer goes first, oldest first. Short enough
+# to fire in every rollout: each chunk's wait then counts, which keeps long responses
+# moving while group estimates are still noise (benchmarks/results/simulator/README.md).
+DEFAULT_STARVATION_S = 120.0
+
+
 class ContextManager:
     def __init__(
         self,
-        starvation_s: float = 120.0,
+        starvation_s: float = DEFAULT_STARVATION_S,
         rule: str = "groupmax",
         probes: bool = True,
         estimator: GroupMaxEstimator | None = None,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from seer_engine.engine.config import EngineConfig
 from seer_engine.model_executor.model_config import ModelConfig
+from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.metrics import RolloutMetrics
 from seer_engine.rollout.placement import SeerPlacement
@@ -48,7 +49,7 @@ class Workload:
     block_size: int = 16
     max_num_seqs: int = 16
     instances: int = 2
-    starvation_s: float = 120.0
+    starvation_s: float = DEFAULT_STARVATION_S
     # [fixed_s, per_token_s] of the draft budget (an engine's start-up profile of this
     # model on this machine, rounded): pinned, as Seer pins an offline profile, so the
     # comparison does not hang on a start-up measurement taken while the machine is busy.

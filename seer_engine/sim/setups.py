@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 
 HBM_BYTES = 80e9
@@ -52,7 +53,7 @@ class Setup:
     prompt_len: int = 1024  # synthetic prompts (tokens): the median
     prompt_len_sigma: float = 0.33  # sd of log prompt length (the Qwen3 trace's)
     prompt_len_corr: float = 0.5  # its correlation with the group's log mean length (the trace's)
-    starvation_s: float = 3600.0  # the Context Manager's guard, scaled to iterations of ~1 h
+    starvation_s: float = DEFAULT_STARVATION_S  # the Context Manager's guard, as the engine's
     notes: str = ""
 
 
