@@ -38,7 +38,7 @@ from seer_engine.entrypoints.rollout_cli import (
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig, history_help, open_history, save_history
 from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
-from seer_engine.rollout.dispatcher import Dispatcher, check_dispatch_rules
+from seer_engine.rollout.dispatcher import Dispatcher, add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.metrics import RolloutResult
@@ -83,15 +83,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--starvation-s", type=float, default=DEFAULT_STARVATION_S)
-    p.add_argument(
-        "--admission", default=None,
-        help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
-    )  # fmt: skip
-    p.add_argument(
-        "--backfill", default="none",
-        help="none (strict priority) | claim (a blocked sample holds the roomiest instance, "
-        "the others backfill) | any",
-    )  # fmt: skip
+    add_dispatch_args(p)
     p.add_argument(
         "--model", default=None, help="--task: the model that samples; --trace default: a tiny random "
         "model with the trace tokenizer"

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from seer_engine.rollout.dispatcher import add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import HISTORY_SUFFIX, rollout_policy_names
@@ -35,15 +36,7 @@ def add_cli(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--drift", type=float, default=0.0, help="with --repeat-prompts: per-iteration "
                    "random walk (SD) of each prompt's log mean length (the policy changing)")  # fmt: skip
-    p.add_argument(
-        "--admission", default=None,
-        help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
-    )  # fmt: skip
-    p.add_argument(
-        "--backfill", default="none",
-        help="none (strict priority) | claim (a blocked sample holds the roomiest instance, "
-        "the others backfill) | any",
-    )  # fmt: skip
+    add_dispatch_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"
@@ -149,7 +142,6 @@ def _acceptance_models(args: argparse.Namespace) -> dict:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from seer_engine.rollout.dispatcher import check_dispatch_rules
     from seer_engine.rollout.history import HistoryStore
     from seer_engine.sim.diagnostics import diagnostics, format_diagnostics
     from seer_engine.sim.simulator import policy_for, simulate

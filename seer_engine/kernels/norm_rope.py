@@ -84,15 +84,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    rows = _rows(x)
-    out = torch.empty_like(rows)
+def _launch_rms_norm(
+    rows: torch.Tensor, res: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float, add: bool
+) -> None:
+    """One program per row: out = norm(rows (+ res, written back into res when ``add``))."""
     if rows.shape[0]:
         hidden = rows.shape[1]
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, rows, out, weight, rows.stride(0), rows.stride(0), out.stride(0), hidden, eps,
-            ADD_RESIDUAL=False, BLOCK=triton.next_power_of_2(hidden),
+            rows, res, out, weight, rows.stride(0), res.stride(0), out.stride(0), hidden, eps,
+            ADD_RESIDUAL=add, BLOCK=triton.next_power_of_2(hidden),
         )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    _launch_rms_norm(rows, rows, out, weight, eps, add=False)
     return out.view(x.shape)
 
 
@@ -101,12 +108,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     rows, res = _rows(x), _rows(residual)
     if rows.data_ptr() != x.data_ptr() or res.data_ptr() != residual.data_ptr() or rows.shape != res.shape:
         raise ValueError("x and residual must be row views of the same shape")
-    if rows.shape[0]:
-        hidden = rows.shape[1]
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, res, rows, weight, rows.stride(0), res.stride(0), rows.stride(0), hidden, eps,
-            ADD_RESIDUAL=True, BLOCK=triton.next_power_of_2(hidden),
-        )  # fmt: skip
+    _launch_rms_norm(rows, res, rows, weight, eps, add=True)
 
 
 def rope_(

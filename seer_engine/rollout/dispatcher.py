@@ -15,6 +15,7 @@ time order either way.
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections import deque
 from collections.abc import Callable, Container, Sequence
@@ -41,6 +42,19 @@ logger = logging.getLogger(__name__)
 
 BACKFILL_RULES = ("none", "claim", "any")
 DEFAULT_ADMISSION = "peak"
+
+
+def add_dispatch_args(parser: argparse.ArgumentParser) -> None:
+    """``--admission`` and ``--backfill``, as every command that runs a Dispatcher takes them."""
+    parser.add_argument(
+        "--admission", default=None,
+        help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
+    )  # fmt: skip
+    parser.add_argument(
+        "--backfill", default="none",
+        help="none (strict priority) | claim (a blocked sample holds the roomiest instance, "
+        "the others backfill) | any",
+    )  # fmt: skip
 
 
 def check_dispatch_rules(admission: str | None, backfill: str) -> str:
@@ -278,7 +292,7 @@ class Dispatcher:
         free = [inst for inst in self._open_instances() if inst.index not in claimed]
         if free:
             claimed.add(max(free, key=lambda inst: inst.books.free_blocks).index)
-        return any(inst.index not in claimed for inst in self._open_instances())
+        return len(free) > 1
 
     def _nothing_fits(self, failed: dict[int, int]) -> bool:
         """Every open instance has turned down a chunk no larger than the buffer's smallest."""
