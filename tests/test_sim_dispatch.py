@@ -292,3 +292,17 @@ def test_trace_groups_iterations_take_the_benchmarks_sibling_sets(game24_trace):
     too_many = min(g.num_samples for g in chosen) // 3
     with pytest.raises(ValueError, match=f"iteration {too_many + 1} takes responses"):
         simulator.bench_groups(str(game24_trace), "2:5", 3, 4096, iteration=too_many)
+
+
+def test_simulate_names_a_trace_too_short_for_its_iterations_before_running(game24_trace, capsys):
+    from seer_engine.entrypoints.cli import main
+
+    args = ["simulate", "--setup", "moonlight", "--trace", str(game24_trace), "--groups", "2",
+            "--samples", "8", "--iterations", "13", "--repeat-prompts", "--policy", "baseline",
+            "--max-tokens", "128"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "iteration 13 takes responses 96..103 of each group" in captured.err
+    assert "simulated" not in captured.out, "nothing runs before the error"

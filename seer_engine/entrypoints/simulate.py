@@ -166,6 +166,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     acceptance = _acceptance_models(args)
     for setup in _setups(args):
+        if args.trace and args.groups and args.repeat_prompts:
+            _workload(args, setup, args.iterations - 1)  # a trace too short for the last iteration fails now
         p = setup.profile
         print(f"simulate {setup.name}: {setup.instances} instances x {p.kv_capacity_tokens:,} KV tokens, "
               f"{setup.prompts} prompts x {setup.samples} responses, max {setup.max_tokens:,} tokens, "
