@@ -137,6 +137,30 @@ def test_context_manager_order_by_estimated_group_maximum():
     assert ctx.take_changes() == (False, set())
 
 
+def test_context_manager_serves_wait_order_first_and_estimates_among_equal_waits():
+    ctx = ContextManager(starvation_s=1e9)
+    params = SamplingParams(max_tokens=MAX)
+    long, short = (
+        Group(name, [1] * 100, params, n=4, max_tokens=MAX, order=k) for k, name in enumerate("ls")
+    )
+    for g in (long, short):
+        ctx.register(g, MAX)
+    for i in (1, 2):
+        ctx.on_finished(_sample(short, i, 500, chunks=1))
+        ctx.on_chunk_end(_sample(long, i, 12000, chunks=2))
+    assert ctx.estimate("l") > ctx.estimate("s")
+    requeued = _sample(long, 1, 12000, chunks=2)
+    requeued.enqueued_at = 50.0  # its chunk ended at t = 50
+    waiting = _sample(short, 3, 0)  # in the buffer since t = 0
+    together = _sample(long, 2, 12000, chunks=2)
+    together.enqueued_at = 50.0
+    order = sorted([requeued, waiting, together], key=lambda s: ctx.priority(s, now=60.0))
+    assert [s.key for s in order] == ["s/3", "l/1", "l/2"], "wait order first; longest group among equals"
+    shorter = _sample(short, 0, 400, chunks=1)
+    shorter.enqueued_at = 50.0
+    assert ctx.priority(together, 60.0) < ctx.priority(shorter, 60.0)
+
+
 def test_context_manager_records_into_and_reads_from_its_history():
     store = HistoryStore()
     params = SamplingParams(max_tokens=MAX)

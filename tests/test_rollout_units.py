@@ -9,6 +9,7 @@ from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.context_manager import ContextManager
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.placement import SeerPlacement
+from seer_engine.rollout.policies import DividedPolicy
 from seer_engine.rollout.request_buffer import RequestBuffer
 from seer_engine.rollout.types import Group, InstanceInfo, RolloutSample
 from seer_engine.sampling_params import SamplingParams
@@ -104,6 +105,17 @@ def test_placement_breaks_prefix_ties_by_load_then_free_blocks():
     assert SeerPlacement().choose(insts, lambda i: 0, [0, 0, 1]) is insts[1]
     with pytest.raises(ValueError):
         SeerPlacement(spread_threshold=-1)
+
+
+def test_divided_serves_the_buffer_in_the_order_responses_entered_it():
+    policy = DividedPolicy()
+    g = [_group(i) for i in range(6)]
+    requeued = _sample(g[0], 1, generated=128, enqueued=10.0)  # its first chunk ended at t = 10
+    fresh = [_sample(g[5], 0), _sample(g[3], 2)]
+    later = _sample(g[1], 0, generated=128, enqueued=12.0)
+    order = policy.order([later, requeued, *fresh], now=20.0)
+    assert [s.key for s in order] == ["g3/2", "g5/0", "g0/1", "g1/0"]
+    assert [policy.rank_key(s) for s in order] == sorted(policy.rank_key(s) for s in order)
 
 
 # -- Context Manager -------------------------------------------------------------------

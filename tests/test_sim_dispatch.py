@@ -171,7 +171,7 @@ def test_peak_admission_counts_progress_and_chunks_that_end_first():
     )
 
 
-@pytest.mark.parametrize("admission", ["reserve-per-response", "reserve", "peak", "peak:256"])
+@pytest.mark.parametrize("admission", ["reserve-per-response", "reserve", "peak", "peak:256", "peak-known"])
 @pytest.mark.parametrize("name", ["divided", "context", "seer", "context+history", "oracle"])
 def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, monkeypatch):
     made: list[SimInstance] = []
@@ -198,7 +198,7 @@ def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, monke
         assert result.metrics.chunk_cuts == 0
 
 
-def test_peak_admission_runs_more_rows_than_reserving_every_chunk():
+def test_peak_admission_runs_more_rows_than_reserving_every_chunk_and_fewer_than_knowing_the_ends():
     groups = synthetic_groups(12, 8, MAX_TOKENS, prompt_len=200, seed=4)
     runs = {
         adm: simulate(
@@ -210,10 +210,12 @@ def test_peak_admission_runs_more_rows_than_reserving_every_chunk():
             1024,
             admission=adm,
         )  # fmt: skip
-        for adm in ("reserve-per-response", "peak")
+        for adm in ("reserve-per-response", "peak", "peak-known")
     }
     rows = {adm: np.mean([p.running for tl in r.timelines for p in tl]) for adm, r in runs.items()}
     assert rows["peak"] > rows["reserve-per-response"]
+    assert rows["peak-known"] > rows["peak"], "knowing where responses end packs more rows"
+    assert runs["peak-known"].metrics.makespan_s < runs["peak"].metrics.makespan_s
 
 
 @pytest.mark.parametrize("name", ["optimistic", "peak:0", "peak:x"])

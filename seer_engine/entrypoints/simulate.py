@@ -23,6 +23,7 @@ from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import HISTORY_SUFFIX, rollout_policy_names
 from seer_engine.rollout.report import Progress, format_table, policy_summary, write_report
+from seer_engine.sim.admission import KNOWN_ENDS
 
 
 def add_cli(subparsers) -> None:
@@ -36,7 +37,7 @@ def add_cli(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--drift", type=float, default=0.0, help="with --repeat-prompts: per-iteration "
                    "random walk (SD) of each prompt's log mean length (the policy changing)")  # fmt: skip
-    add_dispatch_args(p)
+    add_dispatch_args(p, f" | {KNOWN_ENDS} (the true lengths: a bound no online rule reaches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"
@@ -153,7 +154,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--drift must be >= 0, got {args.drift}")
     if args.drift and not args.repeat_prompts:
         raise ValueError("--drift moves repeated prompts: pass --repeat-prompts too")
-    args.admission = check_dispatch_rules(args.admission, args.backfill)
+    if args.admission == KNOWN_ENDS:
+        check_dispatch_rules(None, args.backfill)
+    else:
+        args.admission = check_dispatch_rules(args.admission, args.backfill)
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
     if args.trace:

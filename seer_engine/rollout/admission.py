@@ -100,6 +100,10 @@ class PeakAdmission(Admission):
         if horizon_tokens is not None:
             self.name = f"peak:{horizon_tokens}"
 
+    def chunk_end(self, sample: RolloutSample, end: int) -> int:
+        """Where the chunk is taken to end: at its limit (an online rule cannot know more)."""
+        return end
+
     def _cap(self, remaining: float) -> float:
         return remaining if self.horizon is None else min(remaining, self.horizon)
 
@@ -114,7 +118,7 @@ class PeakAdmission(Admission):
             prompts[gid] = max(prompts.get(gid, 0), len(c.sample.group.prompt_token_ids))
             done = max(c.start, min(c.end, books.progress.get(rid, c.start)))
             now.append(done + bs)  # a partial block per row
-            rem.append(self._cap(c.end - done + self.slack_tokens))
+            rem.append(self._cap(self.chunk_end(c.sample, c.end) - done + self.slack_tokens))
         held = float(sum(prompts.values()) + bs * len(prompts))
         order = np.argsort(np.asarray(rem, dtype=np.float64), kind="stable")
         r = np.asarray(rem, dtype=np.float64)[order]
@@ -139,7 +143,7 @@ class PeakAdmission(Admission):
         gid = sample.group.group_id
         extra = 0 if gid in books.group_chunks else len(sample.group.prompt_token_ids) + bs
         n_now = start + bs
-        n_rem = self._cap(end - start + self.slack_tokens)
+        n_rem = self._cap(self.chunk_end(sample, end) - start + self.slack_tokens)
         k = int(np.searchsorted(o.rem, n_rem, side="left"))  # chunks 0..k-1 end before the new one
         best = o.held + extra + n_now
         if k:
@@ -155,7 +159,7 @@ class PeakAdmission(Admission):
 
     def fits(self, books: InstanceBooks, sample: RolloutSample, start: int, end: int) -> bool:
         """Where every end-of-chunk footprint fits (``reserve``), the peak does too."""
-        if self.footprint(books, sample, end) <= books.free_blocks:
+        if self.footprint(books, sample, self.chunk_end(sample, end)) <= books.free_blocks:
             return True
         capacity = books.info.num_blocks * books.info.block_size * self.headroom
         return self.peak(books, sample, start, end) <= capacity

@@ -44,11 +44,13 @@ BACKFILL_RULES = ("none", "claim", "any")
 DEFAULT_ADMISSION = "peak"
 
 
-def add_dispatch_args(parser: argparse.ArgumentParser) -> None:
-    """``--admission`` and ``--backfill``, as every command that runs a Dispatcher takes them."""
+def add_dispatch_args(parser: argparse.ArgumentParser, more_admission: str = "") -> None:
+    """``--admission`` and ``--backfill``, as every command that runs a Dispatcher takes
+    them (``more_admission``: the command's own rules, for its help)."""
     parser.add_argument(
         "--admission", default=None,
-        help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts); default peak",
+        help="reserve | reserve-per-response | peak | peak:TOKENS (chunk cuts)"
+        f"{more_admission}; default peak",
     )  # fmt: skip
     parser.add_argument(
         "--backfill", default="none",

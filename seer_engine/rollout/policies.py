@@ -57,9 +57,14 @@ class BaselinePolicy(RolloutPolicy):
 
 
 class DividedPolicy(RolloutPolicy):
-    """Divided rollout alone: chunks dispatched FCFS to any instance with free KV."""
+    """Divided rollout alone: the Request Buffer is a FIFO queue. A response whose chunk
+    ended joins the back, behind responses that have waited longer (fresh ones too), and
+    each chunk goes to any instance with free KV."""
 
     name = "divided"
+
+    def priority(self, sample: RolloutSample, now: float) -> Any:
+        return (sample.enqueued_at, sample.group.order, sample.sample_index)
 
 
 class ContextAwarePolicy(RolloutPolicy):

@@ -22,6 +22,7 @@ from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
 from seer_engine.rollout.types import Group, StepReply
 from seer_engine.sampling_params import SamplingParams
+from seer_engine.sim.admission import KNOWN_ENDS, KnownEndsAdmission
 from seer_engine.sim.instance import SimInstance
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.speculation import SimSpeculation
@@ -117,6 +118,7 @@ def simulate(
     ``pooled``: a global KV pool (Seer) lets moved responses pull their context; without
     one they recompute it. ``acceptance``: the speculative acceptance model (policies
     with speculative decoding only; default: the one fitted on the Qwen3 trace).
+    ``admission``: a rule of ``rollout/admission.py``, or ``peak-known`` (``sim/admission.py``).
     """
     max_prompt = max(g.prompt_len for g in groups)
     world = SimWorld(
@@ -143,6 +145,8 @@ def simulate(
         )  # fmt: skip
         for k, g in enumerate(groups)
     ]
+    if admission == KNOWN_ENDS:
+        admission = KnownEndsAdmission(world.lengths)
     pool = SimPool(sims, pooled)
     dispatcher = Dispatcher(
         pool, policy, chunk_tokens, on_sample_finished, placement or SeerPlacement(),
