@@ -48,9 +48,9 @@ class _GroupState:
     seen_before: bool = False  # the history store knows the prompt
 
 
-# A response that has waited this long in the buffer goes first, oldest first. Short enough
-# to fire in every rollout: each chunk's wait then counts, which keeps long responses
-# moving while group estimates are still noise (benchmarks/results/simulator/README.md).
+# A response that has waited this long in the buffer goes first, oldest first. The wait
+# order already serves responses in turn; the guard bounds how long the probes (and, in a
+# server, responses of groups registered later) can hold one back.
 DEFAULT_STARVATION_S = 120.0
 
 
