@@ -74,6 +74,49 @@ def point(setup_name: str, across: float, overhead_s: float, kv_scale: float, se
     return out
 
 
+# The paper's ablation (Table 4): + divided rollout, + context-aware scheduling, x veRL.
+PAPER_ABLATION = {"moonlight": (1.41, 1.47), "qwen2vl-72b": (1.42, 1.56), "kimi-k2": (1.16, 1.27)}
+STYLES = (("divided", "o-"), ("context", "s-"), ("oracle", "^--"), ("oracle/peak-known", "v:"))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Ratios to the baseline against the spread of group means, one panel per (extra
+    fixed cost, KV scale), with the paper's ablation for the setup as a reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["points"]
+    panels = sorted({(p["extra_overhead_s"], p["kv_scale"]) for p in points})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True, squeeze=False)
+    for ax, (overhead, kv) in zip(axes[0], panels):
+        chosen = sorted((p for p in points if (p["extra_overhead_s"], p["kv_scale"]) == (overhead, kv)),
+                        key=lambda p: p["across_sigma"])  # fmt: skip
+        x = [p["across_sigma"] for p in chosen]
+        for name, style in (
+            ("divided", "o-"),
+            ("context", "s-"),
+            ("oracle", "^--"),
+            ("oracle/peak-known", "v:"),
+        ):
+            y = [p["tokens_per_s"][name] / p["tokens_per_s"]["baseline"] for p in chosen]
+            ax.plot(x, y, style, label=name.replace("/peak-known", ", known lengths"))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        paper = PAPER_ABLATION.get(report["setup"], ())
+        for value, label in zip(paper, ("paper: divided", "paper: context")):
+            ax.axhline(value, color="black", lw=0.8, ls=(0, (1, 3)))
+            ax.annotate(label, (ax.get_xlim()[0], value), fontsize=7, va="bottom")
+        ax.set_title(f"+{overhead * 1e3:g} ms per step, KV x{kv:g}", fontsize=10)
+        ax.set_xlabel("sd of log group means")
+    axes[0][0].set_ylabel("throughput / baseline")
+    axes[0][0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{report['setup']}: what scheduling can gain over the modeled baseline", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setup", default="qwen2vl-72b")
@@ -81,8 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-ms", default="0,30", help="added to the profile's fixed cost per step")
     p.add_argument("--kv-scale", default="1,0.5", help="times the profile's KV capacity")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the points as JSON here")
+    p.add_argument("--out", type=Path, default=None, help="write the points as JSON here (and a .png beside)")
+    p.add_argument("--replot", type=Path, default=None, help="only redraw the plot of this JSON")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
     points = []
     grid = list(itertools.product(_floats(args.across), _floats(args.overhead_ms), _floats(args.kv_scale)))
     for k, (across, overhead_ms, kv_scale) in enumerate(grid, 1):
@@ -109,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {"meta": meta, "setup": args.setup, "points": points}
         args.out.write_text(json.dumps(report, indent=1) + "\n")
+        plot(report, args.out.with_suffix(".png"))
     return 0
 
 
