@@ -37,7 +37,7 @@ def add_cli(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--drift", type=float, default=0.0, help="with --repeat-prompts: per-iteration "
                    "random walk (SD) of each prompt's log mean length (the policy changing)")  # fmt: skip
-    add_dispatch_args(p, f" | {KNOWN_ENDS} (the true lengths: a bound no online rule reaches)")
+    add_dispatch_args(p, f" | {KNOWN_ENDS} (peak told the true lengths; simulator only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"

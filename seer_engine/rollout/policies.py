@@ -68,7 +68,8 @@ class DividedPolicy(RolloutPolicy):
 
 
 class ContextAwarePolicy(RolloutPolicy):
-    """Divided rollout + the Context Manager's probe-first, longest-first order."""
+    """Divided rollout + the Context Manager's order: probes first, then wait order, then
+    the longest estimated group first among equal waits."""
 
     name = "context"
 

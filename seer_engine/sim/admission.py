@@ -2,9 +2,10 @@
 
 ``peak`` must assume a chunk runs to its limit; most end sooner (a response finishes
 inside its chunk), and the KV held back for them is concurrency lost. Given the true
-lengths, the same rule admits exactly what fits: no online rule can pack an instance
-tighter without preempting. Run with the ``oracle`` order it bounds what any
-no-preemption scheduler can reach on a workload (``simulate --admission peak-known``).
+lengths, the same rule holds back nothing for them. Beside ``peak`` it shows how much
+of a gap to the baseline is the admission's caution rather than the dispatch order
+(``simulate --admission peak-known``). It bounds the admission, not the order: under
+it, longest-first (``oracle``) is not always the fastest order.
 """
 
 from __future__ import annotations
