@@ -26,8 +26,7 @@ from pathlib import Path
 
 from seer_engine.sim.diagnostics import diagnostics
 from seer_engine.sim.setups import get_setup
-from seer_engine.sim.simulator import SimGroup, policy_for, simulate
-from seer_engine.workloads.synthetic import synthetic_workload
+from seer_engine.sim.simulator import policy_for, simulate, synthetic_groups
 
 RUNS = (
     ("baseline", "peak"), ("divided", "peak"), ("context", "peak"),
@@ -47,12 +46,10 @@ def point(setup_name: str, across: float, overhead_s: float, kv_scale: float, se
         step=dataclasses.replace(step, a_s=step.a_s + overhead_s),
         kv_capacity_tokens=int(setup.profile.kv_capacity_tokens * kv_scale),
     )
-    workload = synthetic_workload(
-        setup.prompts, setup.samples, setup.max_tokens, seed=seed, mean_len=setup.mean_tokens,
-        prompt_len=setup.prompt_len, prompt_len_sigma=setup.prompt_len_sigma,
-        prompt_len_corr=setup.prompt_len_corr, across_sigma=across,
+    groups = synthetic_groups(
+        setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed, setup.mean_tokens,
+        prompt_len_sigma=setup.prompt_len_sigma, prompt_len_corr=setup.prompt_len_corr, across_sigma=across,
     )  # fmt: skip
-    groups = [SimGroup(f"s{k}", g.prompt_len, g.lengths, g.group_id) for k, g in enumerate(workload)]
     lengths = [n for g in groups for n in g.lengths]
     out: dict = {
         "across_sigma": across, "extra_overhead_s": overhead_s, "kv_scale": kv_scale,

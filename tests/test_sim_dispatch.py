@@ -13,12 +13,13 @@ import pytest
 from seer_engine.core.policies import make_policy
 from seer_engine.rollout.admission import PeakAdmission, make_admission
 from seer_engine.rollout.books import InstanceBooks
-from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.dispatcher import Dispatcher, check_dispatch_rules
 from seer_engine.rollout.policies import RolloutPolicy
 from seer_engine.rollout.priority_index import PriorityIndex
 from seer_engine.rollout.types import Group, InstanceInfo, RolloutSample
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim import simulator
+from seer_engine.sim.admission import KNOWN_ENDS
 from seer_engine.sim.instance import SimInstance
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 from seer_engine.sim.simulator import SimPool, policy_for, simulate, synthetic_groups
@@ -222,6 +223,14 @@ def test_peak_admission_runs_more_rows_than_reserving_every_chunk_and_fewer_than
 def test_bad_admission_rules_are_named(name):
     with pytest.raises(ValueError, match="admission"):
         make_admission(name)
+
+
+def test_only_the_simulator_takes_its_own_admission_rule():
+    assert check_dispatch_rules("peak-known", "none", own_rules=(KNOWN_ENDS,)) == KNOWN_ENDS
+    with pytest.raises(ValueError, match="unknown admission rule 'peak-known'"):
+        check_dispatch_rules("peak-known", "none")  # bench rollout runs real engines
+    with pytest.raises(ValueError, match="backfill"):
+        check_dispatch_rules("peak-known", "sideways", own_rules=(KNOWN_ENDS,))
 
 
 def test_iterations_repeat_prompts_with_fresh_samples():

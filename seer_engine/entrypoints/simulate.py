@@ -154,10 +154,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--drift must be >= 0, got {args.drift}")
     if args.drift and not args.repeat_prompts:
         raise ValueError("--drift moves repeated prompts: pass --repeat-prompts too")
-    if args.admission == KNOWN_ENDS:
-        check_dispatch_rules(None, args.backfill)
-    else:
-        args.admission = check_dispatch_rules(args.admission, args.backfill)
+    args.admission = check_dispatch_rules(args.admission, args.backfill, own_rules=(KNOWN_ENDS,))
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
     if args.trace:

@@ -161,6 +161,7 @@ class ContextManager:
             return (1, sample.num_generated, sample.group.order)
         if self.rule == "groupmax":
             value = self.estimate(gid)
-            waited_from = sample.enqueued_at
-            return (2, waited_from, -value, -sample.num_generated, sample.group.order, sample.sample_index)
+            return (
+                2, sample.enqueued_at, -value, -sample.num_generated, sample.group.order, sample.sample_index,
+            )  # fmt: skip
         return (2, -self.estimate(gid), sample.group.order, sample.sample_index)

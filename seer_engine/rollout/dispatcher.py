@@ -59,11 +59,13 @@ def add_dispatch_args(parser: argparse.ArgumentParser, more_admission: str = "")
     )  # fmt: skip
 
 
-def check_dispatch_rules(admission: str | None, backfill: str) -> str:
+def check_dispatch_rules(admission: str | None, backfill: str, own_rules: Container[str] = ()) -> str:
     """The admission rule to use (``None``: the default), after naming a bad rule or a bad
-    backfill value, so a command line fails before anything is loaded."""
+    backfill value, so a command line fails before anything is loaded. ``own_rules``: the
+    command's own admission rules (built where it runs them)."""
     rule = admission or DEFAULT_ADMISSION
-    make_admission(rule)
+    if rule not in own_rules:
+        make_admission(rule)
     _check_backfill(backfill)
     return rule
 

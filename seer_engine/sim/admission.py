@@ -22,7 +22,6 @@ class KnownEndsAdmission(PeakAdmission):
     def __init__(self, lengths: dict[str, int]) -> None:
         """``lengths``: each response's true output length (sample key -> tokens)."""
         super().__init__()
-        self.name = KNOWN_ENDS
         self.lengths = lengths
 
     def chunk_end(self, sample: RolloutSample, end: int) -> int:

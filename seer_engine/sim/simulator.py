@@ -203,16 +203,19 @@ def synthetic_groups(
     drift: float = 0.0,
     prompt_len_sigma: float = 0.0,
     prompt_len_corr: float = 0.0,
+    across_sigma: float | None = None,
 ) -> list[SimGroup]:
     """The rollout issue's synthetic generator (fitted to the Qwen3 trace) at a setup's scale:
     its p99 at ``max_tokens``, or its mean at ``mean_tokens`` (a calibrated setup).
     ``iteration`` > 0 samples the same prompts again; prompts have ``prompt_len`` tokens,
-    or with ``prompt_len_sigma`` log-normal lengths around it (see ``synthetic_workload``)."""
+    or with ``prompt_len_sigma`` log-normal lengths around it (see ``synthetic_workload``).
+    ``across_sigma``: the spread of the groups' log mean lengths (default: the trace's fit)."""
     from seer_engine.workloads.synthetic import synthetic_workload
 
+    shape = {} if across_sigma is None else {"across_sigma": across_sigma}
     workload = synthetic_workload(
         prompts, samples, max_tokens, seed=seed, mean_len=mean_tokens, iteration=iteration, drift=drift,
-        prompt_len=prompt_len, prompt_len_sigma=prompt_len_sigma, prompt_len_corr=prompt_len_corr,
+        prompt_len=prompt_len, prompt_len_sigma=prompt_len_sigma, prompt_len_corr=prompt_len_corr, **shape,
     )  # fmt: skip
     return [SimGroup(f"s{k}", g.prompt_len, g.lengths, g.group_id) for k, g in enumerate(workload)]
 
