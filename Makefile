@@ -32,7 +32,7 @@ run: $(BIN)/.installed-real
 	$(BIN)/seer_engine serve --rollout-mode --model smollm2-135m --host 127.0.0.1 --port 8000
 
 lint: setup
-	$(BIN)/ruff check seer_engine tests benchmarks examples
+	$(BIN)/ruff check seer_engine tests benchmarks examples setup.py
 
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -44,7 +44,9 @@ else:
                 if ext.name != OPTIONAL:
                     raise
                 self.failed.add(ext.name)
-                print(f"WARNING: {OPTIONAL} (CPU decode kernels) did not build ({e}); the engine runs torch ops")
+                print(
+                    f"WARNING: {OPTIONAL} (CPU decode kernels) did not build ({e}); the engine runs torch ops"
+                )
 
     ext_modules.append(
         CppExtension(
