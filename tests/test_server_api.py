@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import openai
@@ -88,6 +89,70 @@ def test_stop_string_is_never_streamed_past(client, model):
     assert "".join(c.text for chunk in stream for c in chunk.choices) == want
 
 
+def test_streamed_echo_logprobs_match_non_streamed(client, model):
+    """With echo, the streamed logprobs start with the prompt's tokens (null logprobs) and
+    their text offsets count the echoed prompt, as in the whole response."""
+    kwargs = dict(model=model, prompt=["Hello", "Bye now"], n=2, max_tokens=4, echo=True, logprobs=1, seed=3)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    streamed: dict[int, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for chunk in client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            lp = streamed[c.index]
+            lp["text"].append(c.text)
+            for key in ("tokens", "token_logprobs", "text_offset"):
+                lp[key] += getattr(c.logprobs, key)
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for c in full.choices:
+        lp = streamed[c.index]
+        assert "".join(lp["text"]) == c.text == "".join(lp["tokens"])
+        assert lp["tokens"] == c.logprobs.tokens and lp["text_offset"] == c.logprobs.text_offset
+        assert lp["token_logprobs"] == c.logprobs.token_logprobs
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.text_offset[0] == 0
+
+
+def test_stop_token_text_is_not_in_the_output(client, model):
+    """A stop token id ends the output's token ids but not its text (as vLLM), unless
+    include_stop_str_in_output; streamed and whole responses agree."""
+    base = dict(model=model, prompt="A story:", temperature=0.0)
+    free = client.completions.create(**base, max_tokens=24, logprobs=0, extra_body={"ignore_eos": True})
+    pieces = free.choices[0].logprobs.tokens
+    k = next(
+        i
+        for i in range(2, len(pieces))
+        if pieces[i].strip() and "\ufffd" not in pieces[i] and pieces[i] not in pieces[:i]
+    )
+    free_ids = client.completions.create(
+        **base, max_tokens=k + 1, extra_body={"ignore_eos": True, "return_token_ids": True}
+    ).choices[0]
+    stop_id = free_ids.token_ids[k]
+    before = client.completions.create(**base, max_tokens=k, extra_body={"ignore_eos": True}).choices[0].text
+    extra = {"stop_token_ids": [stop_id], "return_token_ids": True, "ignore_eos": True}
+    out = client.completions.create(**base, max_tokens=24, extra_body=extra).choices[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == free_ids.token_ids and out.text == before
+    stream = client.completions.create(**base, max_tokens=24, stream=True, extra_body=extra)
+    assert "".join(c.text for chunk in stream for c in chunk.choices) == before
+    kept = client.completions.create(
+        **base, max_tokens=24, extra_body={**extra, "include_stop_str_in_output": True}
+    ).choices[0]
+    assert kept.text == free_ids.text
+
+
+def test_null_is_the_default(client, model):
+    """OpenAI's optional fields are nullable, and the client sends None as null."""
+    resp = client.completions.create(model=model, prompt="x", max_tokens=2, n=None, echo=None, stream=None)
+    assert len(resp.choices) == 1 and resp.usage.completion_tokens <= 2
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2, n=None, logprobs=None)
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": None}
+        )
+    )
+    assert all(c.usage is None for c in chunks)  # include_usage: null is false
+
+
 def test_chat(client, model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     kwargs = dict(model=model, messages=messages, max_tokens=10, seed=5, logprobs=True, top_logprobs=2)
@@ -132,6 +197,7 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, 400, "empty"),
     ({"prompt": "x", "stop_token_ids": [99999]}, 400, "vocabulary"),
     ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
     ({"prompt": "x", "n": "two"}, 422, "n"),
     ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
@@ -166,6 +232,22 @@ def test_bad_chat_requests(http, body, status):
     resp = http.post("/v1/chat/completions", json=body)
     assert resp.status_code == status, resp.text
     assert "message" in resp.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_penalty": 0.9}, "repetition_penalty"),
+    ],
+)
+def test_chat_errors_name_the_chat_field(http, body, param):
+    resp = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param} "), error
 
 
 def test_malformed_json_and_routes(http):
@@ -215,5 +297,7 @@ def test_api_key_and_body_limit(server, http, model):
 
 
 def test_still_serving_after_bad_input(client, model):
-    resp = client.completions.create(model=model, prompt="still here", max_tokens=4)
+    resp = client.completions.create(
+        model=model, prompt="still here", max_tokens=4, extra_body={"repetition_penalty": 1.0}
+    )
     assert resp.choices[0].finish_reason in ("length", "stop")

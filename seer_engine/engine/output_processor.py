@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from seer_engine.core.request import Request
+from seer_engine.core.request import Request, RequestStatus
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import SamplingParams
@@ -84,7 +84,14 @@ class OutputProcessor:
 
     def completion(self, req: Request) -> CompletionOutput:
         params = req.sampling_params
-        text = self.detokenizer.decode(req.output_token_ids, params.skip_special_tokens)
+        text_ids = req.output_token_ids
+        if (
+            req.status is RequestStatus.FINISHED_STOPPED
+            and not isinstance(req.stop_reason, str)
+            and not params.include_stop_str_in_output
+        ):
+            text_ids = text_ids[:-1]  # the stop token (EOS or a stop token id) is not text, as in vLLM
+        text = self.detokenizer.decode(text_ids, params.skip_special_tokens)
         if isinstance(req.stop_reason, str):
             cut = text.find(req.stop_reason)
             if cut >= 0:

@@ -3,18 +3,41 @@
 Models are strict (no "1" -> 1, no true -> 1): a wrong type is an error, not a guess.
 Values (n >= 1, temperature >= 0, ...) are checked by ``SamplingParams`` so that the
 engine and the server refuse the same things with the same messages. Unknown fields
-are ignored, as OpenAI clients send fields this server does not use.
+are ignored, as OpenAI clients send fields this server does not use. ``null`` for an
+optional field is the same as leaving it out (OpenAI's fields are nullable: the
+``openai`` client sends ``n=None`` as ``"n": null``); where ``None`` is a value of its
+own (``max_tokens``: up to the context length) it is kept.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _allows_none(annotation: Any) -> bool:
+    return annotation is None or (
+        get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(annotation)
+    )
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """``"field": null`` for an optional field that cannot be None: its default."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = [
+            name
+            for name, f in cls.model_fields.items()
+            if data.get(name, ...) is None and not f.is_required() and not _allows_none(f.annotation)
+        ]
+        return {k: v for k, v in data.items() if k not in defaulted} if defaulted else data
 
 
 # ----------------------------------------------------------------------------- errors
@@ -63,6 +86,7 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's; 1 is no penalty
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions for RL rollouts and debugging.

@@ -83,6 +83,8 @@ class ServingBase:
             value = getattr(req, name)
             if value not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (must be 0)", param=name)
+        if req.repetition_penalty not in (None, 1, 1.0):
+            raise APIError(400, "repetition_penalty is not supported (must be 1)", param="repetition_penalty")
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
         if req.logit_bias:

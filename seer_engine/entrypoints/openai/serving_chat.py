@@ -60,8 +60,14 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         prompt = await self.render_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, logprobs)
+        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        try:
+            params = self.sampling_params(req, getattr(req, max_name), logprobs)
+        except APIError as e:  # name the chat field that carried the refused engine value
+            name = {"logprobs": "top_logprobs", "max_tokens": max_name}.get(e.param or "")
+            if name is None or e.param == name:
+                raise
+            raise APIError(e.status, name + e.message.removeprefix(e.param or ""), param=name) from None
         request_id = req.request_id or random_id("chatcmpl-")
         (stream,) = await self.submit(request_id, [prompt], params, req.stream, req.group_id)
         if req.stream:

@@ -94,20 +94,20 @@ class OpenAIServingCompletion(ServingBase):
             return None
         if not req.echo:
             return completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, 0)
-        # Echoed prompt tokens come first; the engine computes no prompt logprobs (null).
+        echoed, end = self._echo_logprobs(out.prompt_token_ids)
+        return _concat(echoed, completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, end))
+
+    def _echo_logprobs(self, prompt_token_ids: list[int]) -> tuple[dict, int]:
+        """The echoed prompt's tokens, which come first, and the offset after them. The
+        engine computes no prompt logprobs: theirs are null."""
         detok = self.engine.detokenizer
-        pieces = [detok.piece(t) for t in out.prompt_token_ids]
+        pieces = [detok.piece(t) for t in prompt_token_ids]
         offsets, pos = [], 0
         for piece in pieces:
             offsets.append(pos)
             pos += len(piece)
-        gen = completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, pos)
-        return {
-            "tokens": pieces + gen["tokens"],
-            "token_logprobs": [None] * len(pieces) + gen["token_logprobs"],
-            "top_logprobs": [None] * len(pieces) + gen["top_logprobs"],
-            "text_offset": offsets + gen["text_offset"],
-        }
+        nulls = [None] * len(pieces)
+        return {"tokens": pieces, "token_logprobs": nulls, "top_logprobs": nulls, "text_offset": offsets}, pos
 
     # -- streaming ---------------------------------------------------------------------------
 
@@ -134,10 +134,13 @@ class OpenAIServingCompletion(ServingBase):
                     if index in done:
                         continue
                     first = index not in deltas
+                    echoed = None
                     if first:
                         deltas[index] = TextDeltas(stop_strings(req.stop))
                         sent_tokens[index] = 0
                         offsets[index] = 0
+                        if req.echo and req.logprobs is not None:
+                            echoed, offsets[index] = self._echo_logprobs(out.prompt_token_ids)
                     text = deltas[index].delta(sample.text, sample.finished)
                     if first and req.echo:
                         text = self._prompt_text(prompts[p]) + text
@@ -156,7 +159,7 @@ class OpenAIServingCompletion(ServingBase):
                             new_ids, sample.logprobs[sent_tokens[index] :], req.logprobs, offsets[index]
                         )
                         offsets[index] += sum(len(t) for t in lp["tokens"])
-                        choice["logprobs"] = lp
+                        choice["logprobs"] = lp if echoed is None else _concat(echoed, lp)
                     if req.return_token_ids:
                         if first:
                             choice["prompt_token_ids"] = out.prompt_token_ids
@@ -174,3 +177,8 @@ class OpenAIServingCompletion(ServingBase):
         finally:
             self.registry.remove(request_id)
         yield "data: [DONE]\n\n"
+
+
+def _concat(first: dict, then: dict) -> dict:
+    """Two runs of completions logprobs, one after the other."""
+    return {key: first[key] + then[key] for key in first}
