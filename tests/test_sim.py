@@ -13,10 +13,11 @@ import seer_engine.rollout.dispatcher as engine_dispatcher
 import seer_engine.rollout.policies as rollout_policies
 from seer_engine.rollout.policies import ROLLOUT_POLICIES, ContextAwarePolicy
 from seer_engine.sim import simulator
+from seer_engine.sim.acceptance import AcceptanceModel
 from seer_engine.sim.instance import SimInstance
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 from seer_engine.sim.simulator import SimGroup, policy_for, simulate, synthetic_groups
-from seer_engine.sim.world import TokenCount
+from seer_engine.sim.world import SimWorld, TokenCount
 from seer_engine.spec_decode.budget import AdaptiveBudget
 
 MAX_TOKENS = 4096
@@ -91,6 +92,46 @@ def test_seer_drafts_from_the_acceptance_model_and_beats_context():
     )
     assert context.metrics.accepted_tokens_per_step == 0
     assert m.throughput_tokens_per_s > 1.2 * context.metrics.throughput_tokens_per_s
+
+
+def test_coverage_is_how_far_siblings_wrote_past_a_response():
+    world = SimWorld({"g/0": 100, "g/1": 100, "g/2": 100}, 100, {"g": 3}, {"g": ["g/0", "g/1", "g/2"]})
+    assert world.coverage("g", "g/0", 16) == 0.0
+    world.on_chunk_end("g", "g/1", 8)
+    world.on_chunk_end("g", "g/2", 40)
+    assert world.coverage("g", "g/0", 16) == pytest.approx((8 / 16 + 1.0) / 2)
+    assert world.coverage("g", "g/1", 16) == pytest.approx((0 + 1.0) / 2)
+    assert world.coverage("g", "g/2", 16) == 0.0
+    version = world.versions["g"]
+    world.on_chunk_end("g", "g/2", 40)  # nothing moved: the instances' cached sums stay valid
+    assert world.versions["g"] == version
+
+
+def test_seer_accepts_more_where_siblings_have_written_ahead():
+    """The same acceptance numbers, once regardless of coverage and once only for rows
+    whose siblings have written past them: responses that start late (3 small instances,
+    chunks) draft from the siblings ahead, so the coverage-aware table accepts more."""
+    budgets = (1, 2, 4, 8, 16)
+    low, high = (0.05, 0.08, 0.1, 0.12, 0.12), (0.7, 1.2, 2.0, 2.8, 3.2)
+    flat = AcceptanceModel(budgets, (0.0, 1.0), (low,))
+    covered = AcceptanceModel(budgets, (0.0, 1.0), ((low, high),), coverage_edges=(0.0, 0.5, 1.0))
+    groups = _groups()
+    runs = {
+        name: simulate(
+            groups,
+            policy_for("seer", groups, MAX_TOKENS, 3600.0),
+            _profile(kv_tokens=12_000),
+            3,
+            MAX_TOKENS,
+            512,
+            acceptance=model,
+        )  # fmt: skip
+        for name, model in (("flat", flat), ("covered", covered))
+    }
+    flat_accepted = runs["flat"].metrics.accepted_tokens_per_step
+    assert flat_accepted < 0.15
+    assert runs["covered"].metrics.accepted_tokens_per_step > 1.5 * flat_accepted
+    assert runs["covered"].metrics.output_tokens == runs["flat"].metrics.output_tokens
 
 
 def test_a_chunk_larger_than_an_instance_is_a_clear_error():

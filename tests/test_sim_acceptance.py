@@ -36,9 +36,9 @@ def late_copy() -> Group:
     return Group("late", [list(X), list(range(5000, 5250)) + X])
 
 
-def totals(records: list[tuple[float, int]], lo: float = 0.0, hi: float = 1.0) -> tuple[int, int]:
+def totals(records: list[tuple[float, float, int, int]], lo: float = 0.0, hi: float = 1.0) -> tuple[int, int]:
     """(steps, accepted tokens) over the records with lo <= stage < hi."""
-    inside = [a for s, a, _ in records if lo <= s < hi]
+    inside = [a for s, _, a, _ in records if lo <= s < hi]
     return len(inside), sum(inside)
 
 
@@ -64,6 +64,44 @@ def test_catching_up_with_a_sibling_ahead(multi_path):
         records = replay_group(group, budget, multi_path)
         assert totals(records) == (400, 60)
         assert {s for s, *_ in records} == {0.0}
+
+
+def test_a_late_start_drafts_from_the_sibling_ahead_and_coverage_says_so():
+    """Identical responses, sibling 1 starting 50 steps late: while sibling 0 is ahead,
+    sibling 1's coverage is 1 (a whole draft written past it) and it accepts the 50
+    tokens of the gap; sibling 0, never behind, has coverage 0 and accepts nothing."""
+    group = Group("late start", [list(X), list(X)])
+    records = replay_group(group, 16, starts=[0, 50])
+    assert sum(a for *_, a, _ in records) == 50
+    assert all(c > 0 for _, c, a, _ in records if a)
+    assert sum(1 for _, c, _, _ in records if c == 1.0) >= 50 // 17  # drafts of 16 + 1 bonus close the gap
+    lone = records[:50]  # sibling 0 alone before sibling 1 starts
+    assert all(c == 0.0 and a == 0 for _, c, a, _ in lone)
+    assert replay_group(group, 16) == replay_group(group, 16, starts=[0, 0])
+    with pytest.raises(ValueError, match="1 starts for 2 responses"):
+        replay_group(group, 16, starts=[0])
+
+
+def test_staggered_fit_has_coverage_bins_and_sees_the_gain():
+    """Two identical responses replayed in lock-step and staggered: steps with a sibling
+    ahead (coverage >= 0.5) accept far more than steps without."""
+    group = Group("pair", [list(X), list(X)])
+    model = fit_acceptance(
+        [group], budgets=(1, 16), stage_edges=(0.0, 1.0), coverage_edges=(0.0, 0.5, 1.0),
+        spreads=(0.0, 1.0), progress=False,
+    )  # fmt: skip
+    low, high = model.accepted[0]
+    assert high[1] > 5 * max(low[1], 0.1) and high[0] > 0.5
+    assert model.measured["spreads"] == [0.0, 1.0]
+    assert model.accepted_per_step(16, 0.0, 0.9) == pytest.approx(high[1])
+    assert model.accepted_per_step(16, 0.0, 0.1) == pytest.approx(low[1])
+    again = fit_acceptance(
+        [group], budgets=(1, 16), stage_edges=(0.0, 1.0), coverage_edges=(0.0, 0.5, 1.0),
+        spreads=(0.0, 1.0), progress=False,
+    )  # fmt: skip
+    assert again.accepted == model.accepted, "the staggered starts are seeded"
+    with pytest.raises(ValueError, match="spreads must be >= 0"):
+        fit_acceptance([group], spreads=(-1.0,), progress=False)
 
 
 def test_distinct_random_responses_accept_almost_nothing():
@@ -130,6 +168,25 @@ def test_per_token_rate_is_budget_one_clamped():
     assert m.per_token_rate(0.2) == pytest.approx(0.4)
     high = AcceptanceModel((1, 2), (0.0, 1.0), ((1.3, 2.0),))
     assert high.per_token_rate(0.5) == 0.999
+
+
+def test_a_table_with_coverage_bins_reads_the_coverage_row(tmp_path):
+    m = AcceptanceModel(
+        (1, 2), (0.0, 0.5, 1.0),
+        (((0.1, 0.2), (0.5, 1.0)), ((0.3, 0.4), (0.7, 1.4))),
+        coverage_edges=(0.0, 0.5, 1.0),
+    )  # fmt: skip
+    assert m.accepted_per_step(2, 0.1, 0.2) == pytest.approx(0.2)
+    assert m.accepted_per_step(2, 0.1, 0.7) == pytest.approx(1.0)
+    assert m.accepted_per_step(1, 0.9, 0.7) == pytest.approx(0.7)
+    assert m.accepted_per_step(2, 0.9) == pytest.approx(0.4)  # coverage defaults to 0
+    assert m.per_token_rate(0.9, 1.0) == pytest.approx(0.7)
+    assert m.drafted_per_step(5, 0.0, 1.0) == 5  # no drafted table: every budget in full
+    assert AcceptanceModel.load(m.save(tmp_path / "c.json")) == m
+    with pytest.raises(ValueError, match="2 stage rows of 2 coverage rows of 2 budgets"):
+        AcceptanceModel((1, 2), (0.0, 0.5, 1.0), ((0.1, 0.2), (0.3, 0.4)), coverage_edges=(0.0, 0.5, 1.0))
+    with pytest.raises(ValueError, match="coverage_edges must increase"):
+        AcceptanceModel((1, 2), (0.0, 1.0), ((0.1, 0.2),), coverage_edges=(0.0, 0.7))
 
 
 def test_save_load_round_trip(tmp_path):

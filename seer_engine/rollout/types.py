@@ -31,6 +31,11 @@ class Group:
     order: int = 0  # submission order within the rollout
 
 
+def sample_key(group_id: str, index: int) -> str:
+    """A response's name in pools, drafts, reports and the simulator (built, never parsed)."""
+    return f"{group_id}/{index}"
+
+
 @dataclass(eq=False)
 class RolloutSample:
     """One response of a group as the Request Buffer tracks it across chunks.
@@ -65,7 +70,7 @@ class RolloutSample:
     @property
     def key(self) -> str:
         """The response's name in pools, drafts and reports (built, never parsed)."""
-        return f"{self.group.group_id}/{self.sample_index}"
+        return sample_key(self.group.group_id, self.sample_index)
 
     @property
     def num_generated(self) -> int:

@@ -1,18 +1,31 @@
 """How many draft tokens grouped speculative decoding gets accepted, for the simulator.
 
 The simulator does not draft; it needs "accepted draft tokens per request-step" as a
-function of the draft budget and of the rollout stage (the fraction of a group's
-responses already finished: late in a group, the stragglers draft from siblings that
-have written their whole answer, so acceptance rises). The table is fitted by
-replaying real trace groups through the engine's own C++ group suffix tree with
-exact-match acceptance (:func:`replay_group`), so it carries the drafter's real
-behaviour (match caps, ``min_prob``, multi-path trees) rather than a guess.
+function of the draft budget and of what the response's group has written. Two things
+decide that, so the table has two axes besides the budget:
+
+- the **stage**: the share of the group's responses already finished. Late in a group
+  the stragglers draft from siblings that wrote their whole answer.
+- the **coverage**: how far the other siblings have written past this response's
+  position, each counting fully once it is a whole draft (``COVERAGE_WINDOW`` tokens)
+  ahead. Siblings rarely run in lock-step in a rollout: chunks, the dispatch order and
+  full instances stagger them, and a response that starts late drafts from siblings
+  that already wrote the passage it is about to write.
+
+The table is fitted by replaying real trace groups through the engine's own C++ group
+suffix tree with exact-match acceptance (:func:`replay_group`), so it carries the
+drafter's real behaviour (match caps, ``min_prob``, multi-path trees) rather than a
+guess. Each group is replayed in lock-step and with staggered starts (``spreads``);
+the starts are drawn at random, so the coverage they give is not a consequence of a
+response's own acceptance (in lock-step a response falls behind because it accepts
+less).
 
 The table holds for the group size it was fitted with: more siblings, more to draft
-from. On the Qwen3 trace (90 groups, budget 16, multi-path) the mean is 1.15 accepted
-tokens per request-step with 8 responses per group, 1.32 with 16 and 1.57 with 46
-(whole groups; 1.89 while the last 10% run, 1.28 single-path), which matches an
-earlier exact-match lock-step simulation of the whole trace (1.56, 1.86, 1.29).
+from. On the Qwen3 trace (90 groups, budget 16, multi-path) lock-step replay gives a
+mean of 1.15 accepted tokens per request-step with 8 responses per group, 1.32 with 16
+and 1.57 with 46 (whole groups; 1.89 while the last 10% run, 1.28 single-path), which
+matches an earlier exact-match lock-step simulation of the whole trace (1.56, 1.86,
+1.29).
 
     python -m seer_engine.sim.acceptance --trace qwen3-8b-mcq-cot.jsonl.gz --groups all \
         --samples 8 --output seer_engine/sim/profiles/acceptance_qwen3.json
@@ -25,6 +38,7 @@ import datetime as dt
 import json
 import math
 import os
+import random
 import sys
 import time
 from bisect import bisect_left, bisect_right
@@ -53,6 +67,9 @@ __all__ = [
 DEFAULT_ACCEPTANCE_PATH = Path(__file__).parent / "profiles" / "acceptance_qwen3.json"
 DEFAULT_BUDGETS = (1, 2, 4, 8, 16)
 DEFAULT_STAGE_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+DEFAULT_COVERAGE_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+DEFAULT_SPREADS = (0.0, 0.5, 2.0)  # lock-step, and starts staggered over half / twice a mean response
+COVERAGE_WINDOW = 16  # tokens a sibling must be ahead to cover a whole draft (the default budget)
 # The drafter's defaults: the fit must see the tree the engine uses.
 DEFAULT_MAX_DEPTH = SpeculativeConfig.max_depth
 DEFAULT_MIN_PROB = SpeculativeConfig.min_prob
@@ -78,84 +95,124 @@ def _stage_bin(edges: Sequence[float], stage: float) -> int:
     return min(len(edges) - 2, max(0, bisect_right(edges, stage) - 1))
 
 
+def _table(data, name: str, stages: int, coverages: int, budgets: int) -> tuple:
+    """``data`` as nested float tuples of the model's shape (2-D with one coverage bin)."""
+    if coverages == 1:
+        want = f"{stages} stage rows of {budgets} budgets"
+    else:
+        want = f"{stages} stage rows of {coverages} coverage rows of {budgets} budgets"
+    try:
+        if coverages == 1:
+            table = tuple(tuple(float(v) for v in row) for row in data)
+            shape_ok = len(table) == stages and all(len(row) == budgets for row in table)
+        else:
+            table = tuple(tuple(tuple(float(v) for v in row) for row in cell) for cell in data)
+            shape_ok = len(table) == stages and all(
+                len(cell) == coverages and all(len(row) == budgets for row in cell) for cell in table
+            )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"acceptance model: {name} must be {want} (nested number lists): {e}") from None
+    if not shape_ok:
+        raise ValueError(f"acceptance model: {name} must be {want}")
+    return table
+
+
+def _values(table) -> list[float]:
+    out: list[float] = []
+    for item in table:
+        if isinstance(item, tuple):
+            out += _values(item)
+        else:
+            out.append(item)
+    return out
+
+
 @dataclass(frozen=True)
 class AcceptanceModel(SavedAsJson):
-    """Mean accepted draft tokens per request-step, per stage bin (rows) and budget (columns)."""
+    """Mean accepted draft tokens per request-step, by stage bin, coverage bin and budget.
+
+    ``accepted[stage][budget]`` while there is one coverage bin (``coverage_edges`` =
+    ``(0.0, 1.0)``, the table ignores coverage), else ``accepted[stage][coverage][budget]``."""
 
     budgets: tuple[int, ...]
     stage_edges: tuple[float, ...]
-    accepted: tuple[tuple[float, ...], ...]  # [stage bin][budget index]
+    accepted: tuple  # [stage bin][budget index], or [stage bin][coverage bin][budget index]
     # Mean draft nodes per request-step, same shape: the tree often has less to offer
     # than the budget allows, and only drafted nodes are verified (and paid for).
     # Empty: every budget is drafted in full.
-    drafted: tuple[tuple[float, ...], ...] = ()
+    drafted: tuple = ()
     derivation: str = ""  # how the table was fitted (command, groups, samples, multi_path)
     measured: dict = field(default_factory=dict)  # trace, steps per bin, fit seconds, date
+    coverage_edges: tuple[float, ...] = (0.0, 1.0)
 
     def __post_init__(self) -> None:
         try:
             budgets = tuple(self.budgets)
             edges = tuple(float(e) for e in self.stage_edges)
-            table = tuple(tuple(float(v) for v in row) for row in self.accepted)
+            cover = tuple(float(e) for e in self.coverage_edges)
         except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"acceptance model: budgets, stage_edges and accepted must be number lists: {e}"
-            ) from None
+            raise ValueError(f"acceptance model: budgets and edges must be number lists: {e}") from None
         if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
             raise ValueError(f"acceptance model: budgets must be positive integers, got {list(budgets)}")
         if any(a >= b for a, b in zip(budgets, budgets[1:])):
             raise ValueError(f"acceptance model: budgets must increase, got {list(budgets)}")
-        if (
-            len(edges) < 2
-            or edges[0] != 0.0
-            or edges[-1] != 1.0
-            or any(a >= b for a, b in zip(edges, edges[1:]))
-        ):
-            raise ValueError(
-                f"acceptance model: stage_edges must increase from 0.0 to 1.0 (>= 2 edges), got {list(edges)}"
-            )
-        if len(table) != len(edges) - 1 or any(len(row) != len(budgets) for row in table):
-            raise ValueError(
-                f"acceptance model: accepted must be {len(edges) - 1} stage rows of {len(budgets)} budgets, "
-                f"got {[len(row) for row in table]}"
-            )
-        if any(not math.isfinite(v) or v < 0 for row in table for v in row):
+        for name, bins in (("stage_edges", edges), ("coverage_edges", cover)):
+            if (
+                len(bins) < 2
+                or bins[0] != 0.0
+                or bins[-1] != 1.0
+                or any(a >= b for a, b in zip(bins, bins[1:]))
+            ):
+                raise ValueError(
+                    f"acceptance model: {name} must increase from 0.0 to 1.0 (>= 2 edges), got {list(bins)}"
+                )
+        table = _table(self.accepted, "accepted", len(edges) - 1, len(cover) - 1, len(budgets))
+        if any(not math.isfinite(v) or v < 0 for v in _values(table)):
             raise ValueError("acceptance model: accepted values must be finite and >= 0")
+        drafted = (
+            _table(self.drafted, "drafted", len(edges) - 1, len(cover) - 1, len(budgets))
+            if self.drafted
+            else ()
+        )
         object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "stage_edges", edges)
+        object.__setattr__(self, "coverage_edges", cover)
         object.__setattr__(self, "accepted", table)
-        drafted = tuple(tuple(float(v) for v in row) for row in self.drafted)
-        if drafted and [len(r) for r in drafted] != [len(r) for r in table]:
-            raise ValueError("acceptance model: drafted must have the shape of accepted")
         object.__setattr__(self, "drafted", drafted)
 
     def stage_bin(self, stage: float) -> int:
         return _stage_bin(self.stage_edges, stage)
 
-    def accepted_per_step(self, budget: float, stage: float) -> float:
-        """Piecewise linear in budget through (0, 0) and the table points, flat past the last."""
-        return self._interpolate(self.accepted, budget, stage)
+    def coverage_bin(self, coverage: float) -> int:
+        return _stage_bin(self.coverage_edges, coverage)
 
-    def drafted_per_step(self, budget: float, stage: float) -> float:
+    def accepted_per_step(self, budget: float, stage: float, coverage: float = 0.0) -> float:
+        """Piecewise linear in budget through (0, 0) and the table points, flat past the last."""
+        return self._interpolate(self._row(self.accepted, stage, coverage), budget)
+
+    def drafted_per_step(self, budget: float, stage: float, coverage: float = 0.0) -> float:
         """Draft nodes a request verifies per step with this budget (at most the budget)."""
         if not self.drafted:
             return max(0.0, budget)
-        return min(max(0.0, budget), self._interpolate(self.drafted, budget, stage))
+        return min(max(0.0, budget), self._interpolate(self._row(self.drafted, stage, coverage), budget))
 
-    def _interpolate(self, table, budget: float, stage: float) -> float:
+    def per_token_rate(self, stage: float, coverage: float = 0.0) -> float:
+        """Acceptance probability of a single draft token (what budget 1 accepts per step)."""
+        return min(0.999, max(0.0, self.accepted_per_step(1, stage, coverage)))
+
+    def _row(self, table, stage: float, coverage: float) -> tuple[float, ...]:
+        row = table[self.stage_bin(stage)]
+        return row if len(self.coverage_edges) == 2 else row[self.coverage_bin(coverage)]
+
+    def _interpolate(self, row: tuple[float, ...], budget: float) -> float:
         if budget <= 0:
             return 0.0
-        row = table[self.stage_bin(stage)]
         budgets = self.budgets
         if budget >= budgets[-1]:
             return row[-1]
         i = bisect_left(budgets, budget)
         x0, y0 = (0, 0.0) if i == 0 else (budgets[i - 1], row[i - 1])
         return y0 + (row[i] - y0) * (budget - x0) / (budgets[i] - x0)
-
-    def per_token_rate(self, stage: float) -> float:
-        """Acceptance probability of a single draft token (what budget 1 accepts per step)."""
-        return min(0.999, max(0.0, self.accepted_per_step(1, stage)))
 
     @classmethod
     def from_dict(cls, data: dict) -> AcceptanceModel:
@@ -230,8 +287,9 @@ def replay_group(
     max_depth: int = DEFAULT_MAX_DEPTH,
     min_prob: float = DEFAULT_MIN_PROB,
     history: Sequence[Sequence[int]] = (),
-) -> list[tuple[float, int, int]]:
-    """Speculative decoding of one group in lock-step engine steps; ``(stage, accepted,
+    starts: Sequence[int] | None = None,
+) -> list[tuple[float, float, int, int]]:
+    """Speculative decoding of one group in engine steps; ``(stage, coverage, accepted,
     drafted nodes)`` per live sibling and step.
 
     Each step every live sibling drafts from the tree as it stands at the step's start
@@ -239,8 +297,11 @@ def replay_group(
     stored sequence after), accepts the longest draft path matching its real
     continuation, and advances by that plus the bonus token; then the new tokens go
     into the tree. ``stage`` is the fraction of the group's siblings finished at the
-    step's start. ``history``: responses of the same prompt from an earlier iteration,
-    in the tree from the start (a history-seeded drafter).
+    step's start, ``coverage`` the mean over the other siblings of how far each has
+    written past this one (``COVERAGE_WINDOW`` tokens or more counts 1). ``starts``:
+    the step at which each sibling starts (default: all at once, lock-step).
+    ``history``: responses of the same prompt from an earlier iteration, in the tree
+    from the start (a history-seeded drafter).
     """
     trees = GroupSuffixTrees(max_depth=max_depth, min_prob=min_prob)
     gid = group.group_id
@@ -252,11 +313,18 @@ def replay_group(
     cap = max_depth // 2
     prompt_tail = prompt[-cap:] if cap else []
     size = len(responses)
+    starts = list(starts) if starts is not None else [0] * size
+    if len(starts) != size:
+        raise ValueError(f"replay_group: {len(starts)} starts for {size} responses")
     pos = [0] * size
-    live = [k for k, r in enumerate(responses) if r]
-    records: list[tuple[float, int, int]] = []
-    while live:
-        stage = (size - len(live)) / size
+    waiting = [k for k, r in enumerate(responses) if r]
+    live: list[int] = []
+    records: list[tuple[float, float, int, int]] = []
+    step = 0
+    while live or waiting:
+        live += [k for k in waiting if starts[k] <= step]
+        waiting = [k for k in waiting if starts[k] > step]
+        stage = sum(1 for k, r in enumerate(responses) if pos[k] >= len(r)) / size
         drafts = []
         for k in live:
             p = pos[k]
@@ -265,16 +333,37 @@ def replay_group(
             else:
                 tail = (prompt_tail + responses[k][:p])[-cap:]
                 drafts.append(trees.speculate(gid, tail, budget, multi_path))
-        for k, draft in zip(live, drafts):
+        coverage = [_coverage(pos, k) for k in live]
+        for k, draft, cover in zip(live, drafts, coverage):
             r, p = responses[k], pos[k]
             accepted = accepted_len(draft, r[p : p + len(draft)])
             new = min(len(r), p + accepted + 1)
             trees.append(gid, k, r[p:new])
             pos[k] = new
-            records.append((stage, accepted, len(draft)))
+            records.append((stage, cover, accepted, len(draft)))
         live = [k for k in live if pos[k] < len(responses[k])]
+        step += 1
     trees.free(gid)
     return records
+
+
+def _coverage(pos: Sequence[int], k: int) -> float:
+    """Mean over the siblings of ``k`` of how far each has written past it, in drafts."""
+    if len(pos) < 2:
+        return 0.0
+    p = pos[k]
+    ahead = sum(min(COVERAGE_WINDOW, max(0, q - p)) for j, q in enumerate(pos) if j != k)
+    return ahead / (COVERAGE_WINDOW * (len(pos) - 1))
+
+
+def staggered_starts(group: ReplayGroup, spread: float, rng: random.Random) -> list[int]:
+    """Start steps drawn uniformly over ``spread`` times the group's mean response length
+    (0: lock-step)."""
+    responses = group.response_token_ids
+    if spread <= 0 or not responses:
+        return [0] * len(responses)
+    horizon = spread * sum(map(len, responses)) / len(responses)
+    return [int(rng.random() * horizon) for _ in responses]
 
 
 def fit_acceptance(
@@ -286,52 +375,67 @@ def fit_acceptance(
     min_prob: float = DEFAULT_MIN_PROB,
     progress: bool = True,
     history: Sequence[Sequence[Sequence[int]]] | None = None,
+    coverage_edges: Sequence[float] = (0.0, 1.0),
+    spreads: Sequence[float] = (0.0,),
+    seed: int = 0,
 ) -> AcceptanceModel:
-    """Replay every group at every budget (a fresh tree each) and average accepted tokens
-    per request-step by stage bin. Bins no step fell into copy the nearest bin with data
-    (``measured["filled_bins"]`` says which). ``history``: per group, earlier responses
-    that seed its tree (see ``replay_group``)."""
+    """Replay every group at every budget and start spread (a fresh tree each) and average
+    accepted tokens per request-step by stage and coverage bin. A spread's starts are the
+    same at every budget (drawn from ``seed``). Cells no step fell into copy the nearest
+    cell with data (``measured["filled_bins"]`` says which). ``history``: per group,
+    earlier responses that seed its tree (see ``replay_group``)."""
     if not groups:
         raise ValueError("fit_acceptance: no groups to replay")
+    if not spreads or any(not math.isfinite(x) or x < 0 for x in spreads):
+        raise ValueError(f"fit_acceptance: spreads must be >= 0, got {list(spreads)}")
     budgets, edges = tuple(budgets), tuple(float(e) for e in stage_edges)
-    AcceptanceModel(budgets, edges, tuple((0.0,) * len(budgets) for _ in edges[1:]))  # validate early
-    bins = len(edges) - 1
-    sums = [[0] * len(budgets) for _ in range(bins)]
-    nodes = [[0] * len(budgets) for _ in range(bins)]
-    steps = [[0] * len(budgets) for _ in range(bins)]
+    cover = tuple(float(e) for e in coverage_edges)
+    nb, ns, nc = len(budgets), len(edges) - 1, len(cover) - 1
+    empty = (
+        tuple((0.0,) * nb for _ in range(ns))
+        if nc == 1
+        else tuple(tuple((0.0,) * nb for _ in range(nc)) for _ in range(ns))
+    )
+    AcceptanceModel(budgets, edges, empty, coverage_edges=cover)  # validate early
+    cells = [(s, c) for s in range(ns) for c in range(nc)]
+    sums = {cell: [0] * nb for cell in cells}
+    nodes = {cell: [0] * nb for cell in cells}
+    steps = {cell: [0] * nb for cell in cells}
     start = time.perf_counter()
     every = max(1, len(groups) // 10)
     for gi, group in enumerate(groups, 1):
-        for bi, budget in enumerate(budgets):
-            seeded = history[gi - 1] if history is not None else ()
-            for stage, accepted, drafted in replay_group(
-                group, budget, multi_path, max_depth, min_prob, seeded
-            ):
-                row = _stage_bin(edges, stage)
-                sums[row][bi] += accepted
-                nodes[row][bi] += drafted
-                steps[row][bi] += 1
+        seeded = history[gi - 1] if history is not None else ()
+        for spread in spreads:
+            starts = staggered_starts(group, spread, random.Random(f"{seed}:{gi}:{spread}"))
+            for bi, budget in enumerate(budgets):
+                for stage, coverage, accepted, drafted in replay_group(
+                    group, budget, multi_path, max_depth, min_prob, seeded, starts
+                ):
+                    cell = (_stage_bin(edges, stage), _stage_bin(cover, coverage))
+                    sums[cell][bi] += accepted
+                    nodes[cell][bi] += drafted
+                    steps[cell][bi] += 1
         if progress and (gi % every == 0 or gi == len(groups)):
-            overall = sum(s[-1] for s in sums) / max(1, sum(n[-1] for n in steps))
+            overall = sum(v[-1] for v in sums.values()) / max(1, sum(v[-1] for v in steps.values()))
             print(
                 f"[acceptance] {gi}/{len(groups)} groups, {time.perf_counter() - start:.1f}s, "
                 f"budget {budgets[-1]}: {overall:.3f} accepted/step",
                 flush=True,
             )
-    if not any(steps[b][0] for b in range(bins)):
+    if not any(steps[cell][0] for cell in cells):
         raise ValueError("fit_acceptance: the groups produced no steps (empty responses?)")
-    table = [[0.0] * len(budgets) for _ in range(bins)]
-    drafted_table = [[0.0] * len(budgets) for _ in range(bins)]
+    table = {cell: [0.0] * nb for cell in cells}
+    drafted_table = {cell: [0.0] * nb for cell in cells}
     filled: dict[str, str] = {}
-    for i in range(len(budgets)):
-        have = [b for b in range(bins) if steps[b][i]]
-        for b in range(bins):
-            src = min(have, key=lambda h: (abs(h - b), h))
-            table[b][i] = sums[src][i] / steps[src][i]
-            drafted_table[b][i] = nodes[src][i] / steps[src][i]
-            if src != b:
-                filled.setdefault(str(b), f"no steps; copied from bin {src}")
-    totals = [sum(steps[b][i] for b in range(bins)) for i in range(len(budgets))]
+    for i in range(nb):
+        have = [cell for cell in cells if steps[cell][i]]
+        for cell in cells:
+            src = min(have, key=lambda h: (abs(h[0] - cell[0]) + abs(h[1] - cell[1]), h))
+            table[cell][i] = sums[src][i] / steps[src][i]
+            drafted_table[cell][i] = nodes[src][i] / steps[src][i]
+            if src != cell:
+                filled.setdefault(_cell_key(cell, nc), f"no steps; copied from bin {_cell_key(src, nc)}")
+    totals = [sum(steps[cell][i] for cell in cells) for i in range(nb)]
     measured: dict[str, Any] = {
         "groups": len(groups),
         "samples_per_group": sorted({len(g.response_token_ids) for g in groups}),
@@ -339,17 +443,34 @@ def fit_acceptance(
         "multi_path": multi_path,
         "max_depth": max_depth,
         "min_prob": min_prob,
-        "steps": steps,
-        "overall_accepted_per_step": [
-            sum(sums[b][i] for b in range(bins)) / totals[i] for i in range(len(budgets))
-        ],
+        "spreads": list(spreads),
+        "coverage_window": COVERAGE_WINDOW,
+        "steps": _shaped({cell: v for cell, v in steps.items()}, ns, nc),
+        "overall_accepted_per_step": [sum(sums[cell][i] for cell in cells) / totals[i] for i in range(nb)],
         "filled_bins": filled,
         "fit_seconds": round(time.perf_counter() - start, 1),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
     return AcceptanceModel(
-        budgets, edges, tuple(map(tuple, table)), tuple(map(tuple, drafted_table)), measured=measured
+        budgets,
+        edges,
+        _shaped(table, ns, nc),
+        _shaped(drafted_table, ns, nc),
+        measured=measured,
+        coverage_edges=cover,
     )
+
+
+def _cell_key(cell: tuple[int, int], coverages: int) -> str:
+    """``"stage bin"``, or ``"stage bin/coverage bin"`` where the table has coverage bins."""
+    return str(cell[0]) if coverages == 1 else f"{cell[0]}/{cell[1]}"
+
+
+def _shaped(values: dict[tuple[int, int], list], stages: int, coverages: int) -> list:
+    """Per-cell lists as the model's nesting: [stage][budget] or [stage][coverage][budget]."""
+    if coverages == 1:
+        return [values[(s, 0)] for s in range(stages)]
+    return [[values[(s, c)] for c in range(coverages)] for s in range(stages)]
 
 
 # --------------------------------------------------------------------------- CLI
@@ -372,6 +493,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=8, help="responses (siblings) per group")
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--stage-edges", default=",".join(map(str, DEFAULT_STAGE_EDGES)))
+    parser.add_argument(
+        "--coverage-edges", default=",".join(map(str, DEFAULT_COVERAGE_EDGES)),
+        help="bins of how far the siblings have written past a response ('0,1': one bin, coverage ignored)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spreads", default=",".join(map(str, DEFAULT_SPREADS)),
+        help="replay each group once per spread: siblings start at random steps over this many mean "
+        "response lengths (0: lock-step)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the staggered starts' seed")
     parser.add_argument("--single-path", action="store_true", help="drafts are single paths, not trees")
     parser.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
     parser.add_argument("--min-prob", type=float, default=DEFAULT_MIN_PROB)
@@ -397,10 +528,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_depth=args.max_depth,
         min_prob=args.min_prob,
         history=history,
+        coverage_edges=_numbers(args.coverage_edges, float),
+        spreads=_numbers(args.spreads, float),
+        seed=args.seed,
     )
     command = " ".join(["python -m seer_engine.sim.acceptance", *argv])
     derivation = (
-        f"`{command}`: exact-match lock-step replay of {len(groups)} groups (--groups {args.groups}) x "
+        f"`{command}`: exact-match replay of {len(groups)} groups (--groups {args.groups}) x "
         f"{args.samples} responses of {Path(args.trace).name} through the engine's C++ GroupSuffixTrees "
         f"(max_depth {args.max_depth}, min_prob {args.min_prob}, multi_path {not args.single_path}); "
         "per group and budget a fresh tree holding the prompt"
@@ -410,11 +544,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.history_samples
             else ""
         )
-        + "; every step each live response drafts "
+        + f"; replayed once per start spread {list(model.measured['spreads'])} (siblings start at random "
+        "steps over that many mean response lengths; 0 is lock-step); every step each live response drafts "
         "(context tail, or its stored sequence once it has max_depth // 2 tokens), accepts the longest "
         "draft path matching its real continuation and advances by that + 1 bonus token. Stage = fraction "
-        "of the group's responses finished at the step's start; values are mean accepted draft tokens "
-        "(accepted) and draft nodes (drafted) per request-step."
+        "of the group's responses finished at the step's start; coverage = mean over its siblings of how far "
+        f"each has written past it ({COVERAGE_WINDOW} tokens or more counts 1); values are mean accepted "
+        "draft tokens (accepted) and draft nodes (drafted) per request-step."
     )
     model = AcceptanceModel(
         model.budgets,
@@ -423,13 +559,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.drafted,
         derivation,
         {"trace": Path(args.trace).name, "command": command, **model.measured},
+        model.coverage_edges,
     )
     out = model.save(args.output)
     print(f"wrote {out} in {model.measured['fit_seconds']}s")
-    for lo, hi, row in zip(model.stage_edges, model.stage_edges[1:], model.accepted):
-        print(
-            f"  stage [{lo:.1f}, {hi:.1f}): " + "  ".join(f"b{b}={v:.3f}" for b, v in zip(model.budgets, row))
-        )
+    for lo, hi, cell in zip(model.stage_edges, model.stage_edges[1:], model.accepted):
+        rows = [cell] if len(model.coverage_edges) == 2 else list(cell)
+        for c, row in zip(model.coverage_edges, rows):
+            where = f"stage [{lo:.1f}, {hi:.1f})" + (f" coverage >= {c:.1f}" if len(rows) > 1 else "")
+            print(f"  {where}: " + "  ".join(f"b{b}={v:.3f}" for b, v in zip(model.budgets, row)))
     return 0
 
 

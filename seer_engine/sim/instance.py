@@ -72,6 +72,10 @@ class SimInstance(InstanceHandle):
         self.cached_tokens = 0
         self.prompt_groups: set[str] = set()  # groups whose prompt is in the prefix cache
         self._group_rows: dict[str, int] = {}  # group -> its rows running here
+        self._group_keys: dict[str, list[str]] = {}  # group -> the responses of those rows
+        self._coverage: dict[
+            str, tuple[int, tuple[str, ...], list[int]]
+        ] = {}  # group -> (version, keys, rows per bin)
         self._shared_prompt = 0  # prompt tokens counted once per group, not once per row
         self._stats = SchedulerStats()
         self._connector = ConnectorStats()
@@ -269,9 +273,9 @@ class SimInstance(InstanceHandle):
         """(tokens gained, draft nodes) per decoding row and step."""
         if self.speculation is None or not rows:
             return 1.0, 0.0
-        stage = sum(n * self.world.stage(g) for g, n in self._group_rows.items()) / sum(
-            self._group_rows.values()
-        )
+        running = sum(self._group_rows.values())
+        stage = sum(n * self.world.stage(g) for g, n in self._group_rows.items()) / running
+        coverage = self._coverage_shares(running) if self.speculation.uses_coverage else (1.0,)
         m = self.profile.step
         # The budget's line: what one more scheduled token costs (on a CPU it also
         # attends its row's context), on top of the step without drafts.
@@ -279,8 +283,29 @@ class SimInstance(InstanceHandle):
             m.c_s_per_kv_token * self._decoding_context() / rows if m.kv_per_query else 0
         )
         cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0), rows) - m.b_s_per_token * rows, per_token)
-        drafted, accepted = self.speculation.rates(rows, stage, cost)
+        drafted, accepted = self.speculation.rates(rows, stage, coverage, cost)
         return 1.0 + accepted, drafted
+
+    def _coverage_shares(self, running: int) -> tuple[float, ...]:
+        """The share of running rows in each coverage bin of the acceptance model (how far
+        their siblings have written past them), kept per group until the group's chunks or
+        this instance's rows of it change."""
+        speculation = self.speculation
+        counts = [0] * speculation.coverage_bins
+        for g, keys in self._group_keys.items():
+            version, members = self.world.versions.get(g, 0), tuple(keys)
+            cached = self._coverage.get(g)
+            if cached is None or cached[0] != version or cached[1] != members:
+                bins = [0] * speculation.coverage_bins
+                for k in keys:
+                    bins[
+                        speculation.coverage_bin(self.world.coverage(g, k, speculation.coverage_window))
+                    ] += 1
+                cached = (version, members, bins)
+                self._coverage[g] = cached
+            for b, n in enumerate(cached[2]):
+                counts[b] += n
+        return tuple(n / running for n in counts)
 
     def _admissible(self, budget: float, growth: float) -> list[SimRequest]:
         """Waiting chunks the engine would admit this step, in its policy's order."""
@@ -411,6 +436,7 @@ class SimInstance(InstanceHandle):
     def _end_chunk(self, req: SimRequest) -> RequestOutput:
         self._leave(req)
         req.generated = req.end
+        self.world.on_chunk_end(req.group_id, req.key, req.end)
         if req.finish_reason == "length" and req.end < self.world.lengths[req.key]:
             self._cache(req.key, int(req.context))  # the next chunk may resume here
         else:
@@ -422,6 +448,7 @@ class SimInstance(InstanceHandle):
         prefix cache (the pool has it too), its response goes back to the Request Buffer."""
         self._stop_decoding(req.request_id)
         self._leave(req)
+        self.world.on_chunk_end(req.group_id, req.key, int(req.generated))
         self._cache(req.key, int(req.context))
         self._stats.chunk_cuts += 1
         return req.output("length")
@@ -471,12 +498,18 @@ class SimInstance(InstanceHandle):
         rows = self._group_rows.get(req.group_id, 0)
         self._shared_prompt += req.prompt_len if rows else 0
         self._group_rows[req.group_id] = rows + 1
+        self._group_keys.setdefault(req.group_id, []).append(req.key)
 
     def _leave(self, req: SimRequest) -> None:
         rows = self._group_rows.pop(req.group_id) - 1
+        keys = self._group_keys.pop(req.group_id)
+        keys.remove(req.key)
         if rows:
             self._shared_prompt -= req.prompt_len
             self._group_rows[req.group_id] = rows
+            self._group_keys[req.group_id] = keys
+        else:
+            self._coverage.pop(req.group_id, None)
 
     def _cache(self, key: str, tokens: int) -> None:
         self.cache[key] = tokens

@@ -20,7 +20,7 @@ from seer_engine.rollout.dispatcher import DEFAULT_ADMISSION, Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
-from seer_engine.rollout.types import Group, StepReply
+from seer_engine.rollout.types import Group, StepReply, sample_key
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.admission import KNOWN_ENDS, KnownEndsAdmission
 from seer_engine.sim.instance import SimInstance
@@ -125,6 +125,7 @@ def simulate(
         lengths=true_lengths(groups, max_tokens),
         max_tokens=max_tokens,
         group_sizes={g.group_id: len(g.lengths) for g in groups},
+        members={g.group_id: [sample_key(g.group_id, i) for i in range(len(g.lengths))] for g in groups},
     )
     speculation = _speculation(policy, acceptance, max(len(g.lengths) for g in groups))
     sims = [
@@ -180,7 +181,7 @@ def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculat
 
 def true_lengths(groups: Sequence[SimGroup], max_tokens: int) -> dict[str, int]:
     """What the oracle policy is handed (sample key -> output tokens)."""
-    return {f"{g.group_id}/{i}": min(n, max_tokens) for g in groups for i, n in enumerate(g.lengths)}
+    return {sample_key(g.group_id, i): min(n, max_tokens) for g in groups for i, n in enumerate(g.lengths)}
 
 
 def policy_for(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from seer_engine.sim.acceptance import COVERAGE_WINDOW
 from seer_engine.spec_decode.budget import StepCostModel, make_budget
 
 
@@ -19,17 +20,40 @@ class SimSpeculation:
         self.budget = budget
         self.max_nodes = max_nodes
         self.pinned = pinned
+        self.coverage_window = COVERAGE_WINDOW
 
-    def rates(self, rows: int, stage: float, step: StepCostModel) -> tuple[float, float]:
-        """(draft nodes, accepted tokens) per row and step for ``rows`` decoding rows."""
+    @property
+    def coverage_bins(self) -> int:
+        return len(self.acceptance.coverage_edges) - 1
+
+    @property
+    def uses_coverage(self) -> bool:
+        """Whether the acceptance model reads how far siblings have written past a row."""
+        return self.coverage_bins > 1
+
+    def coverage_bin(self, coverage: float) -> int:
+        return self.acceptance.coverage_bin(coverage)
+
+    def rates(
+        self, rows: int, stage: float, coverage: tuple[float, ...], step: StepCostModel
+    ) -> tuple[float, float]:
+        """(draft nodes, accepted tokens) per row and step for ``rows`` decoding rows at the
+        rows' mean stage, ``coverage[b]`` of them in coverage bin ``b`` (``sim/acceptance.py``).
+        The budget sizes drafts from the rows' mean acceptance, as for alike rows."""
         step = self.pinned or step
-        rate = round(self.acceptance.per_token_rate(stage), 3)
+        bins = [(share, self.acceptance.coverage_edges[b]) for b, share in enumerate(coverage) if share]
+        rate = round(sum(w * self.acceptance.per_token_rate(stage, c) for w, c in bins), 3)
         # The fixed cost moves with the batch's KV; two significant digits of its ratio
         # to the per-token cost decide the budget just as well and keep the cache small.
         ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
         nodes = _allocate(self.budget, rows, rate, ratio, self.max_nodes)
-        accepted = sum(self.acceptance.accepted_per_step(n, stage) * k for n, k in nodes) / rows
-        drafted = sum(self.acceptance.drafted_per_step(n, stage) * k for n, k in nodes) / rows
+        accepted = sum(
+            w * self.acceptance.accepted_per_step(n, stage, c) * k for n, k in nodes for w, c in bins
+        )
+        drafted = sum(
+            w * self.acceptance.drafted_per_step(n, stage, c) * k for n, k in nodes for w, c in bins
+        )
+        accepted, drafted = accepted / rows, drafted / rows
         return drafted, min(accepted, drafted)
 
 

@@ -47,7 +47,10 @@ class SimWorld:
     lengths: Mapping[str, int]  # sample key -> output tokens
     max_tokens: int  # a response this long was cut by the budget ("length"), not EOS
     group_sizes: Mapping[str, int]
+    members: Mapping[str, Sequence[str]] = field(default_factory=dict)  # group -> its sample keys
     finished: dict[str, int] = field(default_factory=dict)
+    written: dict[str, int] = field(default_factory=dict)  # sample key -> output tokens at its last chunk end
+    versions: dict[str, int] = field(default_factory=dict)  # group -> bumped when a member's written moves
 
     def stage(self, group_id: str) -> float:
         """Share of the group's responses already finished."""
@@ -55,3 +58,19 @@ class SimWorld:
 
     def on_response_end(self, group_id: str) -> None:
         self.finished[group_id] = self.finished.get(group_id, 0) + 1
+
+    def on_chunk_end(self, group_id: str, key: str, written: int) -> None:
+        """A chunk of ``key`` ended (cut, length or finished) with ``written`` output tokens."""
+        if self.written.get(key) != written:
+            self.written[key] = written
+            self.versions[group_id] = self.versions.get(group_id, 0) + 1
+
+    def coverage(self, group_id: str, key: str, window: int) -> float:
+        """How far the siblings of ``key`` have written past it, as of their last chunk
+        ends: the mean over siblings of ``min(window, ahead) / window``."""
+        siblings = self.members.get(group_id, ())
+        if len(siblings) < 2:
+            return 0.0
+        p = self.written.get(key, 0)
+        ahead = sum(min(window, max(0, self.written.get(j, 0) - p)) for j in siblings if j != key)
+        return ahead / (window * (len(siblings) - 1))
