@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
 from conftest import hf_greedy
 
 from seer_engine import LLM, SamplingParams
+from seer_engine.model_executor import cpu_kernels
+from seer_engine.model_executor.model_config import ModelLoadError
 
 NEW_TOKENS = 64
 
@@ -149,3 +153,42 @@ def test_half_precision_runs_close_to_transformers(dtype, tiny_model, hf_model):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, min_tokens=4))
     agree = sum(o.outputs[0].token_ids[:2] == hf_greedy(model, p, 2) for p, o in zip(prompts, outs))
     assert agree >= 2
+
+
+def test_qwen3_without_head_dim_key_uses_its_default(tiny_model, hf_model, tmp_path):
+    """Qwen3Config defaults head_dim to 128, not hidden_size // num_heads (here 16)."""
+    src = tiny_model("qwen3", head_dim=128)
+    shutil.copytree(src, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    del cfg["head_dim"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    model = hf_model(tmp_path / "m")
+    assert model.config.head_dim == 128
+    prompts = _prompts(model.config.vocab_size, seed=4)[:2]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outs = LLM(str(tmp_path / "m")).generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path):
+    """A switch the one decoder lacks fails at load, naming it, rather than running a
+    different model: a non-SiLU activation, an unsupported RoPE scaling, and the 'cpu'
+    attention backend (float32 kernels) under a half-precision model."""
+    src = tiny_model("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    for i, (change, error, match) in enumerate(
+        [
+            ({"hidden_act": "gelu"}, ModelLoadError, "unsupported hidden_act 'gelu'"),
+            ({"rope_scaling": yarn}, ValueError, "unsupported rope scaling type 'yarn'"),
+        ]
+    ):
+        folder = tmp_path / str(i)
+        shutil.copytree(src, folder)
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(error, match=match):
+            LLM(str(folder))
+    match = "float32" if cpu_kernels.native() is not None else "C.. CPU kernels"
+    with pytest.raises(ValueError, match=match):
+        LLM(str(src), dtype="bfloat16", attention_backend="cpu")

@@ -104,6 +104,55 @@ def test_converted_folder_loads_in_transformers(tiny_model, tmp_path):
     assert torch.equal(ref, got)
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize("kind", ["llama3", "linear", "yarn"])
+def test_rope_scaling_survives_conversion(kind, tiny_model, tmp_path, monkeypatch):
+    """llama.cpp keeps linear RoPE scaling as metadata and Llama 3's as a ``rope_freqs``
+    tensor of per-frequency divisors; transformers' GGUF reader drops both, so the
+    folder must get them back (or, for a kind the engine lacks, the file be refused)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from seer_engine.model_executor.layers import _llama3_inv_freq
+
+    scaling = LLAMA3_ROPE if kind == "llama3" else {"rope_type": kind, "factor": 4.0}
+    src = tiny_model("llama", rope_scaling=scaling if kind != "yarn" else None)
+    write_header = gguf.GGUFWriter.write_header_to_file
+
+    def with_scaling(self, *args, **kwargs):  # as llama.cpp's convert_hf_to_gguf.py writes it
+        if kind == "llama3":
+            inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+            self.add_tensor("rope_freqs.weight", (inv_freq / _llama3_inv_freq(inv_freq, scaling)).numpy())
+        else:
+            self.add_rope_scaling_type(gguf.RopeScalingType(kind))
+            self.add_rope_scaling_factor(scaling["factor"])
+        return write_header(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_scaling)
+    gguf_file = write_gguf(src, tmp_path / "m.gguf")
+    monkeypatch.undo()
+    if kind == "yarn":
+        with pytest.raises(GGUFError, match="m.gguf: RoPE scaling 'yarn' is not supported"):
+            convert_gguf(gguf_file, tmp_path / "out")
+        return
+    folder = convert_gguf(gguf_file, tmp_path / "out")
+    assert ModelConfig.from_pretrained(folder).rope_scaling == scaling
+    ids = torch.tensor([list(range(5, 105))])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits
+    assert torch.equal(ref, got)
+    assert greedy(str(folder), max_tokens=16) == greedy(str(src), max_tokens=16)
+
+
 @pytest.mark.parametrize("tensor_type", ["F16", "Q8_0"])
 def test_quantized_gguf_dequantizes_exactly(tensor_type, tiny_model, tmp_path):
     """A quantized file gives back exactly the values it stores (gguf's own dequantizer as reference)."""

@@ -8,11 +8,13 @@ transformers 4.x/5.x accept it: the GGUF quantizer marker (``save_pretrained``
 refuses a model that still carries it, though the weights are dense by then), a
 transformers-5-only tokenizer class name, a config that only has
 ``rope_parameters``, and a chat template kept in a separate file older readers miss.
+RoPE scaling, which transformers' reader drops, is read from the file and put back.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +67,7 @@ class GGUFInfo:
     head_dim: int | None  # attention.key_length, when the file states it
     tensor_types: dict[str, int]  # GGML type name -> number of tensors of that type
     special_ids: dict[str, int | None]  # bos/eos/pad token ids the file names (None: none)
+    rope_scaling: dict[str, Any] | None = None  # Hugging Face rope_scaling (None: plain RoPE)
 
     @property
     def quantization(self) -> str:
@@ -132,7 +135,80 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
             key: value if isinstance(value := _field_value(reader, f"tokenizer.ggml.{key}"), int) else None
             for key in ("bos_token_id", "eos_token_id", "padding_token_id")
         },
+        rope_scaling=_rope_scaling(reader, file_arch, path),
     )
+
+
+def _rope_scaling(reader: Any, file_arch: str, path: Path) -> dict[str, Any] | None:
+    """The Hugging Face ``rope_scaling`` a GGUF describes (transformers' GGUF reader drops it).
+
+    llama.cpp keeps linear scaling as metadata (``{arch}.rope.scaling.type``/``.factor``)
+    and Llama 3's as a tensor of per-frequency divisors (``rope_freqs.weight``), from
+    which the llama3 parameters are recovered. Other kinds are refused by name."""
+    kind = _field_value(reader, f"{file_arch}.rope.scaling.type")
+    factor = _field_value(reader, f"{file_arch}.rope.scaling.factor")
+    if kind == "linear" and isinstance(factor, (int, float)) and factor != 1.0:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind not in (None, "none", "linear"):
+        raise GGUFError(f"{path}: RoPE scaling {kind!r} is not supported (supported: llama3, linear)")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None
+    theta = _field_value(reader, f"{file_arch}.rope.freq_base") or 10000.0
+    scaling = _llama3_from_freq_factors([float(x) for x in freqs.data.reshape(-1)], float(theta))
+    if scaling is None:
+        raise GGUFError(f"{path}: its rope_freqs tensor is not Llama 3 RoPE scaling; not supported")
+    return scaling
+
+
+def _llama3_factors(scaling: dict[str, Any], theta: float, n: int) -> list[float]:
+    """llama.cpp's rope_freqs for Llama 3 scaling: each frequency's divisor."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(n):
+        wavelen = 2 * math.pi * theta ** (2 * i / (2 * n))
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _llama3_from_freq_factors(factors: list[float], theta: float) -> dict[str, Any] | None:
+    """The llama3 parameters that give ``factors`` (None if none do). Only the ratios of
+    original_max_position_embeddings, low_freq_factor and high_freq_factor matter, so
+    low_freq_factor is taken as 1; two frequencies on the smooth ramp fix the other two."""
+    n, factor = len(factors), max(factors)
+    if factor <= 1.0:
+        return None
+    # On the ramp 1/r = (1 - s)/factor + s, with s = (old_len / wavelen - 1) / (high - 1).
+    ramp = [
+        (2 * math.pi * theta ** (i / n), s)
+        for i, r in enumerate(factors)
+        if 1e-4 < (s := (1 / r - 1 / factor) / (1 - 1 / factor)) < 1 - 1e-4
+    ]
+    if len(ramp) < 2:
+        return None
+    (w0, s0), (w1, s1) = ramp[0], ramp[-1]
+    slope = (s1 - s0) / (1 / w1 - 1 / w0)  # old_len / (high - 1)
+    intercept = s0 - slope / w0  # -1 / (high - 1)
+    if intercept >= 0:
+        return None
+    high = round(1 - 1 / intercept, 4)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 4),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": round(slope * (high - 1)),
+    }
+    if not all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(_llama3_factors(scaling, theta, n), factors)):
+        return None
+    return scaling
 
 
 def _eog_token_ids(path: Path) -> list[int]:
@@ -214,7 +290,10 @@ def _repair_config(out: Path, dtype: str, info: GGUFInfo) -> None:
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in cfg and "rope_theta" in rope:
         cfg["rope_theta"] = float(rope["rope_theta"])
-    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in cfg:
+    if info.rope_scaling is not None:
+        cfg["rope_parameters"] = {**info.rope_scaling, "rope_theta": cfg.get("rope_theta", 10000.0)}
+        cfg["rope_scaling"] = dict(info.rope_scaling)
+    elif rope.get("rope_type", "default") != "default" and "rope_scaling" not in cfg:
         cfg["rope_scaling"] = dict(rope)
     cfg["dtype"] = cfg["torch_dtype"] = dtype
     cfg["architectures"] = [GGUF_ARCHITECTURES[info.architecture]]

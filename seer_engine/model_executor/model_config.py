@@ -28,6 +28,9 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+# The MLP is SiLU-gated; transformers names that activation either way.
+_SILU = ("silu", "swish")
+
 
 class ModelLoadError(ValueError):
     """The model folder cannot be served; the message says what is wrong or missing."""
@@ -94,6 +97,13 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
+        act = cfg.get("hidden_act", "silu")
+        if act not in _SILU:
+            raise ModelLoadError(
+                f"unsupported hidden_act {act!r} in {config_file}; seer_engine's MLP is SiLU-gated (silu)"
+            )
+        # transformers' Qwen3Config defaults head_dim to 128, not hidden_size // heads.
+        default_head_dim = 128 if arch == "Qwen3ForCausalLM" and "head_dim" not in cfg else hidden // heads
         rope = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (
             rope if rope.get("rope_type") not in (None, "default") else None
@@ -111,7 +121,7 @@ class ModelConfig:
             num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=cfg.get("head_dim") or default_head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,

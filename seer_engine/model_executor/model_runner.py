@@ -71,6 +71,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
+        if self.backend.name == "cpu" and not native_kernels.usable(device, dtype):
+            # Its kernels take float32 CPU tensors only; refuse now, not at the first step.
+            raise ValueError(
+                f"the 'cpu' attention backend runs float32 models on a CPU; this one runs "
+                f"{str(dtype).removeprefix('torch.')} on {device}: use attention backend 'torch'"
+            )
         self.native = fused_ops(device, dtype, cpu_kernels)
         self.cpu_weight_dtype = cpu_weight_dtype
         self.model = load_model(model_config, dtype, device)
