@@ -192,3 +192,27 @@ def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path
     match = "float32" if cpu_kernels.native() is not None else "C.. CPU kernels"
     with pytest.raises(ValueError, match=match):
         LLM(str(src), dtype="bfloat16", attention_backend="cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_config_keys_transformers_ignores_for_an_architecture_are_ignored(
+    arch, tiny_model, hf_model, tmp_path
+):
+    """No "architectures" (transformers goes by model_type); attention_bias / mlp_bias,
+    which Qwen2 and Mistral do not read; and (Qwen2) a sliding window that covers no
+    layer (max_window_layers = all of them), so prompts longer than it still run."""
+    src = tiny_model(arch)
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["architectures"]
+    cfg.update(attention_bias=True, mlp_bias=True)
+    if arch == "qwen2":
+        cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=cfg["num_hidden_layers"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model = hf_model(folder)
+    prompts = [p for p in _prompts(model.config.vocab_size, seed=5) if len(p) > 8][:2]
+    assert prompts
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    for prompt, out in zip(prompts, LLM(str(folder)).generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)

@@ -30,6 +30,18 @@ _DTYPES = {
 
 # The MLP is SiLU-gated; transformers names that activation either way.
 _SILU = ("silu", "swish")
+# A config without "architectures": transformers' Auto classes go by model_type.
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Which architectures read the bias switches (the others ignore them in transformers).
+_READS_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+_READS_MLP_BIAS = ("LlamaForCausalLM",)
+# Their sliding window is off unless use_sliding_window, and covers layers from max_window_layers.
+_LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class ModelLoadError(ValueError):
@@ -83,10 +95,12 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
         archs = cfg.get("architectures") or []
+        if not archs and cfg.get("model_type") in _MODEL_TYPES:
+            archs = [_MODEL_TYPES[cfg["model_type"]]]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
-                f"unsupported architecture {archs!r} in {config_file}; "
+                f"unsupported architecture {archs or cfg.get('model_type')!r} in {config_file}; "
                 f"seer_engine serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
@@ -109,16 +123,21 @@ class ModelConfig:
             rope if rope.get("rope_type") not in (None, "default") else None
         )
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        layers = need("num_hidden_layers")
+        if arch in _LAYERED_WINDOW:
+            slides = cfg.get("use_sliding_window", False) and cfg.get("max_window_layers", layers) < layers
+        else:
+            slides = True
+        sliding = cfg.get("sliding_window") if slides else None
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = cfg.get("attention_bias", False)
+        attention_bias = arch in _READS_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         return cls(
             path=path,
             architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
             intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or default_head_dim,
@@ -129,7 +148,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
-            mlp_bias=cfg.get("mlp_bias", False),
+            mlp_bias=arch in _READS_MLP_BIAS and bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             sliding_window=sliding,
