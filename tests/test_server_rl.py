@@ -155,6 +155,9 @@ def test_update_weights_refuses_wrong_checkpoints(server, tiny_model, client, ht
     other = tiny_model("qwen3", hidden_size=32, num_layers=1)
     resp = http.post("/update_weights_from_disk", json={"model_path": str(other)})
     assert resp.status_code == 400 and "hidden_size" in resp.json()["error"]["message"]
+    scaled = tiny_model("qwen3", rope_scaling={"rope_type": "linear", "factor": 2.0})  # same shapes
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(scaled)})
+    assert resp.status_code == 400 and "rope_scaling" in resp.json()["error"]["message"]
     assert http.get("/get_weight_version").json()["weight_version"] == version
     assert http.post("/update_weights_from_disk", json={"path": "x"}).status_code == 422
     assert client.completions.create(model=model, prompt="ok", max_tokens=2).choices[0].text is not None

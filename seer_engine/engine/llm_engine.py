@@ -363,6 +363,7 @@ class LLMEngine:
     _ARCHITECTURE_FIELDS = (
         "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
         "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+        "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "sliding_window",
     )  # fmt: skip
 
     def stats(self) -> EngineStats:
