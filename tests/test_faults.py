@@ -1,11 +1,12 @@
 """Faults under ``seer_engine serve --rollout-mode``: an instance process (or Ray actor)
-killed mid-rollout, one that dies while the server is idle, a Mooncake master killed
-mid-rollout. Every sample comes back exactly once with the tokens of a fault-free run
-(sampling is seeded, so tokens depend on seed and position only), and the server
-keeps serving: /health and /metrics answer 200 and say what was lost."""
+killed mid-rollout, one that dies while the server is idle, one that hangs (SIGSTOP)
+mid-rollout, a Mooncake master killed mid-rollout. Every sample comes back exactly
+once with the tokens of a fault-free run (sampling is seeded, so tokens depend on seed
+and position only), and the server keeps serving: /health and /metrics answer 200 and say what was lost."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -62,8 +63,8 @@ def _health(server) -> dict:
     return resp.json()
 
 
-def _kill_mid_rollout(server, pid: int) -> dict:
-    """Once some tokens are out (and most are not), SIGKILL ``pid``; returns when it died."""
+def _kill_mid_rollout(server, pid: int, sig: signal.Signals = signal.SIGKILL) -> dict:
+    """Once some tokens are out (and most are not), send ``sig`` (SIGKILL) to ``pid``."""
     total = GROUPS * N * MAX_TOKENS
     start = server.metrics()["generation_tokens_total"]
     at = server.wait_until(
@@ -71,7 +72,7 @@ def _kill_mid_rollout(server, pid: int) -> dict:
         timeout=300,
         what="the rollout to get going",
     )
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return {"tokens_before_kill": at, "total": total}
 
 
@@ -95,6 +96,56 @@ def test_killed_instance_processes_lose_no_sample(model, start_server):
     assert metrics["num_requests_running"] == 0 and metrics["kv_cache_usage_perc"] == 0.0
     assert _health(server)["status"] == "degraded"
     assert _rollout(server) == reference, "the last instance keeps serving"
+
+
+def test_a_hung_instance_process_is_killed_and_loses_no_sample(model, start_server):
+    """An instance stopped mid-rollout (SIGSTOP: alive, silent, maybe holding the KV pool's
+    lock) is taken as hung once it has not answered a step for --instance-timeout: killed,
+    its responses finish on the others with unchanged tokens; the others, blocked on
+    nothing it holds, keep going, and the server answers meanwhile."""
+    server = start_server("--model", str(model), "--instances", "3", "--instance-timeout", "10", *COMMON)
+    reference = _rollout(server)
+    victim = _health(server)["instances"][1]["pid"]
+    kill: dict = {}
+
+    def stop_and_watch() -> None:
+        kill.update(_kill_mid_rollout(server, victim, signal.SIGSTOP))
+        assert server.metrics()["instances_alive"] >= 2, "the server answers while the instance hangs"
+
+    try:
+        outputs = _rollout(server, during=stop_and_watch)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed and reaped by the server, normally
+            os.kill(victim, signal.SIGKILL)
+    assert kill["tokens_before_kill"] < kill["total"], "the instance hung mid-rollout"
+    _assert_complete(outputs, reference)
+    health = _health(server)
+    assert [i["alive"] for i in health["instances"]] == [True, False, True], health
+    assert server.metrics()["instance_failures_total"] == 1
+    assert "taken as hung" in server.log_tail()
+
+
+def test_a_client_that_hangs_up_gets_its_request_aborted_cleanly(model, start_server):
+    """A client that closes its connection mid-request: the request is aborted (its
+    responses leave the instances) and the handler ends with 499, not with an
+    InvalidStateError from reading the result of the task it had just cancelled."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    server = start_server("--model", str(model), "--instances", "2", *COMMON)
+    url = urlparse(server.url)
+    body = json.dumps({"model": server.model, "prompt": [3, 7, 11, 5], "n": 8, "max_tokens": 500,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer test-key\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+        sock.sendall(head + body)
+        running = lambda: server.metrics()["num_requests_running"]  # noqa: E731
+        server.wait_until(lambda: running() > 0, timeout=60, what="the request to run")
+    server.wait_until(lambda: running() == 0, timeout=60, what="the abort")
+    assert "InvalidStateError" not in server.log_tail(20_000)
+    assert len(_request(server, 0)) == N, "the server keeps serving"
 
 
 def test_killed_ray_actor_loses_no_sample(model, start_server):

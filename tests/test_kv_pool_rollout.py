@@ -5,7 +5,7 @@ the end, and a lost instance process costs nothing but time."""
 from __future__ import annotations
 
 import pytest
-from pool_workload import BLOCK, outputs_of, pool_config, pool_groups, reference_outputs
+from pool_workload import BLOCK, greedy, outputs_of, pool_config, pool_groups, reference_outputs
 
 from seer_engine.kv_connector.factory import kv_pool_for
 from seer_engine.rollout.dispatcher import Dispatcher
@@ -129,6 +129,39 @@ def test_a_dead_mooncake_master_makes_moves_recompute(model, reference):
         m = rollout.metrics(samples)
     assert outputs_of(samples) == reference
     assert m.pool_failures > 0 and m.migrations > m.pool_loads
+
+
+def test_a_pool_lock_held_by_a_stuck_process_fails_calls_instead_of_hanging(model, monkeypatch):
+    """A process stopped while it holds the local pool's lock (a hung instance) must not
+    hang the others: their calls fail after LOCK_TIMEOUT_S (then at once), they recompute,
+    and a free that failed is done with a later one, so no entry is left behind."""
+    import fcntl
+    import os
+
+    import seer_engine.kv_connector.local as local
+
+    monkeypatch.setattr(local, "LOCK_TIMEOUT_S", 0.2)
+    cfg = pool_config(model, 16)
+    with EnginePool.start(cfg, 1, kv_pool=kv_pool_for("local", cfg, capacity_gib=0.05)) as pool:
+        engine, connector = pool.instances[0].engine, pool.kv_connector
+        prompt = list(range(2, 2 + 2 * BLOCK))
+        context = prompt + greedy(engine, "r", prompt, BLOCK, [])
+        saved = connector.save("a", engine, context)  # the full blocks (the last token has no KV yet)
+        assert saved >= 2 * BLOCK
+        holder = os.open(connector.store.spec.lock_path, os.O_RDWR)
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: as if another process held it
+        try:
+            assert connector.lookup("a", context) == 0, "the pool reads as empty: the request recomputes"
+            assert connector.save("b", engine, context) == 0
+            connector.free("a")
+            assert connector.stats.failures == 3
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            os.close(holder)
+        assert connector.lookup("a", context) == saved, "a free that failed removed nothing"
+        assert connector.save("b", engine, context) == saved
+        connector.free("b")
+        assert connector.store.used_slots == 0, "the failed free of 'a' was done with the next one"
 
 
 def test_cli_names_an_unreachable_mooncake_master(tmp_path, capsys):

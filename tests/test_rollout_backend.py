@@ -181,3 +181,31 @@ def test_a_long_running_backend_keeps_bounded_logs(model, monkeypatch):
     for inst in engine.pool:
         assert 0 < len(inst.books.timeline) <= 20
     _assert_idle(engine)
+
+
+def test_an_abort_that_finds_its_instance_dead_does_not_run_the_response_again(model):
+    """The abort of a response whose instance process just died: the abort is what finds
+    the death. Its other responses there go back to the buffer; the aborted one does not
+    (it used to, and finishing it a second time crashed the Request Buffer's loop)."""
+    engine = _backend(model, chunk=8, backend="mp", num_threads=1)
+    try:
+        p = SamplingParams(max_tokens=60, ignore_eos=True, n=4, seed=1, temperature=1.0)
+        engine.add_request("x", [5, 6, 7], p)
+        engine.add_request("y", [8, 9], p.clone(n=2, max_tokens=20))
+        samples = engine._requests["x"].samples
+        victim = engine.pool.instances[1]
+        done = {}
+        while sum(c.sample in samples and c.sample.chunks >= 2 for c in victim.books.in_flight.values()) < 2:
+            done.update((o.request_id, o) for o in engine.step())  # 2 of "x" past a chunk on instance 1
+        victim.process.kill()
+        victim.process.join(30)
+        assert victim.alive, "not noticed yet: the abort finds it"
+        (out,) = engine.abort_request(["x"])
+        assert [c.finish_reason for c in out.outputs] == ["abort"] * 4
+        assert not victim.alive and engine.dispatcher.counters.instance_failures == 1
+        assert not any(s in engine.dispatcher.buffer for s in samples)
+        done.update(_drain(engine))
+        assert list(done) == ["y"] and all(len(c.token_ids) == 20 for c in done["y"].outputs)
+        _assert_idle(engine)
+    finally:
+        engine.close()

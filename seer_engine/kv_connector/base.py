@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -29,6 +30,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 logger = logging.getLogger(__name__)
+
+UNFREED_LIMIT = 10_000  # finished responses whose pool entries a failed free left, retried later
 
 
 @runtime_checkable
@@ -183,6 +186,7 @@ class PooledConnector(KVConnector):
         self.name = store.name
         self.namespace = namespace
         self._warned = False
+        self._unfreed: deque[str] = deque(maxlen=UNFREED_LIMIT)  # frees that failed, retried
 
     def _keys(self, key: str, num_blocks: int, start: int = 0) -> list[str]:
         return [f"{self.namespace}/{key}/{i}" for i in range(start, num_blocks)]
@@ -255,10 +259,16 @@ class PooledConnector(KVConnector):
         return LoadResult(pooled * bs, loaded_tokens=(pooled - cached) * bs)
 
     def free(self, key: str) -> None:
-        try:
-            self.store.remove_prefix(f"{self.namespace}/{key}/")
-        except KVPoolError as e:
-            self._failed(f"free {key}", e)
+        """Free a finished response's entries; a free the pool failed (a pool briefly
+        unreachable or locked) is tried again with the next ones, so nothing is left behind."""
+        self._unfreed.append(key)
+        while self._unfreed:
+            try:
+                self.store.remove_prefix(f"{self.namespace}/{self._unfreed[-1]}/")
+            except KVPoolError as e:
+                self._failed(f"free {self._unfreed[-1]}", e)
+                return
+            self._unfreed.pop()
 
     def close(self) -> None:
         self.store.close()

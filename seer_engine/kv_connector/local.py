@@ -11,7 +11,11 @@ The pool is two shared-memory segments and a lock file:
 * a lock file: ``fcntl.flock`` on it serialises index access across processes. It is
   always taken exclusive: the sections are short (a scan of the index), and shared locks
   would let a stream of readers starve a writer. The kernel drops a dead process's lock,
-  so a crash cannot wedge the pool.
+  so a crash cannot wedge the pool; a process that stops while holding it (SIGSTOP, a
+  hung instance) makes the others' calls fail with ``KVPoolError`` after
+  ``LOCK_TIMEOUT_S`` (they recompute instead), then fail at once until the lock is free
+  again, so a hung instance holds up no other. Only a put's publish waits for the lock
+  as long as it takes: giving up there would leave its claimed slots behind.
 
 The creator (``LocalStore.create``) owns the pool and destroys it on ``close()``, when the
 store is garbage-collected, or at interpreter exit. Any process on the host attaches with
@@ -46,6 +50,7 @@ import secrets
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +73,7 @@ _MAGIC = 0x5EE2_4B56_504F_4F4C  # "seer KV POOL"; marks an index segment as ours
 _LAYOUT = 2
 _HEADER_WORDS = 4  # magic, layout, num_slots, block_bytes
 _READ_TRIES = 4  # a read retries when a concurrent put/remove takes one of its slots mid-copy
+LOCK_TIMEOUT_S = 2.0  # index sections take microseconds: a holder this slow is stuck
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,7 @@ class _Mapping:
         self.lock_pid = os.getpid()  # flock is per open file: a forked child opens its own
         self.owner_pid = os.getpid() if owner else None
         self.thread_lock = threading.Lock()  # flock does not exclude threads sharing one fd
+        self.lock_stuck = False  # the last bounded wait for the lock timed out
         # numpy, not torch: its single-threaded memcpy is as fast for one block, and torch's
         # intra-op threads can cost milliseconds per copy on a busy host.
         self.slab: np.ndarray | None = np.ndarray((n, spec.block_bytes), dtype=np.uint8, buffer=data.buf)
@@ -194,6 +201,25 @@ def _pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True  # no /proc here: trust kill()
     return state not in ("Z", "X")
+
+
+def _lock_within(m: _Mapping, fd: int, timeout_s: float) -> None:
+    """``flock`` exclusive, polled, for at most ``timeout_s``; ``KVPoolError`` past it."""
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                m.lock_stuck = True
+                raise KVPoolError(
+                    f"the local KV pool's lock has been held for over {LOCK_TIMEOUT_S:g} s "
+                    "(a stopped or hung process?)"
+                ) from None
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
 
 
 def _release(m: _Mapping) -> None:
@@ -325,14 +351,20 @@ class LocalStore(BlockStore):
     # -- BlockStore ----------------------------------------------------------------
 
     @contextmanager
-    def _locked(self) -> Iterator[_Mapping]:
-        """Hold the pool lock (block copies happen outside it)."""
+    def _locked(self, bounded: bool = True) -> Iterator[_Mapping]:
+        """Hold the pool lock (block copies happen outside it). ``bounded``: give up with
+        ``KVPoolError`` when another process holds it past ``LOCK_TIMEOUT_S`` (at once while
+        the last bounded wait had to give up); else wait as long as it takes."""
         m = self._m
         if m is None:
             raise KVPoolError("this local KV pool handle is closed")
         with m.thread_lock:
             fd = m.fd()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if bounded:
+                _lock_within(m, fd, 0.0 if m.lock_stuck else LOCK_TIMEOUT_S)
+            else:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            m.lock_stuck = False
             try:
                 yield m
             finally:
@@ -395,10 +427,10 @@ class LocalStore(BlockStore):
         try:
             m.slab[slots] = rows.numpy()
         except BaseException:
-            with self._locked() as m:
+            with self._locked(bounded=False) as m:
                 self._free_slots(m, slots)  # an overwritten key is lost with it
             raise
-        with self._locked() as m:
+        with self._locked(bounded=False) as m:  # giving up would leave the slots claimed
             mine = m.keys[slots] == _WRITING
             self._free_slots(m, slots[~mine])  # removed while being written
             key_h = key_h[mine]

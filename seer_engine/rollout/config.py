@@ -15,6 +15,11 @@ from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREA
 from seer_engine.rollout.policies import HISTORY_POLICIES, HISTORY_SUFFIX, ROLLOUT_POLICIES, RolloutPolicy
 from seer_engine.rollout.pool import BACKENDS, EnginePool, StepTimer
 
+# An instance process or actor that answers no step in this long is taken as hung
+# (stopped, deadlocked): killed, its responses finish elsewhere. A step is a forward
+# pass plus its KV pool loads and saves: seconds at most on a healthy instance.
+DEFAULT_INSTANCE_TIMEOUT_S = 300.0
+
 # oracle needs a trace
 SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle") + HISTORY_POLICIES
 HISTORY_FILE = "history.json"  # the store's file in a --history directory
@@ -77,6 +82,7 @@ class RolloutConfig:
     # (then under the server's data dir, or in memory).
     history: str | None = None
     history_half_life: float | None = None  # iterations (weight updates) that halve a length's say
+    instance_timeout_s: float = DEFAULT_INSTANCE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.distributed_backend is None:
@@ -109,6 +115,8 @@ class RolloutConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
+        if self.instance_timeout_s <= 0:
+            raise ValueError(f"--instance-timeout must be > 0, got {self.instance_timeout_s}")
         if self.starvation_s <= 0:
             raise ValueError(f"--starvation-s must be > 0, got {self.starvation_s}")
         if self.history == "":
@@ -174,6 +182,13 @@ class RolloutConfig:
             default=DEFAULT_STARVATION_S,
             help="a response waiting this long goes first",
         )
+        parser.add_argument(
+            "--instance-timeout",
+            type=float,
+            default=DEFAULT_INSTANCE_TIMEOUT_S,
+            help="seconds an instance process or actor may take to answer a step (or an abort) "
+            "before it is taken as hung: killed, its responses finish on the other instances",
+        )
         RolloutConfig.add_cluster_args(parser)
 
     @staticmethod
@@ -232,6 +247,7 @@ class RolloutConfig:
             pool_pull_tokens=args.pool_pull_tokens,
             history=args.history,
             history_half_life=args.history_half_life,
+            instance_timeout_s=args.instance_timeout,
         )
 
     def placement(self) -> SeerPlacement:
@@ -253,5 +269,5 @@ class RolloutConfig:
         )
         return EnginePool.start(
             config, self.instances, token_source, self.distributed_backend, kv_pool, policy, timeline_points,
-            step_timer, history,
+            step_timer, history, reply_timeout_s=self.instance_timeout_s,
         )  # fmt: skip

@@ -196,8 +196,8 @@ class Dispatcher:
             self.lose_instance(self.pool.instances[died.index], str(died))
             return []
         if stepped is None:
-            if not self.buffer:
-                return []
+            if not self.buffer or any(inst.books.has_work for inst in self.pool.alive):
+                return []  # nothing to do, or no instance answered yet: come back
             if not self.pool.alive:
                 raise RolloutStalled(
                     f"every engine instance of the rollout is gone ({self.counters.instance_failures} lost); "
@@ -246,6 +246,7 @@ class Dispatcher:
                     for out in inst.abort([rid]):
                         self._take_chunk(inst, out)
                 except InstanceDied as died:
+                    inst.books.release(rid)  # aborted, not lost: it must not go back to the buffer
                     self.lose_instance(inst, str(died))
                 inst.books.release(rid)  # it ended before the abort reached it
             self._finish(sample, "abort", None, record=False)

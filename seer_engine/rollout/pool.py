@@ -47,6 +47,7 @@ from seer_engine.spec_decode.draft_server import DraftServer
 from seer_engine.spec_decode.proposers import Proposer, make_proposer
 
 BACKENDS = ("inproc", "mp", "ray")
+REPLY_WAIT_S = 1.0  # how long ``advance`` waits for a step reply before handing back control
 
 
 class InstancePool(Protocol):
@@ -63,8 +64,9 @@ class InstancePool(Protocol):
     def max_model_len(self) -> int: ...
 
     def advance(self) -> tuple[InstanceHandle, StepReply] | None:
-        """The next step reply of a busy instance (None when none has work); raises
-        ``InstanceDied`` for a lost one."""
+        """The next step reply of a busy instance (None when none has work, or none
+        answered within a short wait: the caller handles what arrived meanwhile and asks
+        again); raises ``InstanceDied`` for a lost one."""
         ...
 
     def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
@@ -202,14 +204,16 @@ class EnginePool:
         timeline_points: int | None = None,
         step_timer: StepTimer | None = None,
         history: HistoryStore | None = None,
+        reply_timeout_s: float | None = None,
     ) -> EnginePool:
         """Start ``num_instances`` engines on ``backend``, with the speculative decoding
         ``policy`` asks for (``seer``: grouped suffix trees) unless the config names one,
         and ``history`` (default: the policy's store, if any) kept up to date and
         seeding the draft trees.
         ``step_timer``: run the instances on a modeled clock (one step at a time, in
-        modeled-time order, whatever the backend). On failure everything started is
-        stopped again."""
+        modeled-time order, whatever the backend). ``reply_timeout_s``: an instance in a
+        process or actor that answers no step in this long is killed and lost (None: wait
+        forever). On failure everything started is stopped again."""
         if num_instances < 1:
             raise ValueError(f"--instances must be >= 1, got {num_instances}")
         if backend not in BACKENDS:
@@ -235,6 +239,8 @@ class EnginePool:
                 inst.close()
             kv_pool.close()
             raise
+        for inst in instances:
+            inst.reply_timeout_s = reply_timeout_s
         own = getattr(policy.context, "history", None) if policy is not None else None
         history = history if history is not None else own
         return cls(
@@ -254,7 +260,11 @@ class EnginePool:
                     self._seed_new_groups(inst)
                 inst.start_step(*self._draft_traffic(inst))
         stepping = [inst for inst in busy if inst.stepping]
-        while True:
+        for waited in (False, True):
+            # Bounded, so a hung instance (found out by its reply timeout) does not keep
+            # the server from dispatching to the others and answering its callers meanwhile.
+            if waited:
+                type(stepping[0]).wait_any(stepping, timeout=REPLY_WAIT_S)
             for inst in stepping:
                 reply = inst.poll_reply()
                 if reply is not None:
@@ -262,7 +272,7 @@ class EnginePool:
                     if self.draft_server is not None:
                         self.draft_server.publish(inst.index, reply.draft_updates)
                     return inst, reply
-            type(stepping[0]).wait_any(stepping, timeout=1.0)
+        return None
 
     def _seed_new_groups(self, inst: InstanceHandle) -> None:
         """Seed the draft trees of groups about to take their first step (anywhere)."""

@@ -98,7 +98,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
+    if not task.done() or task.cancelled():  # cancelled above: it ends at its next await
         raise APIError(499, "the client closed the connection", code="client_closed")
     return task.result()
 

@@ -27,6 +27,9 @@ class InstanceHandle:
         self.stepping = False  # a step was started and its reply not yet polled
         self.info: InstanceInfo | None = None  # known once the instance is ready
         self.books: InstanceBooks | None = None  # the dispatcher's books, made by the pool
+        # A remote step (or abort) not answered in this long is taken as hung: the instance
+        # is killed and lost (None: wait forever). Set by the pool.
+        self.reply_timeout_s: float | None = None
 
     def submit(self, chunk: ChunkRequest) -> None:
         raise NotImplementedError
@@ -37,7 +40,8 @@ class InstanceHandle:
         raise NotImplementedError
 
     def poll_reply(self) -> StepReply | None:
-        """The started step's reply if it is there (never blocks on a remote step)."""
+        """The started step's reply if it is there (never blocks on a remote step); raises
+        ``InstanceDied`` once the step has gone ``reply_timeout_s`` without one."""
         raise NotImplementedError
 
     @staticmethod

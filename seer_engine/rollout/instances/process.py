@@ -6,13 +6,16 @@ busy instance and takes whichever reply comes first, so instances compute in
 parallel. A call that needs an answer (abort, a serving primitive) reads the replies
 queued before it and keeps any step reply among them for the next poll. A process
 that dies surfaces as ``InstanceDied`` on the next message, and its chunks go back to
-the Request Buffer.
+the Request Buffer; so does one that answers no step or abort in ``reply_timeout_s``
+(hung, or stopped): it is killed first, so it cannot come back with chunks that have
+been handed out again.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections import deque
 from collections.abc import Sequence
@@ -92,6 +95,7 @@ class ProcessInstance(InstanceHandle):
         child.close()
         self._pending: deque[str] = deque()  # ops sent whose replies are not read yet
         self._replies: deque[StepReply] = deque()
+        self._step_deadline: float | None = None  # by when the step in flight must answer
 
     def wait_ready(self) -> None:
         """Block until the worker has built its engine (raises with its traceback if not)."""
@@ -118,6 +122,14 @@ class ProcessInstance(InstanceHandle):
         code = self.process.exitcode
         return InstanceDied(self.index, f"{why} (exit code {code})")
 
+    def _deadline(self) -> float | None:
+        return None if self.reply_timeout_s is None else time.monotonic() + self.reply_timeout_s
+
+    def _hung(self, what: str) -> InstanceDied:
+        """No answer in time: kill the process (a stopped one too) and report it lost."""
+        self.process.kill()
+        return self._died(f"no {what} reply in {self.reply_timeout_s:g} s, taken as hung and killed")
+
     def _send(self, op: str, *args: Any) -> None:
         if not self.alive:
             raise InstanceDied(self.index, "already gone")
@@ -127,8 +139,11 @@ class ProcessInstance(InstanceHandle):
             raise self._died(f"sending {op}: {e}") from None
         self._pending.append(op)
 
-    def _read_one(self) -> tuple[str, Any]:
+    def _read_one(self, deadline: float | None = None) -> tuple[str, Any]:
+        """The next reply; past ``deadline`` (monotonic) without one, the instance is hung."""
         try:
+            if deadline is not None and not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                raise self._hung(self._pending[0])
             status, value = self._conn.recv()
         except (EOFError, ConnectionResetError, OSError):
             raise self._died("its process exited") from None
@@ -143,10 +158,10 @@ class ProcessInstance(InstanceHandle):
             self._replies.append(value)
         return op, value
 
-    def _answer(self, op: str) -> Any:
-        """Read replies up to ``op``'s (the last one sent)."""
+    def _answer(self, op: str, deadline: float | None = None) -> Any:
+        """Read replies up to ``op``'s (the last one sent), each by ``deadline``."""
         while True:
-            got, value = self._read_one()
+            got, value = self._read_one(deadline)
             if got == op and not self._pending:
                 return value
 
@@ -155,7 +170,7 @@ class ProcessInstance(InstanceHandle):
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         self._send("abort", request_ids)
-        outputs, self.books.stats = self._answer("abort")
+        outputs, self.books.stats = self._answer("abort", self._deadline())
         return outputs
 
     def call(self, method: str, *args: Any) -> Any:
@@ -166,6 +181,7 @@ class ProcessInstance(InstanceHandle):
         if not self.stepping:
             self._send("step", draft_updates, finished_groups)
             self.stepping = True
+            self._step_deadline = self._deadline()
 
     def poll_reply(self) -> StepReply | None:
         """A step reply if one has arrived (never blocks)."""
@@ -177,6 +193,9 @@ class ProcessInstance(InstanceHandle):
             if not ready:
                 if not self.process.is_alive():
                     raise self._died("its process exited")
+                deadline = self._step_deadline
+                if self.stepping and deadline is not None and time.monotonic() > deadline:
+                    raise self._hung("step")
                 break
             self._read_one()
         return self._replies.popleft() if self._replies else None

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -142,6 +143,7 @@ class RayInstance(InstanceHandle):
         ray = ensure_ray()
         self._ray = ray
         self._step_ref = None  # the step in flight
+        self._step_deadline: float | None = None  # by when it must answer (reply_timeout_s)
         self._submits: list = []  # refs of submits not yet seen to succeed
         self._cpus = config.num_threads or 1
         self._gpus = 1 if _wants_gpu(config, ray) else 0
@@ -232,6 +234,8 @@ class RayInstance(InstanceHandle):
         if not self.stepping:
             self._step_ref = self._remote("step", draft_updates, finished_groups)
             self.stepping = True
+            timeout = self.reply_timeout_s
+            self._step_deadline = None if timeout is None else time.monotonic() + timeout
 
     def poll_reply(self) -> StepReply | None:
         """A step reply if one has arrived (never blocks)."""
@@ -240,6 +244,8 @@ class RayInstance(InstanceHandle):
             return None
         ready, _ = self._ray.wait([self._step_ref], timeout=0)
         if not ready:
+            if self._step_deadline is not None and time.monotonic() > self._step_deadline:
+                raise self._died(f"no step reply in {self.reply_timeout_s:g} s, taken as hung and killed")
             return None
         ref, self._step_ref = self._step_ref, None
         self.stepping = False
