@@ -45,7 +45,7 @@ from seer_engine.core.draft import DraftTree
 from seer_engine.core.request import Request
 from seer_engine.rollout.machine import machine_info
 from seer_engine.sampling_params import SamplingParams
-from seer_engine.sim.acceptance import accepted_len
+from seer_engine.sim.acceptance_replay import accepted_len
 from seer_engine.spec_decode._suffix_tree_ref import RefGroupSuffixTree
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.proposers import NgramProposer, SuffixProposer

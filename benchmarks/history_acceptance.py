@@ -35,7 +35,7 @@ from seer_engine.core.request import Request
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.sampling_params import SamplingParams
-from seer_engine.sim.acceptance import accepted_len
+from seer_engine.sim.acceptance_replay import accepted_len
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.proposers import SuffixProposer
 from seer_engine.workloads.groups import select_groups

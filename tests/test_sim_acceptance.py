@@ -10,14 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from seer_engine.core.draft import DraftTree
-from seer_engine.sim.acceptance import (
-    DEFAULT_ACCEPTANCE_PATH,
-    AcceptanceModel,
-    accepted_len,
-    default_acceptance,
-    fit_acceptance,
-    replay_group,
-)
+from seer_engine.sim.acceptance import DEFAULT_ACCEPTANCE_PATH, AcceptanceModel, default_acceptance
+from seer_engine.sim.acceptance_replay import accepted_len, fit_acceptance, replay_group
 
 PROMPT = list(range(1000, 1020))
 X = list(range(3000, 3200))  # 200 distinct tokens
@@ -244,8 +238,13 @@ def test_committed_fit_loads_and_is_sane():
     m = default_acceptance()
     assert m is default_acceptance()
     assert DEFAULT_ACCEPTANCE_PATH.is_file() and m.derivation
-    for row in m.accepted:
-        assert list(row) == sorted(row)  # more budget never accepts less, on average
-        assert 0.0 < row[0] < 1.0
-    # Late in a group the stragglers draft from finished siblings: acceptance goes up.
+    assert len(m.coverage_edges) > 2, "the committed fit reads coverage"
+    for stage in m.accepted:
+        assert len(stage) == len(m.coverage_edges) - 1
+        for row in stage:
+            assert list(row) == sorted(row)  # more budget never accepts less, on average
+            assert 0.0 < row[0] < 1.0
+    # Late in a group the stragglers draft from finished siblings: acceptance goes up;
+    # so it does early for a row whose siblings have written ahead of it.
     assert m.accepted_per_step(16, 0.9) > m.accepted_per_step(16, 0.0)
+    assert m.accepted_per_step(16, 0.0, 1.0) > m.accepted_per_step(16, 0.0, 0.0)

@@ -35,6 +35,7 @@ from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.requests import Segment, SimRequest
+from seer_engine.sim.running_groups import RunningGroups
 from seer_engine.sim.speculation import SimSpeculation
 from seer_engine.sim.world import SimWorld
 from seer_engine.spec_decode.budget import StepCostModel
@@ -71,12 +72,7 @@ class SimInstance(InstanceHandle):
         self.cache: OrderedDict[str, int] = OrderedDict()  # response key -> context tokens, LRU first
         self.cached_tokens = 0
         self.prompt_groups: set[str] = set()  # groups whose prompt is in the prefix cache
-        self._group_rows: dict[str, int] = {}  # group -> its rows running here
-        self._group_keys: dict[str, list[str]] = {}  # group -> the responses of those rows
-        self._coverage: dict[
-            str, tuple[int, tuple[str, ...], list[int]]
-        ] = {}  # group -> (version, keys, rows per bin)
-        self._shared_prompt = 0  # prompt tokens counted once per group, not once per row
+        self.groups = RunningGroups()
         self._stats = SchedulerStats()
         self._connector = ConnectorStats()
         self._loads: list[tuple[str, int, LoadResult]] = []
@@ -135,11 +131,11 @@ class SimInstance(InstanceHandle):
             outputs.append(req.output("abort"))
         for req in [r for r in self.prefilling if r.request_id in wanted]:
             self.prefilling.remove(req)
-            self._leave(req)
+            self.groups.leave(req)
             outputs.append(req.output("abort"))
         for rid in wanted & set(self.decoding):
             req = self._stop_decoding(rid)
-            self._leave(req)
+            self.groups.leave(req)
             outputs.append(req.output("abort"))
         return outputs
 
@@ -273,9 +269,10 @@ class SimInstance(InstanceHandle):
         """(tokens gained, draft nodes) per decoding row and step."""
         if self.speculation is None or not rows:
             return 1.0, 0.0
-        running = sum(self._group_rows.values())
-        stage = sum(n * self.world.stage(g) for g, n in self._group_rows.items()) / running
-        coverage = self._coverage_shares(running) if self.speculation.uses_coverage else (1.0,)
+        stage = self.groups.mean_stage(self.world)
+        coverage = (1.0,)
+        if self.speculation.uses_coverage:
+            coverage = self.groups.coverage_shares(self.world, self.speculation)
         m = self.profile.step
         # The budget's line: what one more scheduled token costs (on a CPU it also
         # attends its row's context), on top of the step without drafts.
@@ -285,27 +282,6 @@ class SimInstance(InstanceHandle):
         cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0), rows) - m.b_s_per_token * rows, per_token)
         drafted, accepted = self.speculation.rates(rows, stage, coverage, cost)
         return 1.0 + accepted, drafted
-
-    def _coverage_shares(self, running: int) -> tuple[float, ...]:
-        """The share of running rows in each coverage bin of the acceptance model (how far
-        their siblings have written past them), kept per group until the group's chunks or
-        this instance's rows of it change."""
-        speculation = self.speculation
-        counts = [0] * speculation.coverage_bins
-        for g, keys in self._group_keys.items():
-            version, members = self.world.versions.get(g, 0), tuple(keys)
-            cached = self._coverage.get(g)
-            if cached is None or cached[0] != version or cached[1] != members:
-                bins = [0] * speculation.coverage_bins
-                for k in keys:
-                    bins[
-                        speculation.coverage_bin(self.world.coverage(g, k, speculation.coverage_window))
-                    ] += 1
-                cached = (version, members, bins)
-                self._coverage[g] = cached
-            for b, n in enumerate(cached[2]):
-                counts[b] += n
-        return tuple(n / running for n in counts)
 
     def _admissible(self, budget: float, growth: float) -> list[SimRequest]:
         """Waiting chunks the engine would admit this step, in its policy's order."""
@@ -320,7 +296,7 @@ class SimInstance(InstanceHandle):
                 break
             req.hit = self._hit(req)
             n = min(req.context - req.hit, budget)
-            shared = req.prompt_len if req.group_id in self._group_rows and req.hit >= req.prompt_len else 0
+            shared = req.prompt_len if req.group_id in self.groups and req.hit >= req.prompt_len else 0
             if req.hit + n - shared > free:
                 break
             admit.append(req)
@@ -353,7 +329,7 @@ class SimInstance(InstanceHandle):
             else:
                 self.prefilling.remove(victim)
                 victim.lost = victim.computed
-            self._leave(victim)
+            self.groups.leave(victim)
             self._cache(victim.key, int(victim.lost))  # its blocks stay in the prefix cache
             victim.hit = 0
             victim.computed = 0.0
@@ -387,7 +363,7 @@ class SimInstance(InstanceHandle):
             self._stats.recomputed_tokens += max(0, int(req.lost - req.hit))
             req.computed = req.hit
             self.prefilling.append(req)
-            self._join(req)
+            self.groups.join(req)
             self.prompt_groups.add(req.group_id)
         for req, n in seg.prefill:
             req.computed += n
@@ -434,7 +410,7 @@ class SimInstance(InstanceHandle):
         return outputs
 
     def _end_chunk(self, req: SimRequest) -> RequestOutput:
-        self._leave(req)
+        self.groups.leave(req)
         req.generated = req.end
         self.world.on_chunk_end(req.group_id, req.key, req.end)
         if req.finish_reason == "length" and req.end < self.world.lengths[req.key]:
@@ -447,7 +423,7 @@ class SimInstance(InstanceHandle):
         """End a decoding chunk where it is because KV ran out: its context stays in the
         prefix cache (the pool has it too), its response goes back to the Request Buffer."""
         self._stop_decoding(req.request_id)
-        self._leave(req)
+        self.groups.leave(req)
         self.world.on_chunk_end(req.group_id, req.key, int(req.generated))
         self._cache(req.key, int(req.context))
         self._stats.chunk_cuts += 1
@@ -491,25 +467,7 @@ class SimInstance(InstanceHandle):
         return self._context_base + len(self.decoding) * self.progress
 
     def _running_kv(self) -> float:
-        return self._decoding_context() + sum(r.computed for r in self.prefilling) - self._shared_prompt
-
-    def _join(self, req: SimRequest) -> None:
-        """A row starts running; siblings running here share its prompt's KV blocks."""
-        rows = self._group_rows.get(req.group_id, 0)
-        self._shared_prompt += req.prompt_len if rows else 0
-        self._group_rows[req.group_id] = rows + 1
-        self._group_keys.setdefault(req.group_id, []).append(req.key)
-
-    def _leave(self, req: SimRequest) -> None:
-        rows = self._group_rows.pop(req.group_id) - 1
-        keys = self._group_keys.pop(req.group_id)
-        keys.remove(req.key)
-        if rows:
-            self._shared_prompt -= req.prompt_len
-            self._group_rows[req.group_id] = rows
-            self._group_keys[req.group_id] = keys
-        else:
-            self._coverage.pop(req.group_id, None)
+        return self._decoding_context() + sum(r.computed for r in self.prefilling) - self.groups.shared_prompt
 
     def _cache(self, key: str, tokens: int) -> None:
         self.cache[key] = tokens
