@@ -46,6 +46,7 @@ from seer_engine.rollout.policies import (
     HISTORY_POLICIES,
     HISTORY_SUFFIX,
     ROLLOUT_POLICIES,
+    distinct_policies,
     make_rollout_policy,
 )
 from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, write_report
@@ -88,7 +89,11 @@ def add_cli(subparsers) -> None:
         "--model", default=None, help="--task: the model that samples; --trace default: a tiny random "
         "model with the trace tokenizer"
     )  # fmt: skip
-    p.add_argument("--tokenizer", default=None, help="default: bpe32k-tokenizer.json beside the trace")
+    p.add_argument(
+        "--tokenizer", default=None,
+        help="--trace: the trace's tokenizer (default: bpe32k-tokenizer.json beside the trace, else in "
+        "the shared traces folder)",
+    )  # fmt: skip
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
@@ -132,13 +137,10 @@ def _trace_model(args: argparse.Namespace, max_len: int) -> str:
         return args.model
     from seer_engine.model_executor.tiny_model import make_tiny_model
 
-    tokenizer = args.tokenizer or str(Path(args.trace).parent / "bpe32k-tokenizer.json")
-    if not Path(tokenizer).is_file():
-        raise ValueError(f"tokenizer {tokenizer!r} not found; pass --tokenizer or --model")
     out = Path(tempfile.mkdtemp(prefix="seer-bench-model-"))
     return str(
         make_tiny_model(
-            out, tokenizer=tokenizer, num_layers=args.layers, hidden_size=args.hidden,
+            out, tokenizer=args.tokenizer, num_layers=args.layers, hidden_size=args.hidden,
             max_position_embeddings=max(4096, max_len),
         )
     )  # fmt: skip
@@ -148,6 +150,10 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     check_source_args(args, "--trace")
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.starvation_s < 0:
+        raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     machine = machine_info()
     policies = _parse_policies(args.policy)
     timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
@@ -157,11 +163,18 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     if args.task is not None:
         return _run_task_bench(args, policies, machine, timer)
     from seer_engine.workloads.groups import select_groups
+    from seer_engine.workloads.paths import default_tokenizer_path, resolve_trace_path
     from seer_engine.workloads.traces import load_trace
 
-    if not Path(args.trace).is_file():
-        raise ValueError(f"trace file {args.trace!r} not found")
-    trace = select_groups(load_trace(args.trace), args.groups or "8")
+    try:  # a path, or a trace's name in the shared traces folder (as simulate takes it)
+        args.trace = str(resolve_trace_path(args.trace))
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    # The trace is tokenized with the tokenizer the replay model is made with.
+    args.tokenizer = str(args.tokenizer or default_tokenizer_path(args.trace))
+    if not Path(args.tokenizer).is_file():
+        raise ValueError(f"tokenizer {args.tokenizer!r} not found; pass --tokenizer")
+    trace = select_groups(load_trace(args.trace, args.tokenizer), args.groups or "8")
     max_len = max(len(g.prompt_token_ids) for g in trace) + args.max_tokens + 1
     model = _trace_model(args, max_len)
     cfg = _engine_config(args, model, max_len)
@@ -189,7 +202,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         _save_history(args, name, history)
     _print_iterations(iterations)
     if args.report:
-        meta = _meta(args, machine, model, cluster, groups=len(workloads[0].prompts))
+        meta = _meta(args, machine, model, cluster, trace=args.trace, groups=len(workloads[0].prompts))
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
         print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
@@ -246,9 +259,7 @@ def _parse_policies(text: str) -> list[str]:
                 f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES) + list(HISTORY_POLICIES)}, "
                 f"optionally with +{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
             )
-    if not policies:
-        raise ValueError("--policy names no policy")
-    return policies
+    return distinct_policies(policies)
 
 
 def _engine_config(args: argparse.Namespace, model: str, max_len: int) -> EngineConfig:
@@ -336,7 +347,7 @@ def _run_task_bench(
     first = next((p for p in policies if p.partition("+")[0] != "oracle"), None)
     if first is None:
         raise ValueError(
-            "with --task, oracle takes its lengths from another policy's run: name one before it"
+            "with --task, oracle takes its lengths from another policy's run: name one more policy"
         )
     policies = [p for p in policies if p.partition("+")[0] != "oracle"] + [
         p for p in policies if p.partition("+")[0] == "oracle"

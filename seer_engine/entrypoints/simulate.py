@@ -21,7 +21,7 @@ from pathlib import Path
 from seer_engine.rollout.dispatcher import add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.policies import HISTORY_SUFFIX, rollout_policy_names
+from seer_engine.rollout.policies import HISTORY_SUFFIX, distinct_policies, rollout_policy_names
 from seer_engine.rollout.report import Progress, format_table, policy_summary, write_report
 from seer_engine.sim.admission import KNOWN_ENDS
 
@@ -87,15 +87,19 @@ def _setups(args: argparse.Namespace) -> list:
     for key in ("instances", "prompts", "samples", "max_tokens", "chunk_tokens"):
         if overrides[key] is not None and overrides[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
+    if args.starvation_s is not None and args.starvation_s < 0:
+        raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     return [_override(get_setup(n), {k: v for k, v in overrides.items() if v is not None}) for n in names]
 
 
 def _override(setup, overrides: dict):
     """The setup with the command's overrides; a new max length keeps the setup's
-    calibrated mean length in proportion."""
+    calibrated mean length in proportion (none at a max of one token, where every
+    response is one token and no mean below the max exists)."""
     new_max = overrides.get("max_tokens")
     if new_max is not None and setup.mean_tokens is not None:
-        overrides["mean_tokens"] = max(1, round(setup.mean_tokens * new_max / setup.max_tokens))
+        mean = max(1, round(setup.mean_tokens * new_max / setup.max_tokens))
+        overrides["mean_tokens"] = mean if mean < new_max else None
     return dataclasses.replace(setup, **overrides)
 
 
@@ -147,7 +151,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     from seer_engine.sim.diagnostics import diagnostics, format_diagnostics
     from seer_engine.sim.simulator import policy_for, simulate
 
-    policies = rollout_policy_names(args.policy)
+    policies = distinct_policies(rollout_policy_names(args.policy))
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
     if args.drift < 0:
@@ -167,8 +173,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     acceptance = _acceptance_models(args)
     for setup in _setups(args):
-        if args.trace and args.groups and args.repeat_prompts:
-            _workload(args, setup, args.iterations - 1)  # a trace too short for the last iteration fails now
+        if args.trace and args.groups:
+            # The trace groups are the prompts (the header and report count them); a trace
+            # too short for the last iteration fails now.
+            setup = dataclasses.replace(setup, prompts=len(_workload(args, setup, args.iterations - 1)))
         p = setup.profile
         print(f"simulate {setup.name}: {setup.instances} instances x {p.kv_capacity_tokens:,} KV tokens, "
               f"{setup.prompts} prompts x {setup.samples} responses, max {setup.max_tokens:,} tokens, "

@@ -147,6 +147,17 @@ def rollout_policy_names(names: str | Sequence[str]) -> list[str]:
     return out
 
 
+def distinct_policies(policies: list[str]) -> list[str]:
+    """A command's ``--policy`` list: at least one policy and none twice (results are kept
+    per name, and a ``+history`` policy named twice would learn from its own duplicate)."""
+    if not policies:
+        raise ValueError("--policy names no policy")
+    twice = sorted({name for name in policies if policies.count(name) > 1})
+    if twice:
+        raise ValueError(f"--policy names {', '.join(twice)} more than once")
+    return policies
+
+
 def make_rollout_policy(
     name: str, true_lengths: dict[str, int] | None = None, history: HistoryStore | None = None, **context_args
 ) -> RolloutPolicy:

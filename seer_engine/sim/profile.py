@@ -10,6 +10,7 @@ built-in cluster setups (``sim/setups.py``).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -26,6 +27,13 @@ class SavedAsJson:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(self.to_json())
         return out
+
+
+def _non_negative(value: object) -> bool:
+    """A finite real number >= 0 (not a bool, not NaN: a NaN price passes every ``< 0``
+    check and turns every simulated time into NaN)."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return real and math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -51,8 +59,12 @@ class StepTimeModel:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "kv_per_query" and getattr(self, f.name) < 0:
-                raise ValueError(f"step-time model: {f.name} must be >= 0, got {getattr(self, f.name)}")
+            value = getattr(self, f.name)
+            if f.name == "kv_per_query":
+                if not isinstance(value, bool):
+                    raise ValueError(f"step-time model: kv_per_query must be true or false, got {value!r}")
+            elif not _non_negative(value):
+                raise ValueError(f"step-time model: {f.name} must be a finite number >= 0, got {value!r}")
 
     def step_s(self, scheduled_tokens: float, kv_tokens_read: float, logit_tokens: float = 0.0) -> float:
         return (
@@ -94,9 +106,20 @@ class InstanceProfile(SavedAsJson):
     def __post_init__(self) -> None:
         for name in ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(
                     f"instance profile {self.name!r}: {name} must be a positive integer, got {value!r}"
+                )
+        if self.kv_capacity_tokens < self.block_size:
+            raise ValueError(
+                f"instance profile {self.name!r}: kv_capacity_tokens ({self.kv_capacity_tokens}) holds "
+                f"no KV block of block_size {self.block_size} tokens"
+            )
+        for name in ("kv_bytes_per_token", "pool_bytes_per_s"):  # a negative one gives negative pull times
+            if not _non_negative(getattr(self, name)):
+                raise ValueError(
+                    f"instance profile {self.name!r}: {name} must be a finite number >= 0, "
+                    f"got {getattr(self, name)!r}"
                 )
 
     @property
@@ -111,6 +134,8 @@ class InstanceProfile(SavedAsJson):
 
     @classmethod
     def from_dict(cls, data: dict) -> InstanceProfile:
+        if not isinstance(data, dict):
+            raise ValueError(f"instance profile: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -130,5 +155,5 @@ class InstanceProfile(SavedAsJson):
             raise ValueError(f"instance profile {str(p)!r} not found (write one with `seer_engine profile`)")
         try:
             return cls.from_dict(json.loads(p.read_text()))
-        except (json.JSONDecodeError, TypeError) as e:
+        except (TypeError, ValueError) as e:  # ValueError: bad JSON, or a field out of range
             raise ValueError(f"instance profile {str(p)!r} is not valid: {e}") from None

@@ -20,7 +20,7 @@ from seer_engine.rollout.dispatcher import DEFAULT_ADMISSION, Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import Placement, SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
-from seer_engine.rollout.types import Group, StepReply, sample_key
+from seer_engine.rollout.types import Group, RolloutStalled, StepReply, sample_key
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.admission import KNOWN_ENDS, KnownEndsAdmission
 from seer_engine.sim.instance import SimInstance
@@ -76,7 +76,7 @@ class SimPool:
         times = [inst.next_event_at() for inst in busy]
         first = min(range(len(busy)), key=lambda i: (times[i], busy[i].index))
         if math.isinf(times[first]):
-            raise RuntimeError(
+            raise RolloutStalled(
                 "simulated instances hold chunks they can never run: a chunk needs more KV "
                 "than an instance has (raise kv_capacity_tokens or lower chunk_tokens)"
             )

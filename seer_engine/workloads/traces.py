@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import warnings
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,19 +167,19 @@ def load_trace(
 def _read_trace(path: Path, tok: TraceTokenizer) -> list[TraceGroup]:
     """Parse every record (naming the line of a bad one); prompts are tokenized in one batch."""
     records = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                gid = str(rec["group_id"])
-                responses = tuple(str(r) for r in rec["responses"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path.name}:{lineno}: not a trace record ({e})") from e
-            counts = rec.get("response_tokens")
-            expected = tuple(counts) if counts is not None else (None,) * len(responses)
-            records.append((gid, rec.get("prompt"), responses, expected, rec.get("prompt_tokens")))
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(_record(json.loads(line)))
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path.name}:{lineno}: not a trace record ({e})") from e
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
+        raise ValueError(f"{path}: not a gzip JSON-lines trace ({e})") from None
+    if not records:
+        raise ValueError(f"{path}: the trace holds no groups")
     prompt_texts = [r[1] if r[1] is not None else _placeholder_prompt(r[0]) for r in records]
     prompt_ids = tok.encode_many(prompt_texts)
     groups = []
@@ -191,6 +192,33 @@ def _read_trace(path: Path, tok: TraceTokenizer) -> list[TraceGroup]:
             )
         groups.append(TraceGroup(gid, prompt, ids, responses, expected, tok))
     return groups
+
+
+def _record(rec: dict) -> tuple:
+    """One line's fields, type-checked (TypeError, KeyError: the caller names the line):
+    a wrong type would otherwise surface far from the trace, as a tokenizer or
+    arithmetic error."""
+    if not isinstance(rec, dict):
+        raise TypeError(f"expected an object, got {type(rec).__name__}")
+    responses, prompt = rec["responses"], rec.get("prompt")
+    if not isinstance(responses, list) or not all(isinstance(r, str) for r in responses):
+        raise TypeError("'responses' must be a list of strings")
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError("'prompt' must be a string or null")
+    counts = rec.get("response_tokens")
+    if counts is not None and (
+        not isinstance(counts, list) or not all(c is None or _count(c) for c in counts)
+    ):
+        raise TypeError("'response_tokens' must be a list of token counts (integers >= 0) or null")
+    prompt_tokens = rec.get("prompt_tokens")
+    if prompt_tokens is not None and not _count(prompt_tokens):
+        raise TypeError("'prompt_tokens' must be a token count (an integer >= 0) or null")
+    expected = tuple(counts) if counts is not None else (None,) * len(responses)
+    return str(rec["group_id"]), prompt, tuple(responses), expected, prompt_tokens
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def tokenize_groups(groups: Iterable[TraceGroup]) -> int:

@@ -1,0 +1,90 @@
+"""``seer_engine bench rollout --trace`` on odd inputs: a clear error naming the problem
+before any model is made, the trace read as ``simulate`` reads it, and a report that
+names what it replayed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import seer_engine.workloads.traces as traces
+from seer_engine.entrypoints.cli import main
+
+BENCH = ["bench", "rollout", "--groups", "1", "--samples", "1", "--max-tokens", "2", "--instances", "1",
+         "--distributed-backend", "inproc", "--kv-connector", "none", "--clock", "moonlight"]  # fmt: skip
+
+
+def _error(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+class _Stop(ValueError):
+    """Raised by a stand-in for ``load_trace``: what it was called with is all a test needs."""
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[tuple]:
+    """The calls ``bench rollout`` makes to ``load_trace``, each stopping the command there."""
+    calls = []
+
+    def stand_in(path, tokenizer=None, **kw):
+        calls.append((str(path), tokenizer))
+        raise _Stop("stopped after load_trace")
+
+    monkeypatch.setattr(traces, "load_trace", stand_in)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--samples", "0"], "--samples must be >= 1, got 0"),
+        (["--starvation-s", "-1"], "--starvation-s must be >= 0"),
+        (["--policy", "seer+history,baseline,seer+history"], "--policy names seer+history more than once"),
+        (["--tokenizer", "/nonexistent/tok.json"], "tokenizer '/nonexistent/tok.json' not found"),
+    ],
+)
+def test_bench_names_bad_arguments_before_loading(args, message, tmp_path, capsys, loads):
+    trace = tmp_path / "t.jsonl.gz"
+    trace.write_bytes(b"")
+    assert message in _error([*BENCH, "--trace", str(trace), *args], capsys)
+    assert loads == []
+
+
+def test_the_trace_is_tokenized_with_the_given_tokenizer(tmp_path, capsys, loads):
+    trace, tokenizer = tmp_path / "t.jsonl.gz", tmp_path / "other-tokenizer.json"
+    trace.write_bytes(b"")
+    tokenizer.write_text("{}")
+    assert "stopped after load_trace" in _error(
+        [*BENCH, "--trace", str(trace), "--tokenizer", str(tokenizer)], capsys
+    )
+    assert loads == [(str(trace), str(tokenizer))]  # the tokenizer the replay model is made with
+
+
+def test_a_trace_name_is_found_in_the_traces_folder(tmp_path, monkeypatch, capsys, loads):
+    """As ``simulate --trace NAME`` finds it."""
+    monkeypatch.setenv("SEER_TRACES_DIR", str(tmp_path))
+    (tmp_path / "t.jsonl.gz").write_bytes(b"")
+    (tmp_path / "bpe32k-tokenizer.json").write_text("{}")
+    assert "stopped after load_trace" in _error([*BENCH, "--trace", "t"], capsys)
+    assert loads == [(str(tmp_path / "t.jsonl.gz"), str(tmp_path / "bpe32k-tokenizer.json"))]
+
+
+def test_a_file_that_is_not_a_gzip_trace_is_named(tmp_path, capsys, game24_trace):
+    notes = tmp_path / "notes.md"
+    notes.write_text("# not a trace\n")
+    tokenizer = game24_trace.parent / "bpe32k-tokenizer.json"
+    err = _error([*BENCH, "--trace", str(notes), "--tokenizer", str(tokenizer)], capsys)
+    assert f"{notes}: not a gzip JSON-lines trace" in err
+
+
+def test_the_report_names_the_trace_it_replayed(tmp_path, game24_trace):
+    args = [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--layers", "1", "--hidden", "32"]
+    assert main([*args, "--report", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["trace"] == str(game24_trace) and report["meta"]["groups"] == 1
+    assert report["policies"]["baseline"]["output_tokens"] == 2

@@ -1,0 +1,126 @@
+"""``seer_engine simulate`` on small and odd inputs: a clear error naming the problem
+(exit 2, no traceback) or a correct run, never a crash or a silently wrong figure."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from seer_engine.entrypoints.cli import main
+from seer_engine.workloads.paths import default_tokenizer_path
+
+SMALL = ["simulate", "--prompts", "2", "--samples", "2", "--instances", "2", "--max-tokens", "500"]
+STEP = {"a_s": 0.01, "b_s_per_token": 1e-5, "c_s_per_kv_token": 1e-9}
+PROFILE = {"name": "p", "step": STEP, "kv_capacity_tokens": 4096, "max_num_seqs": 8,
+           "max_num_batched_tokens": 1024, "kv_bytes_per_token": 1000, "pool_bytes_per_s": 1e9}  # fmt: skip
+
+needs_tokenizer = pytest.mark.skipif(
+    not default_tokenizer_path().is_file(), reason="the trace tokenizer is not in the shared traces folder"
+)
+
+
+def _error(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--policy", ""], "--policy names no policy"),
+        (["--policy", " , "], "--policy names no policy"),
+        (["--policy", "seer+history,oracle,seer+history"], "--policy names seer+history more than once"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--starvation-s", "-5"], "--starvation-s must be >= 0"),
+    ],
+)
+def test_simulate_names_bad_arguments(args, message, capsys):
+    assert message in _error([*SMALL, *args], capsys)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda p: [1, 2], "expected a JSON object, got list"),
+        (lambda p: {**p, "step": {**STEP, "a_s": float("nan")}}, "a_s must be a finite number >= 0, got nan"),
+        (lambda p: {**p, "step": {**STEP, "b_s_per_token": "fast"}}, "b_s_per_token must be a finite number"),
+        (lambda p: {**p, "pool_bytes_per_s": -1e9}, "pool_bytes_per_s must be a finite number >= 0"),
+        (lambda p: {**p, "kv_bytes_per_token": -1}, "kv_bytes_per_token must be a finite number >= 0"),
+        (lambda p: {**p, "max_num_seqs": True}, "max_num_seqs must be a positive integer, got True"),
+        (lambda p: {**p, "kv_capacity_tokens": 10}, "holds no KV block of block_size 16"),
+    ],
+)
+def test_simulate_names_a_bad_profile_field(tmp_path, capsys, change, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(change(PROFILE)))  # NaN is written as the JSON extension NaN
+    err = _error([*SMALL, "--profile", str(path)], capsys)
+    assert f"instance profile {str(path)!r} is not valid" in err and message in err
+
+
+def test_an_instance_too_small_for_a_prompt_is_a_clear_error(tmp_path, capsys):
+    # baseline pins whole groups up front: its chunks reach an instance that can never run them
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({**PROFILE, "kv_capacity_tokens": 512}))
+    err = _error([*SMALL, "--profile", str(path), "--policy", "baseline"], capsys)
+    assert "a chunk needs more KV than an instance has" in err
+
+
+def test_a_one_token_max_runs_every_response_to_one_token(tmp_path):
+    # the setup's calibrated mean scaled to a 1-token max would be 1: no mean below the max
+    args = [*SMALL, "--max-tokens", "1", "--policy", "baseline,seer,oracle", "--report", str(tmp_path)]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "moonlight" / "report.json").read_text())
+    assert report["meta"]["max_tokens"] == 1
+    for name, figures in report["policies"].items():
+        assert figures["output_tokens"] == 4, name
+
+
+def _write_trace(path: Path, lines: list) -> Path:
+    with gzip.open(path, "wt") as f:
+        f.write("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+@needs_tokenizer
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        ([], "the trace holds no groups"),
+        ([[1, 2]], ":1: not a trace record (expected an object, got list)"),
+        ([{"group_id": "a", "prompt": 5, "responses": ["x"]}], "'prompt' must be a string or null"),
+        ([{"group_id": "a", "responses": "abc"}], "'responses' must be a list of strings"),
+        ([{"group_id": "a", "responses": ["x y"], "response_tokens": 2}], "'response_tokens' must be a list"),
+        ([{"group_id": "a", "responses": ["x", "y"], "response_tokens": ["1", 1]}], "'response_tokens' must"),
+        ([{"group_id": "a", "responses": ["x", "y"], "response_tokens": [-3, 1]}], "'response_tokens' must"),
+    ],
+)
+def test_simulate_names_a_bad_trace(tmp_path, capsys, lines, message):
+    trace = _write_trace(tmp_path / "bad.jsonl.gz", lines)
+    for extra in ([], ["--groups", "1"]):
+        assert message in _error([*SMALL, "--trace", str(trace), *extra], capsys)
+
+
+@needs_tokenizer
+def test_a_file_that_is_not_a_gzip_trace_is_named(tmp_path, capsys):
+    plain = tmp_path / "notes.md"
+    plain.write_text("# not a trace\n")
+    truncated = tmp_path / "cut.jsonl.gz"
+    whole = _write_trace(tmp_path / "whole.jsonl.gz", [{"group_id": "a", "responses": ["x y", "z"]}] * 50)
+    truncated.write_bytes(whole.read_bytes()[:30])
+    for path in (plain, truncated):
+        assert f"{path}: not a gzip JSON-lines trace" in _error([*SMALL, "--trace", str(path)], capsys)
+
+
+@needs_tokenizer
+def test_trace_groups_are_the_prompts_in_the_header_and_the_report(tmp_path, capsys):
+    rows = [{"group_id": f"g{k}", "prompt": "Add.", "responses": ["one two three"] * 4} for k in range(5)]
+    trace = _write_trace(tmp_path / "t.jsonl.gz", rows)
+    args = [*SMALL, "--trace", str(trace), "--groups", "1:4", "--policy", "baseline"]
+    assert main([*args, "--report", str(tmp_path)]) == 0
+    assert "3 prompts x 2 responses" in capsys.readouterr().out
+    assert json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]["prompts"] == 3
