@@ -194,12 +194,13 @@ class ServerClient:
             "input_file_id": upload["id"], "endpoint": "/v1/completions", "completion_window": "24h",
         })  # fmt: skip
         deadline = time.monotonic() + self.timeout_s
-        while batch["status"] not in BATCH_TERMINAL:
-            if time.monotonic() > deadline:
-                raise GRPOError(f"batch {batch['id']} still {batch['status']} after {self.timeout_s:.0f}s")
-            time.sleep(poll_s)
-            batch = self.request("GET", f"/v1/batches/{batch['id']}", "polling the batch")
         try:
+            while batch["status"] not in BATCH_TERMINAL:
+                if time.monotonic() > deadline:
+                    waited = f"{self.timeout_s:.0f}s"
+                    raise GRPOError(f"batch {batch['id']} still {batch['status']} after {waited}")
+                time.sleep(poll_s)
+                batch = self.request("GET", f"/v1/batches/{batch['id']}", "polling the batch")
             if batch["status"] != "completed":
                 raise GRPOError(f"batch {batch['id']} {batch['status']}: {json.dumps(batch.get('errors'))}")
             outputs = self._records(batch.get("output_file_id"))
@@ -215,6 +216,11 @@ class ServerClient:
                 )
             return [outputs[line["custom_id"]]["response"]["body"] for line in lines]
         finally:
+            if batch["status"] not in BATCH_TERMINAL:  # given up on (timeout, Ctrl-C): stop its work
+                try:
+                    self.http.post(f"/v1/batches/{batch['id']}/cancel")
+                except httpx.HTTPError:
+                    pass
             for fid in (upload["id"], batch.get("output_file_id"), batch.get("error_file_id")):
                 if fid:  # best effort: keeps the server's data folder small
                     try:
@@ -285,6 +291,13 @@ class Trainer:
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(list(self.trainable.values()), lr=cfg.lr, weight_decay=0.0)
         self.reference = {n: p.detach().clone() for n, p in self.trainable.items()} if cfg.kl_coef else None
+        # Read now: the source may be a checkpoint of an earlier run that this run's own
+        # checkpoints overwrite and remove (a loop resumed from its --out-dir).
+        self.files = {
+            f.name: f.read_bytes()
+            for f in path.iterdir()
+            if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES)
+        }
 
     def logprobs(
         self, batch: list[Sample], params: dict | None = None
@@ -357,14 +370,13 @@ class Trainer:
 
     def save(self, out: Path) -> Path:
         """A full Hugging Face folder: these weights in safetensors, every other file
-        (config, tokenizer, notices) copied from the source folder, so the server's
+        (config, tokenizer, notices) as in the source folder, so the server's
         architecture check sees the same config."""
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(str(tmp), safe_serialization=True)
-        for f in self.path.iterdir():
-            if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
-                shutil.copy2(f, tmp / f.name)
+        for name, data in self.files.items():
+            (tmp / name).write_bytes(data)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         return out
@@ -416,8 +428,11 @@ def run_grpo(cfg: GRPOConfig, reward: Reward | None = None, log: Callable[[str],
 
         prompts = task_prompts(task, cfg.prompts, cfg.seed, chat_template=chat)
         prompt_ids = [tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
+        try:
+            cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise GRPOError(f"cannot make --out-dir {str(cfg.out_dir)!r}: {e}") from None
         trainer = Trainer(path, cfg)
-        cfg.out_dir.mkdir(parents=True, exist_ok=True)
         log(
             f"GRPO: {served} at {cfg.server} (weight version {version}), trainer copy {path}, "
             f"{cfg.task} {task.knobs()}, {cfg.prompts} prompts, {cfg.batch_prompts} x n={cfg.n} "
@@ -521,15 +536,18 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),  # the load as the run starts
     }
     try:
+        log_json = Path(args.log_json) if args.log_json else None
+        if log_json is not None and (log_json.is_dir() or not log_json.parent.is_dir()):
+            raise ValueError(f"cannot write --log-json {args.log_json!r}: not a file in an existing folder")
         values = {k: v for k, v in vars(args).items() if k not in ("knob", "log_json")}
         cfg = GRPOConfig(**values, knobs=parse_knobs(args.task, args.knob))
         records = run_grpo(cfg)
     except (GRPOError, ValueError) as e:
         print(f"grpo_loop: error: {e}", file=sys.stderr)
         return 1
-    if args.log_json:
+    if log_json is not None:
         log = {"meta": meta, "config": asdict(cfg), "iterations": records}
-        Path(args.log_json).write_text(json.dumps(_jsonable(log), indent=2) + "\n")
+        log_json.write_text(json.dumps(_jsonable(log), indent=2) + "\n")
     return 0
 
 

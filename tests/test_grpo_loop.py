@@ -102,6 +102,8 @@ def test_two_iterations_via_batch_then_completions(grpo, served, tmp_path):
 
 def test_server_errors_are_clear(grpo, served, tmp_path):
     server, model = served
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -110,6 +112,7 @@ def test_server_errors_are_clear(grpo, served, tmp_path):
         ({"api_key": "wrong"}, "HTTP 401"),
         ({"served_model": "nope"}, "4 of 4 batch requests failed, e.g. req-0: HTTP 404"),
         ({"served_model": "nope", "via": "completions"}, "HTTP 404 from POST /v1/completions"),
+        ({"out_dir": in_the_way}, f"cannot make --out-dir '{in_the_way}'"),
     ]
     for changes, message in cases:
         cfg = _config(grpo, server, model, tmp_path / "err", iterations=1, **changes)
@@ -129,8 +132,43 @@ def test_command_line_errors(grpo, capsys):
         (["--n", "1"], "--n must be >= 2"),
         (["--knob", "steps=x"], "knob steps wants int"),
         (["--temperature", "0"], "--temperature must be > 0"),
+        (["--log-json", "/nonexistent-dir/log.json"], "cannot write --log-json '/nonexistent-dir/log.json'"),
     ]:
         assert grpo.main(argv) == 1
         assert message in capsys.readouterr().err
     assert grpo.group_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1, -1, -1, 1], abs=1e-5)
     assert grpo.group_advantages([0.5, 0.5]) == [0.0, 0.0]
+
+
+def test_an_interrupted_loop_stops_its_batch_and_resumes_from_its_checkpoint(
+    grpo, served, tmp_path, monkeypatch
+):
+    """Ctrl-C while the batch runs cancels it on the server (its work would hold up the
+    next run); the loop restarted from its latest checkpoint, in the same --out-dir,
+    overwrites and removes that folder as it goes and still runs to the end."""
+    import shutil
+
+    server, model = served
+    client = grpo.ServerClient(server.url, API_KEY, 30)
+    body = {"model": SERVED, "prompt": list(range(10, 30)), "n": 8, "max_tokens": 400, "temperature": 1.0,
+            "ignore_eos": True, "seed": 1}  # fmt: skip
+
+    def interrupt(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(grpo.time, "sleep", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            client.batch([body, body])
+    with server.http(API_KEY) as http:
+        batches = http.get("/v1/batches").json()["data"]
+    assert len(batches) == 1 and batches[0]["status"] in ("cancelling", "cancelled")
+    client.close()
+
+    out = tmp_path / "out"
+    shutil.copytree(model, out / "iter-1")  # the checkpoint an earlier run left
+    cfg = _config(grpo, server, out / "iter-1", out, iterations=3, batch_prompts=2, n=4, max_tokens=8)
+    records = grpo.run_grpo(cfg, log=lambda line: None)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert sorted(p.name for p in out.iterdir()) == ["iter-3"]
+    assert (out / "iter-3" / "tokenizer.json").is_file() and (out / "iter-3" / "config.json").is_file()

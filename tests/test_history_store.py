@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+
 import pytest
 
-from seer_engine.rollout.history import HistoryStore, prompt_key
+from seer_engine.rollout.history import HistoryStore, prompt_key, vocab_fingerprint
 
 
 class _Counted(list):
@@ -66,3 +70,122 @@ def test_history_store_rejects_bad_bounds():
         HistoryStore(max_prompts=0)
     with pytest.raises(ValueError, match="half_life"):
         HistoryStore(half_life_iterations=0)
+
+
+def _saved(tmp_path, entry: dict | None = None, **changes) -> dict:
+    """A saved store's JSON with ``entry`` changed in its one prompt and ``changes`` at the top."""
+    store = HistoryStore(max_lengths=2, max_sequences=2, max_sequence_tokens=3)
+    store.record([1, 2], 5, token_ids=[7, 8])
+    path = tmp_path / "history.json"
+    store.save(path)
+    data = json.loads(path.read_text())
+    next(iter(data["prompts"].values())).update(entry or {})
+    data.update(changes)
+    return data
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"prompts": []}, "'list' object has no attribute 'items'"),
+        ({"entry": {"sequences": "abc"}}, "a sequence is str, not a list of token ids"),
+        ({"entry": {"sequences": [[1, 2.5]]}}, "2.5 is not a non-negative integer"),
+        ({"entry": {"sequences": [[-1]]}}, "-1 is not a non-negative integer"),
+        ({"entry": {"lengths": [[0, "7"]]}}, "'7' is not a non-negative integer"),
+        ({"entry": {"lengths": [[0, 1, 2]]}}, "too many values to unpack"),
+        ({"version": 2}, "version 2, expected 1"),
+        ({"tokenizer": 7}, "tokenizer 7 is not a string"),
+        ({"iteration": None}, "int() argument"),
+    ],
+)
+def test_history_store_load_refuses_damaged_files(tmp_path, changes, message):
+    """What a damaged or foreign file holds is a ValueError naming the file, not a crash
+    now or a bad token id in a draft later."""
+    path = tmp_path / "history.json"
+    changes = dict(changes)
+    entry = changes.pop("entry", None)
+    path.write_text(json.dumps(_saved(tmp_path, entry, **changes)))
+    with pytest.raises(ValueError, match=f"history store '{path}' is not valid: .*{re.escape(message)}"):
+        HistoryStore.load(path)
+
+
+def test_history_store_load_refuses_unreadable_files(tmp_path):
+    for data in ([], "x", {"version": 1}):
+        (tmp_path / "history.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="is not valid"):
+            HistoryStore.load(tmp_path / "history.json")
+    (tmp_path / "history.json").write_text(json.dumps(_saved(tmp_path))[:-9])  # truncated
+    with pytest.raises(ValueError, match="is not valid"):
+        HistoryStore.load(tmp_path / "history.json")
+    (tmp_path / "history.json").unlink()
+    (tmp_path / "history.json").mkdir()
+    with pytest.raises(ValueError, match="cannot read the history store .*Is a directory"):
+        HistoryStore.load(tmp_path / "history.json")
+    with pytest.raises(ValueError, match="cannot save the history store .*Is a directory"):
+        HistoryStore().save(tmp_path / "history.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["history.json"], "no temporary file is left"
+
+
+def test_history_store_load_keeps_the_bounds(tmp_path):
+    """A file holding more than its bounds allow (edited, or from another build) is cut to them."""
+    lengths, sequences = [[0, n] for n in range(5)], [[1], [2], [3, 4, 5, 6]]
+    data = _saved(tmp_path, {"lengths": lengths, "sequences": sequences}, bounds=[3, 2, 2, 3])
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(data))
+    store = HistoryStore.load(path)
+    store.next_iteration()
+    assert store.lengths([1, 2]) == [(4, 1.0), (3, 1.0)]
+    assert store.sequences([1, 2]) == [[2], [3, 4, 5]]
+    data["prompts"].update({f"k{i}": {"lengths": [[0, i]], "sequences": []} for i in range(3)})
+    path.write_text(json.dumps(data))
+    store = HistoryStore.load(path)
+    assert len(store) == 3 and [1, 2] not in store, "the most recently used max_prompts prompts"
+
+
+def test_history_store_saves_whole_while_another_writer_saves(tmp_path, monkeypatch):
+    """Two servers sharing a --history directory save at the same moment: each save is
+    atomic on its own temporary file, so neither fails and the file is one store whole."""
+    path = tmp_path / "history.json"
+    mine, theirs = HistoryStore(), HistoryStore()
+    mine.record([1], 10, token_ids=[3] * 50)
+    theirs.record([2], 20, token_ids=[4] * 50)
+    replace = os.replace
+    calls = []
+
+    def interleaved(src, dst):
+        calls.append(src)
+        if len(calls) == 1:  # the other writer saves between this one's write and its rename
+            theirs.save(path)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interleaved)
+    mine.save(path)
+    monkeypatch.undo()
+    again = HistoryStore.load(path)
+    assert [1] in again and [2] not in again and again.sequences([1]) == [[3] * 50]
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert [p.name for p in tmp_path.iterdir()] == ["history.json"]
+
+
+def test_history_store_is_bound_to_its_tokenizer(tmp_path):
+    """Token ids mean nothing under another tokenizer: a store kept under one is refused
+    by another, and an unbound one holding ids beyond the model's vocabulary too."""
+    vocab = {"a": 0, "b": 1, "c": 2}
+    fingerprint = vocab_fingerprint(vocab)
+    assert (
+        fingerprint == vocab_fingerprint(dict(reversed(vocab.items()))) != vocab_fingerprint({"a": 0, "b": 2})
+    )
+    store = HistoryStore()
+    store.record([1, 2], 3, token_ids=[0, 1, 2])
+    store.bind_tokenizer(fingerprint, 3)
+    store.save(tmp_path / "history.json")
+    again = HistoryStore.load(tmp_path / "history.json")
+    assert again.tokenizer == fingerprint
+    again.bind_tokenizer(fingerprint, 3)
+    with pytest.raises(ValueError, match="written under another tokenizer"):
+        again.bind_tokenizer(vocab_fingerprint({"a": 0}), 3)
+    unbound = HistoryStore()
+    unbound.record([1, 2], 3, token_ids=[0, 1, 2])
+    with pytest.raises(ValueError, match="holds token id 2, beyond this model's vocabulary of 2"):
+        unbound.bind_tokenizer(fingerprint, 2)
+    assert unbound.tokenizer is None

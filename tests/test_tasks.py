@@ -205,6 +205,13 @@ def countdown_problem():
         ("<answer>(25 - 5) * 4 + 7 + 7</answer>", "wrong_value"),  # 94
         ("<answer>25 * 4 - 7</answer>", "correct"),
         ("<answer>25 * 4 - 7 = 93</answer>", "correct"),
+        ("<answer>93 = 25 * 4 - 7</answer>", "correct"),  # the target first
+        ("<answer>$25 \\times 4 - 7$</answer>", "invalid_expression"),
+        ("<answer>$25 * 4 - 7$</answer>", "correct"),
+        ("<answer>`25 * 4 - 7`</answer>", "correct"),
+        ("<answer>93</answer>", "numbers_not_allowed"),
+        ("<answer>93 = 93</answer>", "numbers_not_allowed"),
+        ("<answer>=</answer>", "no_answer"),
         ("<answer> 25 × 4 − 7 </answer>", "correct"),
         ("Try <answer>25 * 4</answer>, no: <answer>25*4-7</answer>", "correct"),
         ("<answer>25 * 4 - 7 + 25 - 25</answer>", "numbers_not_allowed"),  # 25 used three times

@@ -26,6 +26,10 @@ class Detokenizer:
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
 
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id (what tells one tokenizer's ids from another's)."""
+        return self.tokenizer.get_vocab()
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from seer_engine.core.seeds import child_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import InputProcessor
-from seer_engine.rollout.config import RolloutConfig, save_history
+from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.policies import make_rollout_policy
@@ -148,6 +148,9 @@ def run_rollout(args: argparse.Namespace) -> int:
         path = Path(args.input)
         if not path.is_file():
             raise ValueError(f"input file {str(path)!r} not found")
+    out_path = Path(args.output)  # checked now: a rollout is not run to be lost at the end
+    if out_path.is_dir() or not out_path.parent.is_dir():
+        raise ValueError(f"cannot write --output {args.output!r}: not a file in an existing directory")
     rollout_config = RolloutConfig.from_cli_args(args)
     history = rollout_config.open_history()
     policy = make_rollout_policy(
@@ -156,6 +159,7 @@ def run_rollout(args: argparse.Namespace) -> int:
     with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy, history=history) as pool:
         defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
         processor = pool.make_input_processor()
+        bind_history(history, rollout_config.history_spec(), processor)
         if task is not None:
             params = SamplingParams(**defaults)
             prompts, groups = task_groups(task, args.prompts, args.seed, args.n, params, processor)
@@ -172,11 +176,8 @@ def run_rollout(args: argparse.Namespace) -> int:
                 placement=rollout_config.placement(),
             )
             result = dispatcher.run(groups)
-    if history is not None:
-        history.next_iteration()  # this rollout is an earlier iteration to the next one
-        save_history(history, rollout_config.history_spec())
     grades = grade_result(task, prompts, result) if task is not None else None
-    with open(args.output, "w") as out:
+    with out_path.open("w") as out:
         for k, g in enumerate(groups):
             line = _line(g, result.samples[g.group_id])
             if grades is not None:
@@ -185,6 +186,9 @@ def run_rollout(args: argparse.Namespace) -> int:
                 for output, grade in zip(line["outputs"], grades[k]):
                     output.update(reward=grade.reward, parsed=grade.parsed, verdict=grade.verdict)
             out.write(json.dumps(line) + "\n")
+    if history is not None:
+        history.next_iteration()  # this rollout is an earlier iteration to the next one
+        save_history(history, rollout_config.history_spec())
     if grades is not None:
         print(format_summary(summarize(prompts, result, grades)), file=sys.stderr)
     m = result.metrics

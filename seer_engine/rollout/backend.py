@@ -30,7 +30,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.stats import EngineStats, total
 from seer_engine.outputs import CompletionOutput, RequestOutput
-from seer_engine.rollout.config import RolloutConfig, save_history
+from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.types import Group, InstanceDied, RolloutSample
@@ -91,6 +91,11 @@ class RolloutBackend:
         )
         self.max_model_len = self.pool.max_model_len
         self.vocab_size = self.pool.instances[0].info.vocab_size
+        try:
+            bind_history(self.history, self.history_spec, self.pool.make_input_processor())
+        except ValueError:
+            self.pool.close()
+            raise
         self._sleeping = False
         self._requests: dict[str, _UserRequest] = {}
         self._owner: dict[str, _UserRequest] = {}  # sample key -> its user request

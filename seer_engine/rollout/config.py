@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.llm_engine import TokenSource
 from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS, kv_pool_for
 from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
-from seer_engine.rollout.history import HistoryStore
+from seer_engine.rollout.history import HistoryStore, vocab_fingerprint
 from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREAD_THRESHOLD, SeerPlacement
 from seer_engine.rollout.policies import HISTORY_POLICIES, HISTORY_SUFFIX, ROLLOUT_POLICIES, RolloutPolicy
 from seer_engine.rollout.pool import BACKENDS, EnginePool, StepTimer
@@ -54,9 +55,25 @@ def save_history(store: HistoryStore | None, spec: str) -> Path | None:
     if store is None or spec in ("off", "memory"):
         return None
     directory = Path(spec).expanduser()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise ValueError(f"cannot save the history store in --history {spec!r}: {e}") from None
     store.save(directory / HISTORY_FILE)
     return directory / HISTORY_FILE
+
+
+def bind_history(store: HistoryStore | None, spec: str, processor: InputProcessor) -> None:
+    """Tie the store to the model's tokenizer (one kept under another tokenizer, or holding
+    ids beyond the model's vocabulary, is refused: its drafts would be other tokens) and
+    save it once, so a ``--history`` directory that cannot be written fails at startup."""
+    if store is None:
+        return
+    try:
+        store.bind_tokenizer(vocab_fingerprint(processor.tokenizer.vocab()), processor.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"--history {spec}: {e}") from None
+    save_history(store, spec)
 
 
 @dataclass

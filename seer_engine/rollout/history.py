@@ -18,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,12 @@ def prompt_key(prompt_token_ids: Sequence[int]) -> str:
         return str(own)
     data = np.asarray(prompt_token_ids, dtype=np.int64).tobytes()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
+    """Which tokenizer a store's token ids belong to: its size and a digest of its vocabulary."""
+    data = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return f"{len(vocab)}:{hashlib.blake2b(data, digest_size=8).hexdigest()}"
 
 
 @dataclass
@@ -69,6 +76,7 @@ class HistoryStore:
         self.max_sequence_tokens = max_sequence_tokens
         self.half_life = half_life_iterations
         self.iteration = 0
+        self.tokenizer: str | None = None  # vocab_fingerprint of the tokenizer (None: not bound yet)
         self._prompts: OrderedDict[str, PromptHistory] = OrderedDict()
 
     def __len__(self) -> int:
@@ -76,6 +84,24 @@ class HistoryStore:
 
     def __contains__(self, prompt_token_ids: object) -> bool:
         return prompt_key(prompt_token_ids) in self._prompts  # type: ignore[arg-type]
+
+    def bind_tokenizer(self, fingerprint: str, vocab_size: int) -> None:
+        """The store's token ids are this tokenizer's (``vocab_fingerprint``) and model's.
+        A store kept under another tokenizer is refused: its keys mean other prompts and
+        its sequences could draft tokens the model does not have (an unbound store, e.g.
+        a server's, is refused for such tokens alone)."""
+        if self.tokenizer is not None and self.tokenizer != fingerprint:
+            raise ValueError(
+                f"the history store was written under another tokenizer ({self.tokenizer}, this "
+                f"model's is {fingerprint}); give this model its own --history directory"
+            )
+        top = max((max(s) for e in self._prompts.values() for s in e.sequences if s), default=-1)
+        if top >= vocab_size:
+            raise ValueError(
+                f"the history store holds token id {top}, beyond this model's vocabulary of "
+                f"{vocab_size}: it was written for another model; give this one its own --history directory"
+            )
+        self.tokenizer = fingerprint
 
     def next_iteration(self) -> None:
         """A new rollout iteration begins (the weights moved on)."""
@@ -141,35 +167,67 @@ class HistoryStore:
     # -- persistence -----------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the store as JSON (atomically: a crash leaves the old file)."""
+        """Write the store as JSON, atomically: a crash leaves the old file, and a store
+        saved at the same time by another server replaces it whole (the last one wins)."""
         data = {
             "version": 1,
             "iteration": self.iteration,
             "bounds": [self.max_prompts, self.max_lengths, self.max_sequences, self.max_sequence_tokens],
             "half_life_iterations": self.half_life,
+            "tokenizer": self.tokenizer,
             "prompts": {
                 k: {"lengths": list(map(list, e.lengths)), "sequences": list(e.sequences)}
                 for k, e in self._prompts.items()
             },
         }
         p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(p)
+        tmp = None
+        try:
+            # A temporary file of its own: writers sharing a directory never touch each other's.
+            fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, p)
+        except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            raise ValueError(f"cannot save the history store to {str(p)!r}: {e}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HistoryStore:
+        """The store saved at ``path``, checked: a damaged file is a ValueError saying so,
+        and what it holds is cut to its bounds."""
         p = Path(path)
         try:
             data = json.loads(p.read_text())
+            if data.get("version") != 1:
+                raise ValueError(f"version {data.get('version')!r}, expected 1")
             store = cls(*data["bounds"], half_life_iterations=data.get("half_life_iterations"))
             store.iteration = int(data["iteration"])
-            for key, entry in data["prompts"].items():
-                item = store._prompts[key] = PromptHistory()
-                item.lengths.extend((int(it), int(n)) for it, n in entry["lengths"])
-                item.sequences.extend(entry["sequences"])
+            store.tokenizer = data.get("tokenizer")
+            if store.tokenizer is not None and not isinstance(store.tokenizer, str):
+                raise ValueError(f"tokenizer {store.tokenizer!r} is not a string")
+            for key, entry in list(data["prompts"].items())[-store.max_prompts :]:
+                item = PromptHistory()
+                for it, n in entry["lengths"][-store.max_lengths :]:
+                    item.lengths.append((_count(it), _count(n)))
+                for seq in entry["sequences"][-store.max_sequences :] if store.max_sequences else []:
+                    if not isinstance(seq, list):
+                        raise ValueError(f"a sequence is {type(seq).__name__}, not a list of token ids")
+                    item.sequences.append([_count(t) for t in seq[: store.max_sequence_tokens]])
+                store._prompts[str(key)] = item
         except FileNotFoundError:
             raise ValueError(f"history store {str(p)!r} not found") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"history store {str(p)!r} is not valid: {e}") from None
+        except OSError as e:
+            raise ValueError(f"cannot read the history store {str(p)!r}: {e}") from None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            detail = f"no {e} field" if isinstance(e, KeyError) else str(e)
+            raise ValueError(f"history store {str(p)!r} is not valid: {detail}") from None
         return store
+
+
+def _count(value: object) -> int:
+    """A stored iteration, length or token id: a non-negative integer (not a bool or float)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value

@@ -65,12 +65,13 @@ def evaluate(expression: str) -> tuple[Fraction, list[int]]:
 
 
 def extract_answer(response: str) -> str | None:
-    """The expression in the last ``<answer>...</answer>``; a trailing ``= N`` is dropped."""
+    """The expression in the last ``<answer>...</answer>``, without the ``$`` or backtick
+    delimiters around it and an ``= N`` after or before it (``93 = 25 * 4 - 7``)."""
     found = _ANSWER.findall(response)
     if not found:
         return None
-    text = found[-1].translate(_LOOKALIKES).strip()
-    return text.split("=", 1)[0].strip() or None
+    sides = [side.strip() for side in found[-1].translate(_LOOKALIKES).strip().strip("$`").split("=")]
+    return next((side for side in sides if side and not side.isdigit()), sides[0]) or None
 
 
 @dataclass
