@@ -203,6 +203,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     _print_iterations(iterations)
     if args.report:
         meta = _meta(args, machine, model, cluster, trace=args.trace, groups=len(workloads[0].prompts))
+        meta["policies_iteration"] = len(iterations)  # the top-level keys and the figures: the last
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
         print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
@@ -413,6 +414,7 @@ def _run_task_bench(
         meta = _meta(args, machine, args.model, cluster, task=task.name, knobs=task.knobs(),
                      prompts=len(groups), seed=args.seed, temperature=args.temperature)  # fmt: skip
         meta["reference_policy"] = first
+        meta["policies_iteration"] = len(iterations)  # the top-level keys and the figures: the last
         meta["workload"] = summary  # of the reference policy's responses
         out = Path(args.report)
         path = write_report(out, results, meta, extras, iterations=_if_many(iterations))

@@ -245,15 +245,17 @@ def _summary(runs: list[dict[str, RolloutResult]]) -> dict[str, dict]:
 
 
 def _format_summary(setup: str, summary: dict[str, dict]) -> str:
-    lines = [f"{setup}: mean over iterations", f"{'policy':>10} {'tokens/s':>11} {'makespan_s':>11} "
+    w = max(10, *(len(name) for name in summary))
+    lines = [f"{setup}: mean over iterations", f"{'policy':>{w}} {'tokens/s':>11} {'makespan_s':>11} "
              f"{'tail_s':>9} {'preempt':>8} {'idle':>6} {'x baseline':>11} {'tail vs base':>13}"]  # fmt: skip
     for name, r in summary.items():
         x = r.get("throughput_x_baseline")
         tail = r.get("tail_reduction_vs_baseline")
+        change = "" if tail is None else f"{-tail:+.0%}".replace("-0%", "+0%")
         lines.append(
-            f"{name:>10} {r['throughput_tokens_per_s']:>11,.0f} {r['makespan_s']:>11,.0f} "
+            f"{name:>{w}} {r['throughput_tokens_per_s']:>11,.0f} {r['makespan_s']:>11,.0f} "
             f"{r['tail_s']:>9,.0f} {r['preemptions']:>8,.0f} {r['idle_fraction']:>6.1%} "
-            f"{'' if x is None else f'{x:.2f}x':>11} {'' if tail is None else f'{-tail:+.0%}':>13}"
+            f"{'' if x is None else f'{x:.2f}x':>11} {change:>13}"
         )
     return "\n".join(lines)
 
@@ -273,6 +275,7 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
         "acceptance": args.acceptance or "default",
         "history_acceptance": args.history_acceptance or "default",
         "profile": dataclasses.asdict(setup.profile), "notes": setup.notes,
+        "policies_iteration": 1,  # the iteration the top-level keys and the figures show
     }  # fmt: skip
     path = write_report(out, runs[0], meta)  # figures and per-policy keys: the first iteration
     report = json.loads(path.read_text())
