@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from seer_engine.core.kv_cache_manager import KVCacheManager
-from seer_engine.kv_connector.base import KVBlockIO
+from seer_engine.kv_connector.base import KVBlockIO, KVPoolError
 from seer_engine.kv_connector.factory import make_kv_pool
 
 BS = 4
@@ -117,3 +117,33 @@ def test_a_target_without_room_or_of_another_block_size(pool):
 
     with pytest.raises(ValueError, match="blocks of 4 tokens; this engine uses 8"):
         conn.load("r", TensorBlocks(8, block_size=8), context)
+
+
+def test_a_reused_key_never_loads_a_context_a_failed_free_left(pool, monkeypatch):
+    """Response keys come back (a caller's group id, a later iteration). An entry that a
+    failed free left behind holds another context's KV: it must read as absent."""
+    conn = pool.connector
+    old, new = list(range(3 * BS)), list(range(100, 100 + 3 * BS))
+    source = TensorBlocks(8)
+    holding(source, old, torch.randn(3, *SHAPE).to(DTYPE))
+    assert conn.save("g/0", source, old) == 3 * BS
+
+    def unreachable(prefix: str) -> int:
+        raise KVPoolError("lock held")
+
+    with monkeypatch.context() as m:
+        m.setattr(conn.store, "remove_prefix", unreachable)
+        conn.free("g/0")  # the response finished, the pool could not free it now
+    assert conn.stats.failures == 1 and conn.lookup("g/0", old) == 3 * BS
+
+    data = torch.randn(3, *SHAPE).to(DTYPE)
+    again = TensorBlocks(8)
+    holding(again, new, data)
+    assert conn.lookup("g/0", new) == 0
+    assert conn.save("g/0", again, new) == 3 * BS  # a new response under the same key
+    target = TensorBlocks(8)
+    r = conn.load("g/0", target, new)
+    assert (r.tokens, r.loaded_tokens, r.error) == (3 * BS, 3 * BS, None)
+    assert torch.equal(contents(target, new), data)
+    conn.free("g/0")  # frees both contexts' entries (and retries nothing more)
+    assert conn.lookup("g/0", new) == 0 and conn.lookup("g/0", old) == 0

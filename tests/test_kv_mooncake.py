@@ -303,7 +303,7 @@ def test_connector_on_a_given_master_mounts_its_memory(master):
     try:
         assert conn.store._spec.global_segment_size == 16 << 20
         assert conn.store.spec.global_segment_size == 0  # other processes mount nothing
-        conn.store.put(["given/x/0"], filled(1))
+        conn.store.put(conn._keys("x", list(range(9)), 1), filled(1))  # given/x/0-<digest>
         assert conn.lookup("x", list(range(9))) == 4
         conn.free("x")
         assert conn.lookup("x", list(range(9))) == 0

@@ -7,7 +7,7 @@ the response finishes. ``RecomputeConnector`` holds nothing: a response that mov
 recomputes its context on the new instance (the rollout counts those tokens).
 
 ``PooledConnector`` is the one implementation over a pool: it stores a response's
-full KV blocks under ``<namespace>/<response>/<block index>`` in a ``BlockStore``
+full KV blocks under ``<namespace>/<response>/<block index>-<digest>`` in a ``BlockStore``
 (``local``: shared memory on this host; ``mooncake``: the Mooncake store), and loads
 them into the target engine's prefix cache, so the next chunk finds its context as
 prefix hits: the uniform scheduling rule then computes only what is missing (the
@@ -20,6 +20,7 @@ it never sees the engine's scheduler, runner or cache tensors.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -188,8 +190,19 @@ class PooledConnector(KVConnector):
         self._warned = False
         self._unfreed: deque[str] = deque(maxlen=UNFREED_LIMIT)  # frees that failed, retried
 
-    def _keys(self, key: str, num_blocks: int, start: int = 0) -> list[str]:
-        return [f"{self.namespace}/{key}/{i}" for i in range(start, num_blocks)]
+    def _keys(self, key: str, token_ids: Sequence[int], num_blocks: int) -> list[str]:
+        """Block i's key: its index and a digest of the context up to the block's end.
+        Response keys come back (a caller's group id, a later iteration), and an entry a
+        failed free left under one holds another context's KV: with the digest it reads
+        as absent (the block is saved again) instead of loading KV of other tokens."""
+        bs = self.block_size
+        data = np.asarray(token_ids[: num_blocks * bs], dtype="<i8").tobytes()
+        digest = hashlib.blake2b(digest_size=8)
+        keys = []
+        for i in range(num_blocks):
+            digest.update(data[i * bs * 8 : (i + 1) * bs * 8])
+            keys.append(f"{self.namespace}/{key}/{i}-{digest.hexdigest()}")
+        return keys
 
     def _failed(self, what: str, err: Exception) -> str:
         self.stats.failures += 1
@@ -204,7 +217,7 @@ class PooledConnector(KVConnector):
         block_ids = engine.cached_kv_blocks(engine.kv_block_hashes(token_ids))
         if not block_ids:
             return 0
-        keys = self._keys(key, len(block_ids))
+        keys = self._keys(key, token_ids, len(block_ids))
         try:
             have = self.store.count_leading(keys)
             if have < len(keys):
@@ -229,7 +242,7 @@ class PooledConnector(KVConnector):
     def lookup(self, key: str, token_ids: list[int]) -> int:
         bs = self.block_size
         try:
-            return self.store.count_leading(self._keys(key, len(token_ids) // bs)) * bs
+            return self.store.count_leading(self._keys(key, token_ids, len(token_ids) // bs)) * bs
         except KVPoolError as e:
             self._failed(f"look up {key}", e)
             return 0
@@ -240,7 +253,7 @@ class PooledConnector(KVConnector):
         hashes = engine.kv_block_hashes(token_ids)
         cached = len(engine.cached_kv_blocks(hashes))
         try:
-            keys = self._keys(key, len(hashes))
+            keys = self._keys(key, token_ids, len(hashes))
             pooled = self.store.count_leading(keys)
             if pooled <= cached:
                 return LoadResult(cached * bs)

@@ -8,6 +8,7 @@ their own connector from ``spec``, a small picklable description.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -87,8 +88,8 @@ def make_kv_pool(
     port 8080)."""
     if kind == "none":
         return KVPool.recompute()
-    if capacity_gib <= 0:
-        raise ValueError(f"--kv-pool-gib must be > 0, got {capacity_gib}")
+    if not (isinstance(capacity_gib, (int, float)) and math.isfinite(capacity_gib) and capacity_gib > 0):
+        raise ValueError(f"--kv-pool-gib must be a finite number > 0, got {capacity_gib!r}")
     capacity = int(capacity_gib * 2**30)
     if kind == "local":
         from seer_engine.kv_connector.local import LocalStore

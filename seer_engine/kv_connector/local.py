@@ -110,6 +110,26 @@ def _parent_hashes(keys: list[str]) -> np.ndarray:
     return out
 
 
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
+
+
+def _check_shm_room(size: int) -> None:
+    """Refuse a pool larger than the free space of ``SHM_DIR``. Segments are sparse, so
+    creating one always succeeds; the page a put then cannot get kills the writing
+    process with SIGBUS (Docker's default ``/dev/shm`` is 64 MiB)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # not Linux, or no such mount: nothing to check against
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ValueError(
+            f"a local KV pool of {size} bytes does not fit in {SHM_DIR} ({free} bytes free): its "
+            f"writes would crash with SIGBUS; lower --kv-pool-gib or enlarge {SHM_DIR} "
+            "(docker run --shm-size)"
+        )
+
+
 _TRACKER_LOCK = threading.Lock()
 
 
@@ -273,6 +293,7 @@ class LocalStore(BlockStore):
             raise ValueError(
                 f"a local KV pool of {capacity_bytes} bytes cannot hold one block of {block_bytes} bytes"
             )
+        _check_shm_room(num_slots * block_bytes + 8 * (_HEADER_WORDS + 4 * num_slots))
         base = f"seer_kv_{os.getpid()}_{secrets.token_hex(6)}"  # the pid tells whose segment it is
         spec = LocalPoolSpec(
             data_name=f"{base}_data",

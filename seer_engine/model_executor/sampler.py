@@ -75,7 +75,13 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.temperature == 0.0:
                 continue
-            scaled = apply_top_k_top_p_min_p(logits[i] / row.temperature, row.top_k, row.top_p, row.min_p)
+            scaled = logits[i] / row.temperature
+            if not torch.isfinite(scaled.max()):
+                # A temperature so small that the top logit overflowed (to +inf, or to -inf
+                # when negative): softmax would give NaNs and argmax the first NaN, token 0.
+                # The limit of such temperatures is greedy.
+                continue
+            scaled = apply_top_k_top_p_min_p(scaled, row.top_k, row.top_p, row.min_p)
             probs = scaled.softmax(-1)
             noise = exponential_noise(row.seed, row.position, probs.shape[-1], probs.device)
             tokens[i] = (probs / noise).argmax()

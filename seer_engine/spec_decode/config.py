@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("group_suffix", "suffix", "ngram")
 BUDGETS = ("adaptive", "fixed")
 MAX_DRAFT_NODES = 63  # the tree mask gives each verification row 64 visibility bits
+MAX_TREE_DEPTH = 4096  # the C++ suffix tree's limit on max_depth
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    """A finite JSON number (not a bool, NaN or Infinity)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -42,25 +53,32 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be one of {list(METHODS)}, got {self.method!r}")
         if self.budget not in BUDGETS:
             raise ValueError(f"speculative budget must be one of {list(BUDGETS)}, got {self.budget!r}")
+        # Types are checked here, not left to the drafter: a JSON "false" or 2.5 would
+        # otherwise pass as truthy or crash a proposer mid-rollout.
         n = self.num_speculative_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_DRAFT_NODES:
+        if not _is_int(n) or not 1 <= n <= MAX_DRAFT_NODES:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_DRAFT_NODES}, got {n!r}")
-        if not 0.0 <= self.min_prob <= 1.0:
-            raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
-        if not isinstance(self.max_depth, int) or self.max_depth < 2:
-            raise ValueError(f"max_depth must be an integer >= 2, got {self.max_depth!r}")
-        if not (isinstance(self.history_weight, (int, float)) and 0.0 < self.history_weight <= 1.0):
+        if not isinstance(self.multi_path, bool):
+            raise ValueError(f"multi_path must be true or false, got {self.multi_path!r}")
+        if not (_is_real(self.min_prob) and 0.0 <= self.min_prob <= 1.0):
+            raise ValueError(f"min_prob must be a number in [0, 1], got {self.min_prob!r}")
+        if not (_is_int(self.max_depth) and 2 <= self.max_depth <= MAX_TREE_DEPTH):
+            raise ValueError(f"max_depth must be an integer in 2..{MAX_TREE_DEPTH}, got {self.max_depth!r}")
+        if not (_is_real(self.history_weight) and 0.0 < self.history_weight <= 1.0):
             raise ValueError(f"history_weight must be in (0, 1], got {self.history_weight!r}")
-        if not isinstance(self.history_sequences, int) or self.history_sequences < 0:
+        if not _is_int(self.history_sequences) or self.history_sequences < 0:
             raise ValueError(f"history_sequences must be an integer >= 0, got {self.history_sequences!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+            raise ValueError(
+                f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
         if self.step_cost is not None:
             cost = self.step_cost
             if (
                 not isinstance(cost, (list, tuple))
                 or len(cost) != 2
-                or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0 for c in cost)
+                or not all(_is_real(c) and c >= 0 for c in cost)
                 or cost[0] <= 0
             ):
                 raise ValueError(f"step_cost must be [fixed_s > 0, per_token_s >= 0] seconds, got {cost!r}")

@@ -44,6 +44,7 @@ class Drafter:
         self.budget = budget
         self.stats = SpecDecodeStats()
         self._acceptance: dict[str, list[float]] = {}  # sequence id -> [accepted, tried]
+        self._learners: dict[str, Request] = {}  # sequence id -> the request it was learnt from
 
     def acceptance(self, request: Request) -> float:
         acc, tried = self._acceptance.get(request.sequence_id, (0.0, 0.0))
@@ -54,6 +55,7 @@ class Drafter:
     ) -> None:
         """Learn from this step's verdicts, then draft for the next step."""
         start = time.perf_counter()
+        self._forget_finished()
         for req in updated:
             self.proposer.observe(req)
             verdict = verdicts.get(req.request_id)
@@ -61,17 +63,29 @@ class Drafter:
                 continue
             self.stats.observed_tokens += len(verdict.tokens)
             if verdict.draft_depth:
-                self._learn(req.sequence_id, verdict)
+                self._learn(req, verdict)
             if req.is_finished:
                 self._acceptance.pop(req.sequence_id, None)
+                self._learners.pop(req.sequence_id, None)
         middle = time.perf_counter()
         self.propose(running)
         self.stats.observe_s += middle - start
         self.stats.propose_s += time.perf_counter() - middle
 
-    def _learn(self, sequence_id: str, verdict: Acceptance) -> None:
+    def _forget_finished(self) -> None:
+        """Drop the estimates of requests that finished outside a step (aborted, or a
+        rollout chunk cut short): they never reach ``after_step`` as finished, and a
+        reused request id would inherit their acceptance."""
+        gone = [sid for sid, req in self._learners.items() if req.is_finished]
+        for sid in gone:
+            del self._learners[sid]
+            self._acceptance.pop(sid, None)
+
+    def _learn(self, request: Request, verdict: Acceptance) -> None:
         accepted = len(verdict.nodes)
         tried = min(accepted + 1, verdict.draft_depth)
+        sequence_id = request.sequence_id
+        self._learners[sequence_id] = request
         state = self._acceptance.setdefault(sequence_id, [0.0, 0.0])
         state[0] = state[0] * DECAY + accepted
         state[1] = state[1] * DECAY + tried
