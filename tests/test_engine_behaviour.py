@@ -205,6 +205,12 @@ def test_bad_model_folders_are_named(tmp_path, model_path):
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         LLM(str(bad))
+    (bad / "config.json").write_text("[]")
+    with pytest.raises(ModelLoadError, match="holds a JSON list, not an object"):
+        LLM(str(bad))
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": "64"}))
+    with pytest.raises(ModelLoadError, match="field of the wrong type"):
+        LLM(str(bad))
     (bad / "config.json").write_text(json.dumps(cfg))
     for f in bad.glob("*.safetensors"):
         f.unlink()

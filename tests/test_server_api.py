@@ -301,3 +301,10 @@ def test_still_serving_after_bad_input(client, model):
         model=model, prompt="still here", max_tokens=4, extra_body={"repetition_penalty": 1.0}
     )
     assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_model_can_be_retrieved_by_name(client, model):
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"

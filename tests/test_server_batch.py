@@ -221,3 +221,51 @@ def test_restart_keeps_files_and_batches_and_resumes(server, client, http, model
         resumed = _wait(server, fresh, pending.id)
         assert resumed.status == "completed" and resumed.request_counts.completed == 2
         assert set(_records(fresh, resumed.output_file_id)) == {"p0", "p1"}
+
+
+def test_the_input_file_of_an_unfinished_batch_cannot_be_deleted(server, client, http, model):
+    """A restart runs an unfinished batch again from its input file, so that file refuses
+    deletion (409 ``file_in_use``, naming the batch) until the batch ends. A ``keep``
+    pause holds the batch in progress for as long as the test needs."""
+    assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+    try:
+        file_id = _upload(client, [_completion_line(f"k{i}", model) for i in range(2)])
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
+        _wait(server, client, batch.id, statuses=("in_progress",))
+        resp = http.delete(f"/v1/files/{file_id}")
+        assert resp.status_code == 409, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "file_in_use" and error["param"] == "file_id" and batch.id in error["message"]
+        assert client.files.retrieve(file_id).id == file_id
+    finally:
+        assert http.post("/resume_generation").status_code == 200
+    assert _wait(server, client, batch.id).status == "completed"
+    assert client.files.delete(file_id).deleted
+
+
+def test_a_file_of_junk_fails_its_batch_with_a_bounded_error_list(server, client):
+    """Every bad line used to be listed: a big junk file made a huge batch record, sent
+    with every GET. At most MAX_LINE_ERRORS are listed, then where reading stopped."""
+    from seer_engine.entrypoints.openai.batch import MAX_LINE_ERRORS
+
+    file_id = client.files.create(file=("junk.jsonl", b"x\n" * 5_000), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    batch = _wait(server, client, batch.id)
+    assert batch.status == "failed"
+    errors = batch.errors.data
+    assert len(errors) == MAX_LINE_ERRORS + 1 and errors[-1].code == "too_many_errors"
+    assert [e.line for e in errors[:MAX_LINE_ERRORS]] == list(range(1, MAX_LINE_ERRORS + 1))
+
+
+def test_a_line_may_hold_unicode_line_separators(server, client, model):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped; only "\\n" ends a line."""
+    lines = [
+        _completion_line(f"s{i}", model, prompt=f"one{sep}two") for i, sep in enumerate("\u2028\u2029\x85")
+    ]
+    text = "".join(json.dumps(line, ensure_ascii=False) + "\r\n" for line in lines).encode()
+    file_id = client.files.create(file=("seps.jsonl", text), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    batch = _wait(server, client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch

@@ -148,7 +148,9 @@ def test_update_weights_changes_outputs_and_version(server, server_models, clien
     assert client.completions.create(**greedy).choices[0].text == before
 
 
-def test_update_weights_refuses_wrong_checkpoints(server, tiny_model, client, http, model):
+def test_update_weights_refuses_wrong_checkpoints(
+    server, server_models, tiny_model, client, http, model, tmp_path
+):
     version = http.get("/get_weight_version").json()["weight_version"]
     resp = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent/model"})
     assert resp.status_code == 400 and "not a directory" in resp.json()["error"]["message"]
@@ -158,6 +160,18 @@ def test_update_weights_refuses_wrong_checkpoints(server, tiny_model, client, ht
     scaled = tiny_model("qwen3", rope_scaling={"rope_type": "linear", "factor": 2.0})  # same shapes
     resp = http.post("/update_weights_from_disk", json={"model_path": str(scaled)})
     assert resp.status_code == 400 and "rope_scaling" in resp.json()["error"]["message"]
+    import shutil
+
+    broken = tmp_path / "broken"  # a damaged checkpoint: a 400 naming the file, not a 500
+    shutil.copytree(server_models[0], broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors" * 8)
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(broken)})
+    assert resp.status_code == 400 and "cannot read weights from" in resp.json()["error"]["message"], (
+        resp.text
+    )
+    (broken / "config.json").write_text("[]")
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(broken)})
+    assert resp.status_code == 400 and "not an object" in resp.json()["error"]["message"], resp.text
     assert http.get("/get_weight_version").json()["weight_version"] == version
     assert http.post("/update_weights_from_disk", json={"path": "x"}).status_code == 422
     assert client.completions.create(model=model, prompt="ok", max_tokens=2).choices[0].text is not None

@@ -69,7 +69,8 @@ class AsyncEngine:
 
     Pause modes: ``abort`` aborts what is in flight (callers get partial tokens with
     finish_reason "abort"); ``wait`` lets in-flight requests finish and returns
-    then; ``keep`` freezes them with their KV and continues them on resume. While
+    then (or fails with ``EngineBusyError`` if a ``keep`` pause or a resume comes
+    first); ``keep`` freezes them with their KV and continues them on resume. While
     paused or asleep, new requests are checked at once (bad ones are refused) and
     held, then admitted in arrival order on resume / wake-up.
 
@@ -412,12 +413,23 @@ class AsyncEngine:
             self._drain_waiters.append(fut)
             self._check_drained()
         else:
+            self._check_drained()
+            self._refuse_drain_waiters(f"generation was paused with mode {mode!r}")
             resolve(fut)
 
     def _do_resume(self, fut: concurrent.futures.Future) -> None:
         self._paused = None
+        self._refuse_drain_waiters("generation was resumed")
         self._admit_held()
         resolve(fut)
+
+    def _refuse_drain_waiters(self, why: str) -> None:
+        """End the ``wait`` pauses still waiting, which a later command overrode: frozen
+        requests never finish, and after a resume new ones keep coming, so they would hang."""
+        waiters, self._drain_waiters = self._drain_waiters, []
+        error = EngineBusyError(f"{why} before the requests in flight finished")
+        for f in waiters:
+            resolve(f, error=error)
 
     def _check_drained(self) -> None:
         if self._drain_waiters and not self._engine.has_unfinished_requests():

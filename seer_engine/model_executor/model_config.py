@@ -94,6 +94,17 @@ class ModelConfig:
             cfg = json.loads(config_file.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{config_file} holds a JSON {type(cfg).__name__}, not an object")
+        try:
+            return cls._from_dict(path, config_file, cfg)
+        except ModelLoadError:
+            raise
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a field of the wrong type
+            raise ModelLoadError(f"{config_file} has a field of the wrong type or value: {e!r}") from e
+
+    @classmethod
+    def _from_dict(cls, path: Path, config_file: Path, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs and cfg.get("model_type") in _MODEL_TYPES:
             archs = [_MODEL_TYPES[cfg["model_type"]]]

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from seer_engine.model_executor.model_config import ModelConfig, ModelLoadError
 from seer_engine.model_executor.models.decoder import DecoderForCausalLM
@@ -35,7 +35,7 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # a truncated or foreign file
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from e

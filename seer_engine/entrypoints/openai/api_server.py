@@ -163,20 +163,25 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "seer_engine",
+            "root": name,
+            "max_model_len": engine.max_model_len,
+        }
+
     @app.get("/v1/models", tags=["openai"], responses=ERROR_RESPONSES)
     async def list_models() -> dict:
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "seer_engine",
-                "root": name,
-                "max_model_len": engine.max_model_len,
-            }
-            for name in settings.served_model_names
-        ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+
+    # ``path``: served names may hold a slash ("Qwen/Qwen3-8B"), as the openai client sends them.
+    @app.get("/v1/models/{model:path}", tags=["openai"], responses=ERROR_RESPONSES)
+    async def retrieve_model(model: str) -> dict:
+        completions.check_model(model)
+        return model_card(model)
 
     @app.post(
         "/v1/completions",
@@ -193,7 +198,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat.create(req))
 
-    app.include_router(files_router(files))
+    app.include_router(files_router(files, batches.reader_of))
     app.include_router(batches_router(batches))
     app.include_router(admin_router(engine, registry.expand))
     app.add_middleware(BodySizeLimitMiddleware, limits=limits)

@@ -41,6 +41,9 @@ LineHandler = Callable[[dict, str], Awaitable[dict]]
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 PERSIST_INTERVAL_S = 1.0
+# Invalid lines listed in a failed batch's ``errors``: a wrong file (a CSV, a binary)
+# can have millions, and the list is kept in the record and sent with every GET.
+MAX_LINE_ERRORS = 100
 _CANCELLED = {"code": "batch_cancelled", "message": "the batch was cancelled before this request finished"}
 
 
@@ -51,7 +54,12 @@ class BatchLineError(Exception):
 
 
 def parse_lines(content: bytes, endpoint: str) -> list[dict]:
-    """The request lines of an input file, or every structural problem in it."""
+    """The request lines of an input file, or every structural problem in it.
+
+    Lines end at a line feed only (a carriage return before it is JSON whitespace):
+    ``str.splitlines`` would also cut at U+2028, U+0085 and other characters that JSON
+    strings may hold unescaped, as ``json.dumps(..., ensure_ascii=False)`` writes them.
+    """
     errors: list[dict] = []
     lines: list[dict] = []
     seen: set[str] = set()
@@ -59,7 +67,9 @@ def parse_lines(content: bytes, endpoint: str) -> list[dict]:
         text = decode_utf8(content, "the input file")
     except BodyError as e:
         raise BatchLineError(0, "invalid_file", e.message) from None
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(text.split("\n"), start=1):
+        if len(errors) > MAX_LINE_ERRORS:
+            break
         if not raw.strip():
             continue
         try:
@@ -74,6 +84,13 @@ def parse_lines(content: bytes, endpoint: str) -> list[dict]:
             continue
         seen.add(line["custom_id"])
         lines.append(line)
+    if len(errors) > MAX_LINE_ERRORS:
+        last = errors[MAX_LINE_ERRORS]["line"]
+        message = (
+            f"more than {MAX_LINE_ERRORS} lines are invalid: the first {MAX_LINE_ERRORS} are listed, "
+            f"and reading stopped at line {last}"
+        )
+        errors[MAX_LINE_ERRORS:] = [{"code": "too_many_errors", "message": message, "line": last}]
     if errors:
         raise BatchValidationError(errors)
     if not lines:
@@ -213,6 +230,18 @@ class BatchManager:
         if batch is None:
             raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id", code="batch_not_found")
         return batch
+
+    def reader_of(self, file_id: str) -> str | None:
+        """The unfinished batch whose input file is ``file_id``, if any: a restart runs it
+        again from that file, so the file must stay until the batch ends."""
+        return next(
+            (
+                b["id"]
+                for b in self._batches.values()
+                if b["input_file_id"] == file_id and b["status"] not in TERMINAL
+            ),
+            None,
+        )
 
     def list(self, after: str | None, limit: int) -> dict:
         items = sorted(self._batches.values(), key=lambda b: (b["created_at"], b["id"]), reverse=True)

@@ -125,3 +125,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValueError, on_engine_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    # A bug: still an OpenAI error object (500, logged), not Starlette's plain-text page.
+    app.add_exception_handler(Exception, on_engine_error)

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Literal
 
@@ -178,7 +179,9 @@ def page(items: list[dict], after: str | None, limit: int) -> dict:
     }
 
 
-def files_router(store: FileStore) -> APIRouter:
+def files_router(store: FileStore, reader_of: Callable[[str], str | None] = lambda _: None) -> APIRouter:
+    """The Files API; ``reader_of(file_id)`` names the unfinished batch that reads a file
+    (a restart runs it again from that file, so deleting it is refused)."""
     router = APIRouter(tags=["files"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 
     @router.post("/v1/files")
@@ -207,6 +210,16 @@ def files_router(store: FileStore) -> APIRouter:
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict:
+        store.get(file_id)
+        batch_id = reader_of(file_id)
+        if batch_id is not None:
+            raise APIError(
+                409,
+                f"file {file_id!r} is the input file of batch {batch_id!r}, which has not finished; "
+                "cancel the batch or wait for it to end first",
+                param="file_id",
+                code="file_in_use",
+            )
         return store.delete(file_id)
 
     return router
