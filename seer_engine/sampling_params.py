@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 
@@ -50,8 +51,9 @@ class SamplingParams:
 
         check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(
-            is_num(self.temperature) and self.temperature >= 0.0,
-            f"temperature must be >= 0, got {self.temperature!r}",
+            # inf would divide banned (-inf) logits into NaNs: no distribution to sample from.
+            is_num(self.temperature) and 0.0 <= self.temperature < math.inf,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}",
         )
         check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         check(

@@ -110,12 +110,16 @@ class Scheduler:
     def finish_truncated(self, request: Request, num_output_tokens: int, status: RequestStatus) -> None:
         """Finish a request whose output ends inside the tokens it emitted in the last
         step (a stop string matched there): the tokens after the end are dropped and
-        leave the generated and accepted counters too."""
+        leave the generated and accepted counters too. A request that already finished
+        in that step (at its length) takes the new status: the stop string ended it."""
         dropped = max(0, request.num_output_tokens - num_output_tokens)
         request.truncate_output(num_output_tokens)
         self.stats.generated_tokens -= dropped
         self.stats.draft_tokens_accepted -= dropped
-        self.finish_requests([request.request_id], status)
+        if request.is_finished:
+            request.status = status
+        else:
+            self.finish_requests([request.request_id], status)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,15 +49,19 @@ class Detokenizer:
         )
 
     def find_stop_string(self, output_ids: Sequence[int], stops: Sequence[str]) -> str | None:
-        """A stop string in the tail of the output (checked every step, so new matches only).
+        """A stop string that the last output token completed.
 
-        Only a window of trailing tokens is decoded, which keeps the check cheap on long
-        outputs; the window is wide enough for the longest stop string.
+        Only a match ending in the last token's text counts: an earlier one (made before
+        min_tokens allowed stopping) must not stop the output later, as in vLLM. Only a
+        window of trailing tokens is decoded, which keeps the check cheap on long
+        outputs; the window is wide enough for the longest stop string, counted in UTF-8
+        bytes since a byte-level tokenizer may spend a token on every byte.
         """
-        window = 2 * max(len(s) for s in stops) + 8
-        tail = self.decode(output_ids[-window:], skip_special_tokens=False)
-        hits = [(tail.find(s), s) for s in stops if s in tail]
-        return min(hits)[1] if hits else None
+        window = 2 * max(len(s.encode("utf-8", "surrogatepass")) for s in stops) + 8
+        tail = output_ids[-window:]
+        before = self.decode(tail[:-1], skip_special_tokens=False)
+        hit = new_stop_match(before, self.decode(tail, skip_special_tokens=False), stops)
+        return hit[1] if hit else None
 
     def logprobs_to_output(
         self, logprobs: list[dict[int, tuple[float, int]]] | None
@@ -66,3 +71,15 @@ class Detokenizer:
         return [
             {tid: Logprob(lp, rank, self.piece(tid)) for tid, (lp, rank) in step.items()} for step in logprobs
         ]
+
+
+def new_stop_match(before: str, text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(start, stop string) of the first stop string in ``text`` that ends in what the
+    last token added to ``before`` (the text without it), or None.
+
+    Where the texts differ is found by their common prefix: a last token that completes
+    a multi-byte character also changes the replacement character ``before`` ends with.
+    """
+    common = len(os.path.commonprefix([before, text]))
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, common - len(s) + 1))) >= 0]
+    return min(hits) if hits else None

@@ -221,14 +221,23 @@ class LLMEngine:
         ``cuttable``: a rollout chunk the scheduler may end early, once it has new tokens,
         when KV runs out (instead of preempting it).
         """
+        if self._sleeping:
+            # Its KV cache is gone: the model would run without attention, silently.
+            raise InvalidRequestError("the engine is asleep (KV cache freed): call wake_up() first")
         if request_id in self.outputs.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params, ids = checked.params, checked.prompt_token_ids
+        # Sample ids ("id-i" when n > 1) may clash with another request's: refuse before
+        # any state changes, or the clash would leave a request that never finishes.
+        sample_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        clash = [sid for sid in sample_ids if sid in self.scheduler.requests]
+        if clash:
+            raise InvalidRequestError(f"sample id {clash[0]!r} of request {request_id!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         parent = UserRequest(request_id, checked.prompt, ids, params, stream=stream)
         for i in range(params.n):
             child = Request(
-                request_id=request_id if params.n == 1 else f"{request_id}-{i}",
+                request_id=sample_ids[i],
                 prompt_token_ids=ids,
                 sampling_params=params,
                 max_tokens=checked.max_tokens,
@@ -295,7 +304,7 @@ class LLMEngine:
             if lps is not None:
                 for j, row in enumerate(verdicts[rid].rows[:num_new]):
                     self._record_logprobs(req, req.output_token_ids[counts[rid] + j], lps[row])
-            if not req.is_finished and req.sampling_params.stop:
+            if req.sampling_params.stop:
                 self._check_stop_strings(req, num_new)
         if self.drafter is not None:
             self.drafter.after_step(updated, verdicts, self.scheduler.running)
@@ -334,10 +343,16 @@ class LLMEngine:
 
     def _check_stop_strings(self, req: Request, num_new: int) -> None:
         """A stop string completed by one of this step's ``num_new`` tokens finishes the
-        request there; tokens after it (accepted draft tokens) are dropped."""
+        request there; tokens after it (accepted draft tokens) are dropped.
+
+        A request that just finished is checked too: a stop string completed by its last
+        token (at max_tokens) makes it stop, as in vLLM. One ended by EOS or a stop token
+        id is checked up to the token before: that token adds no text.
+        """
         params = req.sampling_params
         total = req.num_output_tokens
-        for length in range(max(total - num_new + 1, params.min_tokens, 1), total + 1):
+        last = total - 1 if req.status is RequestStatus.FINISHED_STOPPED else total
+        for length in range(max(total - num_new + 1, params.min_tokens, 1), last + 1):
             hit = self.detokenizer.find_stop_string(req.output_token_ids[:length], params.stop)
             if hit is not None:
                 req.stop_reason = hit

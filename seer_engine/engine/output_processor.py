@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from seer_engine.core.request import Request, RequestStatus
-from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.engine.detokenizer import Detokenizer, new_stop_match
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import SamplingParams
 
@@ -93,9 +93,11 @@ class OutputProcessor:
             text_ids = text_ids[:-1]  # the stop token (EOS or a stop token id) is not text, as in vLLM
         text = self.detokenizer.decode(text_ids, params.skip_special_tokens)
         if isinstance(req.stop_reason, str):
-            cut = text.find(req.stop_reason)
-            if cut >= 0:
-                text = text[: cut + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]
+            # Cut at the match the last token completed, not at an earlier occurrence.
+            before = self.detokenizer.decode(text_ids[:-1], params.skip_special_tokens)
+            hit = new_stop_match(before, text, [req.stop_reason])
+            if hit is not None:
+                text = text[: hit[0] + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]
         return CompletionOutput(
             index=req.sample_index,
             text=text,

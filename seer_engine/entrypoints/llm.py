@@ -40,21 +40,25 @@ class LLM:
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompts):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
+        done: dict[str, RequestOutput] = {}
+        # An error or an interrupt (Ctrl-C) aborts this call's requests: left in the
+        # engine, they would run on and end up among a later call's outputs.
         try:
             for i, (prompt, p) in enumerate(zip(prompts, param_list)):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
                 ids.append(rid)
-        except Exception:
-            self.engine.abort_request(ids)
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+                while len(done) < len(ids):
+                    for out in self.engine.step():
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([rid for rid in ids if rid not in done])
             raise
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
-            while len(done) < len(ids):
-                for out in self.engine.step():
-                    done[out.request_id] = out
-                    bar.update(1)
         return [done[rid] for rid in ids]
 
     def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:

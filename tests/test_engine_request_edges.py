@@ -1,0 +1,121 @@
+"""Engine request edges: stop strings after min_tokens and at max_tokens, long multi-byte stop strings,
+clashing sample ids, infinite temperatures, requests to a sleeping engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine import LLM, InvalidRequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(str(tiny_model("qwen3")), max_num_batched_tokens=256)
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop_the_output_later(llm):
+    prompt = list(range(50, 70))
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    texts = [llm.tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    min_tokens = 10
+    early = texts[min_tokens - 1]  # stop strings completed here came before min_tokens
+    # A one-character stop string seen before min_tokens and again after it.
+    stop = next(c for c in early if c.isalnum() and c in texts[-1][len(early) :])
+    at = texts[-1].index(stop, len(early))
+    length = next(i for i in range(min_tokens, len(texts)) if len(texts[i]) > at)
+
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=min_tokens, stop=[stop], ignore_eos=True),
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == tokens[:length]
+    assert out.text == texts[-1][:at]
+
+
+def test_a_request_whose_sample_id_is_in_use_is_refused_and_changes_nothing(llm):
+    engine = llm.engine
+    prompt = list(range(10, 20))
+    engine.add_request("x", prompt, SamplingParams(n=2, max_tokens=4, seed=1))
+    engine.add_request("y-1", prompt, SamplingParams(max_tokens=4, seed=2))
+    with pytest.raises(InvalidRequestError, match="'x-0'"):
+        engine.add_request("x-0", prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="'y-1'"):
+        engine.add_request("y", prompt, SamplingParams(n=2, max_tokens=4))
+    outs = []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        outs.extend(engine.step())
+    assert not engine.has_unfinished_requests()
+    assert sorted((o.request_id, len(o.outputs)) for o in outs) == [("x", 2), ("y-1", 1)]
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+def test_an_infinite_temperature_is_refused():
+    # With min_tokens, inf turned banned logits into NaNs and the row silently went greedy.
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=float("inf"))
+
+
+def test_a_sleeping_engine_refuses_requests_until_it_wakes(tiny_model):
+    llm = LLM(str(tiny_model("qwen3")), max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    awake = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    llm.engine.sleep()
+    with pytest.raises(InvalidRequestError, match="wake_up"):
+        llm.generate([[5, 6, 7]], params)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.wake_up()
+    assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == awake
+
+
+def test_a_stop_string_of_many_multibyte_characters_is_found(llm):
+    # The tiny BPE spends a token per byte here: 30 tokens for 10 characters.
+    detok = llm.engine.detokenizer
+    stop = "日本語のテキストです"
+    output = detok.encode("abc ") + detok.encode(stop)
+    assert len(output) > 2 * len(stop) + 8
+    assert detok.find_stop_string(output, [stop]) == stop
+    assert detok.find_stop_string(output[:-1], [stop]) is None
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(tiny_model, monkeypatch):
+    llm = LLM(str(tiny_model("qwen3")), max_model_len=64)
+    engine, step, calls = llm.engine, llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert out.prompt_token_ids == [5, 6, 7]
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate([[5], [6]], priority=[0])
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_stops_the_output(llm):
+    prompt = list(range(50, 70))
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    texts = [llm.tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    # A two-character stop string that the k-th token completes, seen nowhere before.
+    k, stop = next(
+        (k, texts[k][-2:])
+        for k in range(8, len(tokens))
+        if texts[k][-2:].isalnum() and texts[k].find(texts[k][-2:]) == len(texts[k]) - 2
+    )
+    for max_tokens in (k, k + 3):  # at max_tokens, as before it
+        out = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, stop=[stop], ignore_eos=True)
+        )[0].outputs[0]
+        assert out.token_ids == tokens[:k]
+        assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, texts[k][:-2])
