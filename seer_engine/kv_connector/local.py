@@ -47,7 +47,6 @@ import fcntl
 import hashlib
 import os
 import secrets
-import sys
 import tempfile
 import threading
 import time
@@ -55,13 +54,13 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 import torch
 
 from seer_engine.kv_connector.base import BlockStore, KVPoolError
+from seer_engine.kv_connector.shm import TRACKER_LOCK, attach, check_shm_room, pid_alive
 
 # Values of a slot's key hash that are states, not keys (real hashes are shifted past them).
 _FREE = 0  # nothing in the slot
@@ -110,53 +109,6 @@ def _parent_hashes(keys: list[str]) -> np.ndarray:
     return out
 
 
-SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
-
-
-def _check_shm_room(size: int) -> None:
-    """Refuse a pool larger than the free space of ``SHM_DIR``. Segments are sparse, so
-    creating one always succeeds; the page a put then cannot get kills the writing
-    process with SIGBUS (Docker's default ``/dev/shm`` is 64 MiB)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return  # not Linux, or no such mount: nothing to check against
-    free = st.f_bavail * st.f_frsize
-    if size > free:
-        raise ValueError(
-            f"a local KV pool of {size} bytes does not fit in {SHM_DIR} ({free} bytes free): its "
-            f"writes would crash with SIGBUS; lower --kv-pool-gib or enlarge {SHM_DIR} "
-            "(docker run --shm-size)"
-        )
-
-
-_TRACKER_LOCK = threading.Lock()
-
-
-def _skip_register(name: str, rtype: str) -> None:
-    return None
-
-
-def _attach(name: str) -> SharedMemory:
-    """Attach to an existing segment without handing it to this process's resource tracker.
-
-    Python < 3.13 registers every attached segment with the resource tracker, which
-    unlinks it when the process exits: a worker that exits would destroy the pool under
-    everyone else. Unregistering afterwards is no cure: a spawned child shares its
-    parent's tracker and would drop the owner's registration too. So registration is
-    skipped for the duration of the attach.
-    """
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name=name, track=False)
-    with _TRACKER_LOCK:
-        register = resource_tracker.register
-        resource_tracker.register = _skip_register
-        try:
-            return SharedMemory(name=name)
-        finally:
-            resource_tracker.register = register
-
-
 class _Mapping:
     """One process's attachment: segments, array views over them, the lock file.
 
@@ -200,27 +152,8 @@ class _Mapping:
 def _abandoned(m: _Mapping) -> np.ndarray:
     """Slots claimed by a put whose process is gone (it died mid-copy)."""
     claimed = np.flatnonzero((m.keys == _WRITING) | (m.keys == _CANCELLED))
-    dead = [slot for slot in claimed.tolist() if not _pid_alive(int(m.writers[slot]))]
+    dead = [slot for slot in claimed.tolist() if not pid_alive(int(m.writers[slot]))]
     return np.asarray(dead, dtype=np.int64)
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` still runs. A killed process that nobody has reaped yet (a zombie)
-    still answers ``kill(pid, 0)``, but it will never finish a put: it counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return False  # reaped since the kill above
-    except (OSError, IndexError):
-        return True  # no /proc here: trust kill()
-    return state not in ("Z", "X")
 
 
 def _lock_within(m: _Mapping, fd: int, timeout_s: float) -> None:
@@ -293,7 +226,7 @@ class LocalStore(BlockStore):
             raise ValueError(
                 f"a local KV pool of {capacity_bytes} bytes cannot hold one block of {block_bytes} bytes"
             )
-        _check_shm_room(num_slots * block_bytes + 8 * (_HEADER_WORDS + 4 * num_slots))
+        check_shm_room(num_slots * block_bytes + 8 * (_HEADER_WORDS + 4 * num_slots))
         base = f"seer_kv_{os.getpid()}_{secrets.token_hex(6)}"  # the pid tells whose segment it is
         spec = LocalPoolSpec(
             data_name=f"{base}_data",
@@ -305,7 +238,7 @@ class LocalStore(BlockStore):
         made: list[SharedMemory] = []
         lock_made = False
         try:
-            with _TRACKER_LOCK:  # registered: the tracker unlinks them if this process dies
+            with TRACKER_LOCK:  # registered: the tracker unlinks them if this process dies
                 made.append(SharedMemory(spec.data_name, create=True, size=num_slots * block_bytes))
                 index_bytes = 8 * (_HEADER_WORDS + 4 * num_slots)
                 made.append(SharedMemory(spec.index_name, create=True, size=index_bytes))  # zeros: free
@@ -327,8 +260,8 @@ class LocalStore(BlockStore):
         """Attach to the pool ``spec`` names (from any process on this host)."""
         attached: list[SharedMemory] = []
         try:
-            attached.append(_attach(spec.data_name))
-            attached.append(_attach(spec.index_name))
+            attached.append(attach(spec.data_name))
+            attached.append(attach(spec.index_name))
             mapping = _Mapping(spec, attached[0], attached[1], owner=False)
         except FileNotFoundError as e:
             for shm in attached:
