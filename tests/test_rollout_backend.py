@@ -159,8 +159,13 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
         (dict(distributed_backend="slurm"), "--distributed-backend"),
         (dict(kv_connector="redis"), "--kv-connector"),
         (dict(mooncake_master="127.0.0.1:5"), "needs --kv-connector mooncake"),
-        (dict(kv_connector="mooncake", mooncake_master="nohost"), "HOST:PORT"),
+        (dict(kv_connector="mooncake", mooncake_master="nohost"), "--mooncake-master: .*'host:port'"),
+        (dict(kv_connector="mooncake", mooncake_master="http://m:50051"), "--mooncake-master: .*'host:port'"),
+        (dict(kv_connector="mooncake", mooncake_master="m:99999"), "port 1-65535"),
         (dict(kv_pool_gib=0), "--kv-pool-gib"),
+        (dict(kv_pool_gib=float("nan")), "--kv-pool-gib must be a finite number"),
+        (dict(instance_timeout_s=float("nan")), "--instance-timeout must be a finite number"),
+        (dict(starvation_s=float("inf")), "--starvation-s must be a finite number"),
     ):
         with pytest.raises(ValueError, match=needle):
             RolloutConfig(**bad)

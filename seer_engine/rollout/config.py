@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.llm_engine import TokenSource
 from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS, kv_pool_for
+from seer_engine.kv_connector.mooncake.common import split_address
 from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
 from seer_engine.rollout.history import HistoryStore, vocab_fingerprint
 from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREAD_THRESHOLD, SeerPlacement
@@ -76,6 +78,10 @@ def bind_history(store: HistoryStore | None, spec: str, processor: InputProcesso
     save_history(store, spec)
 
 
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
 @dataclass
 class RolloutConfig:
     """``rollout_mode`` picks Seer (``seer``: divided rollout, context-aware order and
@@ -117,11 +123,12 @@ class RolloutConfig:
         if self.mooncake_master is not None and self.kv_connector != "mooncake":
             raise ValueError("--mooncake-master needs --kv-connector mooncake")
         if self.mooncake_master is not None:
-            host, _, port = self.mooncake_master.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--mooncake-master must be HOST:PORT, got {self.mooncake_master!r}")
-        if self.kv_pool_gib <= 0:
-            raise ValueError(f"--kv-pool-gib must be > 0, got {self.kv_pool_gib}")
+            try:
+                split_address(self.mooncake_master)
+            except ValueError as e:
+                raise ValueError(f"--mooncake-master: {e}") from None
+        if not _positive(self.kv_pool_gib):
+            raise ValueError(f"--kv-pool-gib must be a finite number > 0, got {self.kv_pool_gib}")
         if self.migration_spread < 0 or self.pool_pull_tokens < 0:
             raise ValueError("--migration-spread and --pool-pull-tokens must be >= 0")
         if self.policy is None:
@@ -132,10 +139,10 @@ class RolloutConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
-        if self.instance_timeout_s <= 0:
-            raise ValueError(f"--instance-timeout must be > 0, got {self.instance_timeout_s}")
-        if self.starvation_s <= 0:
-            raise ValueError(f"--starvation-s must be > 0, got {self.starvation_s}")
+        if not _positive(self.instance_timeout_s):  # NaN would never time out
+            raise ValueError(f"--instance-timeout must be a finite number > 0, got {self.instance_timeout_s}")
+        if not _positive(self.starvation_s):
+            raise ValueError(f"--starvation-s must be a finite number > 0, got {self.starvation_s}")
         if self.history == "":
             raise ValueError("--history must be off, memory or a directory, got ''")
         if self.history_half_life is not None and self.history_half_life <= 0:

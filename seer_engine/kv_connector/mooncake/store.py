@@ -36,7 +36,12 @@ import numpy as np
 import torch
 
 from seer_engine.kv_connector.base import BlockStore, KVPoolError
-from seer_engine.kv_connector.mooncake.common import CONNECT_TIMEOUT_S, MIN_SEGMENT_BYTES, answers
+from seer_engine.kv_connector.mooncake.common import (
+    CONNECT_TIMEOUT_S,
+    MIN_SEGMENT_BYTES,
+    answers,
+    split_address,
+)
 
 MAX_BATCH = 1024  # keys per Mooncake batch call (a few thousand to one peer fail)
 DEFAULT_METADATA_PORT = 8080  # mooncake_master's default --http_metadata_server_port
@@ -76,26 +81,6 @@ def _describe(code: int) -> str:
     text = f"{_ERRORS.get(code, 'error')} ({code})"
     hint = _HINTS.get(code)
     return f"{text}: {hint}" if hint else text
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too). A URL, a port out of range or a non-string is a
-    usage error, said as such: a probe of it would read as "no master answers"."""
-    if not isinstance(address, str):
-        raise ValueError(f"a Mooncake master address is a 'host:port' string, got {address!r}")
-    host, sep, port = address.rpartition(":")
-    valid = (
-        sep
-        and host
-        and "/" not in host
-        and not any(c.isspace() for c in address)
-        and port.isascii()
-        and port.isdigit()
-        and 0 < int(port) < 65536
-    )
-    if not valid:
-        raise ValueError(f"a Mooncake master address looks like 'host:port' (port 1-65535), got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def _is_loopback(host: str) -> bool:
@@ -225,7 +210,7 @@ class MooncakeStore(BlockStore):
         max_batch: int = MAX_BATCH,
         local_hostname: str | None = None,
     ) -> None:
-        host, port = _split_address(master)
+        host, port = split_address(master)
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if protocol == "rdma" and not device:
