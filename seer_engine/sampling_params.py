@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
+
+from seer_engine.core.numbers import is_int, is_real
 
 
 class InvalidRequestError(ValueError):
@@ -43,24 +44,20 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(msg)
 
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-
         check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(
             # inf would divide banned (-inf) logits into NaNs: no distribution to sample from.
-            is_num(self.temperature) and 0.0 <= self.temperature < math.inf,
+            is_real(self.temperature) and self.temperature >= 0.0,
             f"temperature must be a finite number >= 0, got {self.temperature!r}",
         )
-        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(is_real(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         check(
             is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
             f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}",
         )
-        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(
+            is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}"
+        )
         check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         check(
             self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),

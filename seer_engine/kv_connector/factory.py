@@ -8,11 +8,11 @@ their own connector from ``spec``, a small picklable description.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from seer_engine.core.numbers import is_real
 from seer_engine.kv_connector.base import KVConnector, PooledConnector, RecomputeConnector
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def make_kv_pool(
     port 8080)."""
     if kind == "none":
         return KVPool.recompute()
-    if not (isinstance(capacity_gib, (int, float)) and math.isfinite(capacity_gib) and capacity_gib > 0):
+    if not (is_real(capacity_gib) and capacity_gib > 0):
         raise ValueError(f"--kv-pool-gib must be a finite number > 0, got {capacity_gib!r}")
     capacity = int(capacity_gib * 2**30)
     if kind == "local":

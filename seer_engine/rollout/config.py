@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from seer_engine.core.numbers import is_real
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.llm_engine import TokenSource
@@ -78,10 +78,6 @@ def bind_history(store: HistoryStore | None, spec: str, processor: InputProcesso
     save_history(store, spec)
 
 
-def _positive(x: float) -> bool:
-    return math.isfinite(x) and x > 0
-
-
 @dataclass
 class RolloutConfig:
     """``rollout_mode`` picks Seer (``seer``: divided rollout, context-aware order and
@@ -127,7 +123,7 @@ class RolloutConfig:
                 split_address(self.mooncake_master)
             except ValueError as e:
                 raise ValueError(f"--mooncake-master: {e}") from None
-        if not _positive(self.kv_pool_gib):
+        if not (is_real(self.kv_pool_gib) and self.kv_pool_gib > 0):
             raise ValueError(f"--kv-pool-gib must be a finite number > 0, got {self.kv_pool_gib}")
         if self.migration_spread < 0 or self.pool_pull_tokens < 0:
             raise ValueError("--migration-spread and --pool-pull-tokens must be >= 0")
@@ -139,9 +135,9 @@ class RolloutConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
-        if not _positive(self.instance_timeout_s):  # NaN would never time out
+        if not (is_real(self.instance_timeout_s) and self.instance_timeout_s > 0):  # NaN would never time out
             raise ValueError(f"--instance-timeout must be a finite number > 0, got {self.instance_timeout_s}")
-        if not _positive(self.starvation_s):
+        if not (is_real(self.starvation_s) and self.starvation_s > 0):
             raise ValueError(f"--starvation-s must be a finite number > 0, got {self.starvation_s}")
         if self.history == "":
             raise ValueError("--history must be off, memory or a directory, got ''")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from seer_engine.core.numbers import is_int
+
 
 def prompt_key(prompt_token_ids: Sequence[int]) -> str:
     """The store's key of a prompt: a digest of its token ids. Prompts that are only
@@ -228,6 +230,6 @@ class HistoryStore:
 
 def _count(value: object) -> int:
     """A stored iteration, length or token id: a non-negative integer (not a bool or float)."""
-    if type(value) is not int or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{value!r} is not a non-negative integer")
     return value

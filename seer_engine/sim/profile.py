@@ -10,10 +10,11 @@ built-in cluster setups (``sim/setups.py``).
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from seer_engine.core.numbers import is_real
 
 
 class SavedAsJson:
@@ -27,13 +28,6 @@ class SavedAsJson:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(self.to_json())
         return out
-
-
-def _non_negative(value: object) -> bool:
-    """A finite real number >= 0 (not a bool, not NaN: a NaN price passes every ``< 0``
-    check and turns every simulated time into NaN)."""
-    real = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return real and math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +57,7 @@ class StepTimeModel:
             if f.name == "kv_per_query":
                 if not isinstance(value, bool):
                     raise ValueError(f"step-time model: kv_per_query must be true or false, got {value!r}")
-            elif not _non_negative(value):
+            elif not (is_real(value) and value >= 0):  # NaN would turn every time into NaN
                 raise ValueError(f"step-time model: {f.name} must be a finite number >= 0, got {value!r}")
 
     def step_s(self, scheduled_tokens: float, kv_tokens_read: float, logit_tokens: float = 0.0) -> float:
@@ -116,10 +110,10 @@ class InstanceProfile(SavedAsJson):
                 f"no KV block of block_size {self.block_size} tokens"
             )
         for name in ("kv_bytes_per_token", "pool_bytes_per_s"):  # a negative one gives negative pull times
-            if not _non_negative(getattr(self, name)):
+            value = getattr(self, name)
+            if not (is_real(value) and value >= 0):
                 raise ValueError(
-                    f"instance profile {self.name!r}: {name} must be a finite number >= 0, "
-                    f"got {getattr(self, name)!r}"
+                    f"instance profile {self.name!r}: {name} must be a finite number >= 0, got {value!r}"
                 )
 
     @property

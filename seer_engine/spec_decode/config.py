@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from seer_engine.core.numbers import is_int, is_real
 
 METHODS = ("group_suffix", "suffix", "ngram")
 BUDGETS = ("adaptive", "fixed")
 MAX_DRAFT_NODES = 63  # the tree mask gives each verification row 64 visibility bits
 MAX_TREE_DEPTH = 4096  # the C++ suffix tree's limit on max_depth
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    """A finite JSON number (not a bool, NaN or Infinity)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -56,20 +48,20 @@ class SpeculativeConfig:
         # Types are checked here, not left to the drafter: a JSON "false" or 2.5 would
         # otherwise pass as truthy or crash a proposer mid-rollout.
         n = self.num_speculative_tokens
-        if not _is_int(n) or not 1 <= n <= MAX_DRAFT_NODES:
+        if not is_int(n) or not 1 <= n <= MAX_DRAFT_NODES:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_DRAFT_NODES}, got {n!r}")
         if not isinstance(self.multi_path, bool):
             raise ValueError(f"multi_path must be true or false, got {self.multi_path!r}")
-        if not (_is_real(self.min_prob) and 0.0 <= self.min_prob <= 1.0):
+        if not (is_real(self.min_prob) and 0.0 <= self.min_prob <= 1.0):
             raise ValueError(f"min_prob must be a number in [0, 1], got {self.min_prob!r}")
-        if not (_is_int(self.max_depth) and 2 <= self.max_depth <= MAX_TREE_DEPTH):
+        if not (is_int(self.max_depth) and 2 <= self.max_depth <= MAX_TREE_DEPTH):
             raise ValueError(f"max_depth must be an integer in 2..{MAX_TREE_DEPTH}, got {self.max_depth!r}")
-        if not (_is_real(self.history_weight) and 0.0 < self.history_weight <= 1.0):
+        if not (is_real(self.history_weight) and 0.0 < self.history_weight <= 1.0):
             raise ValueError(f"history_weight must be in (0, 1], got {self.history_weight!r}")
-        if not _is_int(self.history_sequences) or self.history_sequences < 0:
+        if not is_int(self.history_sequences) or self.history_sequences < 0:
             raise ValueError(f"history_sequences must be an integer >= 0, got {self.history_sequences!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):
             raise ValueError(
                 f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )
@@ -78,7 +70,7 @@ class SpeculativeConfig:
             if (
                 not isinstance(cost, (list, tuple))
                 or len(cost) != 2
-                or not all(_is_real(c) and c >= 0 for c in cost)
+                or not all(is_real(c) and c >= 0 for c in cost)
                 or cost[0] <= 0
             ):
                 raise ValueError(f"step_cost must be [fixed_s > 0, per_token_s >= 0] seconds, got {cost!r}")

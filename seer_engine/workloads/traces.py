@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seer_engine.core.numbers import is_int
 from seer_engine.workloads.paths import default_tokenizer_path, resolve_trace_path
 from seer_engine.workloads.tokenizer import TraceTokenizer, get_tokenizer
 
@@ -207,18 +208,14 @@ def _record(rec: dict) -> tuple:
         raise TypeError("'prompt' must be a string or null")
     counts = rec.get("response_tokens")
     if counts is not None and (
-        not isinstance(counts, list) or not all(c is None or _count(c) for c in counts)
+        not isinstance(counts, list) or not all(c is None or (is_int(c) and c >= 0) for c in counts)
     ):
         raise TypeError("'response_tokens' must be a list of token counts (integers >= 0) or null")
     prompt_tokens = rec.get("prompt_tokens")
-    if prompt_tokens is not None and not _count(prompt_tokens):
+    if prompt_tokens is not None and not (is_int(prompt_tokens) and prompt_tokens >= 0):
         raise TypeError("'prompt_tokens' must be a token count (an integer >= 0) or null")
     expected = tuple(counts) if counts is not None else (None,) * len(responses)
     return str(rec["group_id"]), prompt, tuple(responses), expected, prompt_tokens
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def tokenize_groups(groups: Iterable[TraceGroup]) -> int:
