@@ -10,6 +10,7 @@ waits on several instances at once (``wait_any``). A lost instance raises
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,10 @@ class InstanceHandle:
         # A remote step (or abort) not answered in this long is taken as hung: the instance
         # is killed and lost (None: wait forever). Set by the pool.
         self.reply_timeout_s: float | None = None
+
+    def reply_deadline(self) -> float | None:
+        """By when (``time.monotonic``) a remote call sent now must answer (None: never)."""
+        return None if self.reply_timeout_s is None else time.monotonic() + self.reply_timeout_s
 
     def submit(self, chunk: ChunkRequest) -> None:
         raise NotImplementedError

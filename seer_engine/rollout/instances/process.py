@@ -122,9 +122,6 @@ class ProcessInstance(InstanceHandle):
         code = self.process.exitcode
         return InstanceDied(self.index, f"{why} (exit code {code})")
 
-    def _deadline(self) -> float | None:
-        return None if self.reply_timeout_s is None else time.monotonic() + self.reply_timeout_s
-
     def _hung(self, what: str) -> InstanceDied:
         """No answer in time: kill the process (a stopped one too) and report it lost."""
         self.process.kill()
@@ -170,7 +167,7 @@ class ProcessInstance(InstanceHandle):
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         self._send("abort", request_ids)
-        outputs, self.books.stats = self._answer("abort", self._deadline())
+        outputs, self.books.stats = self._answer("abort", self.reply_deadline())
         return outputs
 
     def call(self, method: str, *args: Any) -> Any:
@@ -181,7 +178,7 @@ class ProcessInstance(InstanceHandle):
         if not self.stepping:
             self._send("step", draft_updates, finished_groups)
             self.stepping = True
-            self._step_deadline = self._deadline()
+            self._step_deadline = self.reply_deadline()
 
     def poll_reply(self) -> StepReply | None:
         """A step reply if one has arrived (never blocks)."""

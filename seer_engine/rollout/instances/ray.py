@@ -234,8 +234,7 @@ class RayInstance(InstanceHandle):
         if not self.stepping:
             self._step_ref = self._remote("step", draft_updates, finished_groups)
             self.stepping = True
-            timeout = self.reply_timeout_s
-            self._step_deadline = None if timeout is None else time.monotonic() + timeout
+            self._step_deadline = self.reply_deadline()
 
     def poll_reply(self) -> StepReply | None:
         """A step reply if one has arrived (never blocks)."""
