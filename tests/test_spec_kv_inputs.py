@@ -73,11 +73,11 @@ def test_aborted_requests_leave_no_acceptance_behind(tiny_model):
     for _ in range(3):  # abort mid-speculation: drafts were verified and learnt
         engine.step()
     drafter = engine.drafter
-    assert set(drafter._acceptance) & {"a", "b-0", "b-1"}
+    assert set(drafter._estimates) & {"a", "b-0", "b-1"}
     engine.abort_request(["a", "b"])
     engine.add_request("c", prompt, SamplingParams(temperature=0.0, max_tokens=4), group_id="h")
     engine.step()
-    assert set(drafter._acceptance) <= {"c"} and set(drafter._learners) <= {"c"}
+    assert set(drafter._estimates) <= {"c"}
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,18 @@ from seer_engine.spec_decode.proposers import Proposer
 
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # an even prior: 1 accepted out of 2 tried
 DECAY = 0.8  # weight of the past at each verified draft
+
+
+@dataclass
+class _Estimate:
+    """A request's decayed acceptance counts, kept with the request they are learnt from
+    (so they are dropped once it has finished, however it finished)."""
+
+    request: Request
+    accepted: float = 0.0
+    tried: float = 0.0
+
+
 TREE_MIN_BUDGET = 4  # narrower budgets go into a single path
 TREE_MAX_ACCEPTANCE = 0.8  # above this a single path is rarely cut short
 
@@ -43,11 +55,11 @@ class Drafter:
         self.proposer = proposer
         self.budget = budget
         self.stats = SpecDecodeStats()
-        self._acceptance: dict[str, list[float]] = {}  # sequence id -> [accepted, tried]
-        self._learners: dict[str, Request] = {}  # sequence id -> the request it was learnt from
+        self._estimates: dict[str, _Estimate] = {}  # by sequence id
 
     def acceptance(self, request: Request) -> float:
-        acc, tried = self._acceptance.get(request.sequence_id, (0.0, 0.0))
+        e = self._estimates.get(request.sequence_id)
+        acc, tried = (e.accepted, e.tried) if e is not None else (0.0, 0.0)
         return (acc + PRIOR_ACCEPTED) / (tried + PRIOR_TRIED)
 
     def after_step(
@@ -65,8 +77,7 @@ class Drafter:
             if verdict.draft_depth:
                 self._learn(req, verdict)
             if req.is_finished:
-                self._acceptance.pop(req.sequence_id, None)
-                self._learners.pop(req.sequence_id, None)
+                self._estimates.pop(req.sequence_id, None)
         middle = time.perf_counter()
         self.propose(running)
         self.stats.observe_s += middle - start
@@ -76,19 +87,19 @@ class Drafter:
         """Drop the estimates of requests that finished outside a step (aborted, or a
         rollout chunk cut short): they never reach ``after_step`` as finished, and a
         reused request id would inherit their acceptance."""
-        gone = [sid for sid, req in self._learners.items() if req.is_finished]
+        gone = [sid for sid, e in self._estimates.items() if e.request.is_finished]
         for sid in gone:
-            del self._learners[sid]
-            self._acceptance.pop(sid, None)
+            del self._estimates[sid]
 
     def _learn(self, request: Request, verdict: Acceptance) -> None:
         accepted = len(verdict.nodes)
         tried = min(accepted + 1, verdict.draft_depth)
-        sequence_id = request.sequence_id
-        self._learners[sequence_id] = request
-        state = self._acceptance.setdefault(sequence_id, [0.0, 0.0])
-        state[0] = state[0] * DECAY + accepted
-        state[1] = state[1] * DECAY + tried
+        e = self._estimates.get(request.sequence_id)
+        if e is None:
+            e = self._estimates[request.sequence_id] = _Estimate(request)
+        e.request = request
+        e.accepted = e.accepted * DECAY + accepted
+        e.tried = e.tried * DECAY + tried
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set ``request.draft`` on every request that decodes next step and gets a budget."""
