@@ -314,6 +314,29 @@ def test_connector_on_a_given_master_mounts_its_memory(master):
         conn.store.count_leading(["x/0"])
 
 
+def test_freeing_a_response_leaves_one_whose_key_extends_it(master):
+    """Group ids are callers' strings: response 1 of group ``a`` is ``a/1`` and response 0
+    of group ``a/1`` is ``a/1/0``. Mooncake removes by prefix, so freeing the first must
+    not take the second's blocks."""
+    pool = make_kv_pool(
+        "mooncake", 4, 64, mooncake_master=master.address, mooncake_metadata=master.metadata_server,
+        capacity_gib=(16 << 20) / 2**30, namespace="nested",
+    )  # fmt: skip
+    conn = pool.connector
+    try:
+        context = list(range(9))
+        for key in ("a/1", "a/1/0", "a%2F1"):
+            conn.store.put(conn._keys(key, context, 1), filled(1))
+            assert conn.lookup(key, context) == 4
+        conn.free("a/1")
+        assert conn.lookup("a/1", context) == 0
+        assert conn.lookup("a/1/0", context) == 4 and conn.lookup("a%2F1", context) == 4
+        assert conn.stats.failures == 0
+    finally:
+        pool.close()
+    conn.close()
+
+
 # -- two engines -----------------------------------------------------------------------
 
 

@@ -8,13 +8,16 @@ tokens so that block boundaries are easy to reason about.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 
 import pytest
 
 from seer_engine.core.draft import DraftTree
-from seer_engine.core.kv_cache_manager import KVCacheManager
+from seer_engine.core.kv_cache_manager import KVCacheManager, hash_block
 from seer_engine.core.policies import make_policy
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -174,6 +177,39 @@ def test_siblings_share_prompt_blocks_after_a_one_step_wait() -> None:
     assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
     assert [kv.pool.blocks[i].ref_cnt for i in b_blocks[:2]] == [2, 2]
     assert (kv.prefix_queries, kv.prefix_hits) == (20, 8)
+
+
+def test_block_hashes_do_not_collide_where_pythons_hash_does() -> None:
+    """A prefix hit reuses KV without comparing tokens. Python hashes an int modulo
+    2**61 - 1, so (5,) and (5 + 2**61 - 1,) hash alike as tuples; the block digests
+    must differ, and a context built on one must not hit the other's cached blocks."""
+    wrap = 2**61 - 1
+    first, second = [5, 6, 7, 8], [5 + wrap, 6, 7, 8]
+    assert hash((None, tuple(first))) == hash((None, tuple(second)))  # what the cache must not trust
+    assert hash_block(None, first) != hash_block(None, second)
+    parent = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(parent, first) != hash_block(parent, second)
+    assert hash_block(parent, first) != hash_block(hash_block(None, [1, 2, 3, 5]), first)  # chained
+    assert hash_block(None, first).bit_length() > 64  # a 128-bit digest, not a 64-bit hash
+
+    kv = KVCacheManager(8, BLOCK, True)
+    owner = make_request("a", first + [9])
+    assert kv.allocate_slots(owner, 5)
+    owner.num_computed_tokens = 5
+    kv.cache_computed_blocks(owner)
+    assert kv.cached_prefix(kv.block_hashes(first)) != []
+    assert kv.cached_prefix(kv.block_hashes(second)) == []
+
+
+def test_block_hashes_are_equal_in_another_process() -> None:
+    """A digest of the tokens alone: the same in every process, whatever its
+    PYTHONHASHSEED."""
+    code = "from seer_engine.core.kv_cache_manager import hash_block as h; print(h(h(None, [1, 2]), [3]))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONHASHSEED": "123"},
+    ).stdout  # fmt: skip
+    assert int(out) == hash_block(hash_block(None, [1, 2]), [3])
 
 
 def test_without_prefix_caching_siblings_compute_their_own_blocks() -> None:

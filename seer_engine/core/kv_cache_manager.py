@@ -9,6 +9,8 @@ list until a new allocation evicts them.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,8 +26,15 @@ class KVBlock:
 
 
 def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
-    """Chained block hash. Tuples of ints hash identically in every process."""
-    return hash((parent_hash, tuple(tokens)))
+    """Chained block hash: a 128-bit BLAKE2b digest of the parent's digest and the
+    block's tokens. A prefix-cache hit reuses KV without comparing tokens, so two
+    contexts must never share a hash (Python's own ``hash`` of a tuple is 64 bits and
+    collisions can be built on purpose); equal in every process of a machine."""
+    digest = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        digest.update(parent_hash.to_bytes(16, "little"))
+    digest.update(array("q", tokens).tobytes())
+    return int.from_bytes(digest.digest(), "little")
 
 
 class BlockPool:

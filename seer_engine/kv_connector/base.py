@@ -7,7 +7,7 @@ the response finishes. ``RecomputeConnector`` holds nothing: a response that mov
 recomputes its context on the new instance (the rollout counts those tokens).
 
 ``PooledConnector`` is the one implementation over a pool: it stores a response's
-full KV blocks under ``<namespace>/<response>/<block index>-<digest>`` in a ``BlockStore``
+full KV blocks under ``<namespace>/<response, "/" escaped>/<block index>-<digest>`` in a ``BlockStore``
 (``local``: shared memory on this host; ``mooncake``: the Mooncake store), and loads
 them into the target engine's prefix cache, so the next chunk finds its context as
 prefix hits: the uniform scheduling rule then computes only what is missing (the
@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+from urllib.parse import quote
 
 import numpy as np
 import torch
@@ -201,8 +202,14 @@ class PooledConnector(KVConnector):
         keys = []
         for i in range(num_blocks):
             digest.update(data[i * bs * 8 : (i + 1) * bs * 8])
-            keys.append(f"{self.namespace}/{key}/{i}-{digest.hexdigest()}")
+            keys.append(f"{self._prefix(key)}{i}-{digest.hexdigest()}")
         return keys
+
+    def _prefix(self, key: str) -> str:
+        """Where a response's blocks live: its key is one path component ("/" and "%"
+        escaped), so a response's prefix never starts another's (group ids are callers'
+        strings: a free of ``a/1`` must not remove ``a/1/0``'s blocks)."""
+        return f"{self.namespace}/{quote(key, safe='')}/"
 
     def _failed(self, what: str, err: Exception) -> str:
         self.stats.failures += 1
@@ -277,7 +284,7 @@ class PooledConnector(KVConnector):
         self._unfreed.append(key)
         while self._unfreed:
             try:
-                self.store.remove_prefix(f"{self.namespace}/{self._unfreed[-1]}/")
+                self.store.remove_prefix(self._prefix(self._unfreed[-1]))
             except KVPoolError as e:
                 self._failed(f"free {self._unfreed[-1]}", e)
                 return
