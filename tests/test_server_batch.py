@@ -259,6 +259,22 @@ def test_a_file_of_junk_fails_its_batch_with_a_bounded_error_list(server, client
     assert [e.line for e in errors[:MAX_LINE_ERRORS]] == list(range(1, MAX_LINE_ERRORS + 1))
 
 
+def test_a_batch_of_more_than_the_request_cap_fails_naming_the_cap(server, client, model):
+    """OpenAI caps a batch at 50,000 requests; one more fails the batch (each request
+    would be a task of its own) with an error at the line past the cap."""
+    from seer_engine.entrypoints.openai.batch import MAX_BATCH_REQUESTS
+
+    line = '{"custom_id":"r%d","url":"/v1/completions","body":{"model":"m","prompt":"x","max_tokens":1}}\n'
+    text = "".join(line % i for i in range(MAX_BATCH_REQUESTS + 1)).encode()
+    file_id = client.files.create(file=("big.jsonl", text), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    batch = _wait(server, client, batch.id)
+    assert batch.status == "failed" and batch.request_counts.total == 0
+    [error] = batch.errors.data
+    assert error.code == "too_many_requests" and error.line == MAX_BATCH_REQUESTS + 1
+    assert f"{MAX_BATCH_REQUESTS:,}" in error.message
+
+
 def test_a_line_may_hold_unicode_line_separators(server, client, model):
     """JSON strings may hold U+2028, U+2029 and U+0085 unescaped; only "\\n" ends a line."""
     lines = [

@@ -44,6 +44,9 @@ PERSIST_INTERVAL_S = 1.0
 # Invalid lines listed in a failed batch's ``errors``: a wrong file (a CSV, a binary)
 # can have millions, and the list is kept in the record and sent with every GET.
 MAX_LINE_ERRORS = 100
+# Requests in one batch, as OpenAI's Batch API allows: each runs as its own task, and
+# the batch record and output file grow with it.
+MAX_BATCH_REQUESTS = 50_000
 _CANCELLED = {"code": "batch_cancelled", "message": "the batch was cancelled before this request finished"}
 
 
@@ -82,6 +85,9 @@ def parse_lines(content: bytes, endpoint: str) -> list[dict]:
         if problem:
             errors.append({"code": problem[0], "message": problem[1], "line": number})
             continue
+        if len(lines) == MAX_BATCH_REQUESTS:
+            message = f"a batch holds at most {MAX_BATCH_REQUESTS:,} requests; line {number} is one more"
+            raise BatchLineError(number, "too_many_requests", message)
         seen.add(line["custom_id"])
         lines.append(line)
     if len(errors) > MAX_LINE_ERRORS:
