@@ -125,6 +125,33 @@ def test_a_hung_instance_process_is_killed_and_loses_no_sample(model, start_serv
     assert "taken as hung" in server.log_tail()
 
 
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_a_serving_call_does_not_wait_on_a_hung_instance(model, start_server, backend):
+    """An instance process or actor stopped (SIGSTOP) while idle holds a serving call
+    (sleep, wake) up for --instance-timeout at most: it is killed, the call applies to
+    the other instance, and the server goes on serving there with unchanged tokens."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    server = start_server(
+        "--model", str(model), "--instances", "2", "--instance-timeout", "10",
+        "--distributed-backend", backend, *COMMON,
+    )  # fmt: skip
+    reference = _rollout(server)
+    victim = _health(server)["instances"][1]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with server.http() as http:
+            assert http.post("/sleep", timeout=120).status_code == 200
+            assert http.post("/wake_up", timeout=120).status_code == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed and reaped by the server, normally
+            os.kill(victim, signal.SIGKILL)
+    health = _health(server)
+    assert [i["alive"] for i in health["instances"]] == [True, False], health
+    assert "no call reply in 10 s, taken as hung" in server.log_tail()
+    assert _rollout(server) == reference
+
+
 def test_a_client_that_hangs_up_gets_its_request_aborted_cleanly(model, start_server):
     """A client that closes its connection mid-request: the request is aborted (its
     responses leave the instances) and the handler ends with 499, not with an

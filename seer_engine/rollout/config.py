@@ -206,8 +206,9 @@ class RolloutConfig:
             "--instance-timeout",
             type=float,
             default=DEFAULT_INSTANCE_TIMEOUT_S,
-            help="seconds an instance process or actor may take to answer a step (or an abort) "
-            "before it is taken as hung: killed, its responses finish on the other instances",
+            help="seconds an instance process or actor may take to answer a step, an abort or a "
+            "serving call (weight update, sleep, wake, cache reset) before it is taken as hung: "
+            "killed, its responses finish on the other instances",
         )
         RolloutConfig.add_cluster_args(parser)
 

@@ -172,7 +172,7 @@ class ProcessInstance(InstanceHandle):
 
     def call(self, method: str, *args: Any) -> Any:
         self._send("call", method, *args)
-        return self._answer("call")
+        return self._answer("call", self.reply_deadline())
 
     def start_step(self, draft_updates: list | None = None, finished_groups: list[str] | None = None) -> None:
         if not self.stepping:

@@ -196,11 +196,17 @@ class RayInstance(InstanceHandle):
         except self._ray.exceptions.RayActorError as e:
             raise self._died(f"calling {op}: {_first_line(e)}") from None
 
-    def _get(self, ref: Any, op: str) -> Any:
-        """The result of a finished call, its errors turned into ours."""
+    def _get(self, ref: Any, op: str, deadline: float | None = None) -> Any:
+        """The result of a call, its errors turned into ours; past ``deadline``
+        (monotonic) without one, the actor is taken as hung and killed."""
         errors = self._ray.exceptions
         try:
-            return self._ray.get(ref)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._ray.get(ref, timeout=timeout)
+        except errors.GetTimeoutError:
+            raise self._died(
+                f"no {op} reply in {self.reply_timeout_s:g} s, taken as hung and killed"
+            ) from None
         except errors.RayTaskError as e:
             cause = e.cause
             if op == "call" and isinstance(cause, (ValueError, OSError)):
@@ -221,12 +227,14 @@ class RayInstance(InstanceHandle):
         self._submits.append(self._remote("submit", chunk))
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        outputs, self.books.stats = self._get(self._remote("abort", request_ids), "abort")
+        outputs, self.books.stats = self._get(
+            self._remote("abort", request_ids), "abort", self.reply_deadline()
+        )
         self._check_submits()  # all done by now (they ran before the abort)
         return outputs
 
     def call(self, method: str, *args: Any) -> Any:
-        value = self._get(self._remote("call", method, *args), "call")
+        value = self._get(self._remote("call", method, *args), "call", self.reply_deadline())
         self._check_submits()
         return value
 
