@@ -142,3 +142,40 @@ def test_context_manager_order():
     ]
     order = sorted(pending, key=lambda s: ctx.priority(s, now=0.0))
     assert [s.key for s in order] == ["g2/2", "g0/0", "g3/0", "g0/1", "g2/1", "g1/1"]
+
+
+@pytest.mark.parametrize("order", ["wait", "estimate"])
+def test_groupmax_orders_known_prompts_by_estimate_only_when_asked(order):
+    """``order="estimate"``: groups the history store knows go longest-estimate-first
+    across waits, ahead of unknown ones (which keep the wait order); ``"wait"``: every
+    group in wait order, the estimate only among equal waits."""
+    from seer_engine.rollout.history import HistoryStore
+
+    store = HistoryStore()
+    prompts = {"long": [5, 6], "short": [7, 8], "new": [9, 10]}
+    for length in (900, 950, 980):
+        store.record(prompts["long"], length)
+    for length in (40, 60, 50):
+        store.record(prompts["short"], length)
+    store.next_iteration()
+    ctx = ContextManager(starvation_s=1e6, history=store, order=order)
+    groups = {
+        name: Group(name, tokens, PARAMS, 3, 1000, order=i)
+        for i, (name, tokens) in enumerate(prompts.items())
+    }
+    for g in groups.values():
+        ctx.register(g, 1000)
+    assert ctx.estimate("long") > 900 > 100 > ctx.estimate("short")
+    pending = [
+        _sample(groups["short"], 1, generated=32, enqueued=1.0),
+        _sample(groups["new"], 1, enqueued=0.0),
+        _sample(groups["long"], 1, generated=32, enqueued=5.0),
+        _sample(groups["new"], 2, generated=32, enqueued=3.0),
+    ]
+    keys = [s.key for s in sorted(pending, key=lambda s: ctx.priority(s, now=6.0))]
+    if order == "wait":
+        assert keys == ["new/1", "short/1", "new/2", "long/1"]
+    else:
+        assert keys == ["long/1", "short/1", "new/1", "new/2"]
+    with pytest.raises(ValueError, match="unknown context order"):
+        ContextManager(order="longest")

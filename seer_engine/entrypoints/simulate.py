@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from seer_engine.rollout.context_manager import ORDERS
 from seer_engine.rollout.dispatcher import add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
@@ -48,6 +49,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="override the setup's")
     p.add_argument("--chunk-tokens", type=int, default=None, help="override the setup's (paper: 8192)")
     p.add_argument("--starvation-s", type=float, default=None, help="the Context Manager's starvation guard")
+    p.add_argument(
+        "--context-order", choices=ORDERS, default="wait",
+        help="the Context Manager's order: wait order first (default), or, for prompts the history "
+        "store knows, longest estimate first across waits (raise --starvation-s with it: the guard "
+        "serves the oldest first)",
+    )  # fmt: skip
     p.add_argument(
         "--trace", default=None, help="replay this trace's lengths instead of the synthetic generator"
     )
@@ -191,7 +198,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                 label = f"{setup.name} iter {it + 1}/{args.iterations} {name}"
                 start = time.perf_counter()
                 store = stores.get(name)
-                policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store)
+                policy = policy_for(
+                    name, groups, setup.max_tokens, setup.starvation_s, store, args.context_order
+                )
                 results[name] = simulate(
                     groups, policy, p, setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
                     acceptance=_acceptance(store, setup.samples, acceptance), pooled=not args.no_kv_pool,
@@ -271,7 +280,7 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
         "starvation_s": setup.starvation_s, "iterations": args.iterations, "seed": args.seed,
         "workload": args.trace or "synthetic", "kv_pool": not args.no_kv_pool,
         "mean_tokens": setup.mean_tokens, "repeat_prompts": args.repeat_prompts, "drift": args.drift,
-        "admission": args.admission, "backfill": args.backfill,
+        "admission": args.admission, "backfill": args.backfill, "context_order": args.context_order,
         "acceptance": args.acceptance or "default",
         "history_acceptance": args.history_acceptance or "default",
         "profile": dataclasses.asdict(setup.profile), "notes": setup.notes,

@@ -23,6 +23,9 @@ at max_tokens (FCFS until the first finishes) and drops a group below all unknow
 as soon as its shortest response finishes. Why wait order first: a response that
 rejoins the back of the queue after each chunk keeps every long response moving, and
 longest-first across waits packs long contexts together, which leaves less KV for rows.
+``order="estimate"`` ranks the groups the history store knows longest-estimate-first
+across waits instead: in the simulator it cuts the tail where most responses fit one
+chunk (qwen2vl-72b) and loses throughput where they span many (moonlight, kimi-k2).
 In the simulator the FIFO rotation alone is within 2% of the oracle's throughput on
 moonlight and kimi-k2 (``benchmarks/results/simulator/README.md``). A starvation guard
 lets a request that waited too long go first (the probes and a server's mix of
@@ -39,6 +42,10 @@ from seer_engine.rollout.types import Group, RolloutSample
 
 PROBE_INDEX = 0  # the sample of each group that runs as its probe
 RULES = ("seer", "groupmax")
+# ``groupmax``'s order: "wait" (wait order first, the estimate among equal waits) or
+# "estimate" (groups the history store knows, longest estimate first across waits,
+# ahead of the rest, which keep the wait order).
+ORDERS = ("wait", "estimate")
 
 
 @dataclass
@@ -62,11 +69,15 @@ class ContextManager:
         probes: bool = True,
         estimator: GroupMaxEstimator | None = None,
         history: HistoryStore | None = None,
+        order: str = "wait",
     ) -> None:
         """``history``: earlier iterations' lengths per prompt, the prior of each group
-        (``groupmax``), recorded into as responses finish."""
+        (``groupmax``), recorded into as responses finish. ``order``: see ``ORDERS``."""
         if rule not in RULES:
             raise ValueError(f"unknown context rule {rule!r}; choose from {RULES}")
+        if order not in ORDERS:
+            raise ValueError(f"unknown context order {order!r}; choose from {ORDERS}")
+        self.order = order
         self.starvation_s = starvation_s
         self.rule = rule
         self.probes = probes
@@ -161,7 +172,8 @@ class ContextManager:
             return (1, sample.num_generated, sample.group.order)
         if self.rule == "groupmax":
             value = self.estimate(gid)
-            return (
-                2, sample.enqueued_at, -value, -sample.num_generated, sample.group.order, sample.sample_index,
-            )  # fmt: skip
+            tie = (-value, -sample.num_generated, sample.group.order, sample.sample_index)
+            if self.order == "estimate" and self._groups[gid].seen_before:
+                return (2, 0, *tie)
+            return (2, 1, sample.enqueued_at, *tie)
         return (2, -self.estimate(gid), sample.group.order, sample.sample_index)

@@ -185,12 +185,19 @@ def true_lengths(groups: Sequence[SimGroup], max_tokens: int) -> dict[str, int]:
 
 
 def policy_for(
-    name: str, groups: Sequence[SimGroup], max_tokens: int, starvation_s: float, history=None
+    name: str,
+    groups: Sequence[SimGroup],
+    max_tokens: int,
+    starvation_s: float,
+    history=None,
+    context_order: str = "wait",
 ) -> RolloutPolicy:
-    """``history``: the store a ``+history`` policy keeps across iterations."""
+    """``history``: the store a ``+history`` policy keeps across iterations;
+    ``context_order``: the Context Manager's (``context_manager.ORDERS``)."""
     return make_rollout_policy(
-        name, true_lengths=true_lengths(groups, max_tokens), history=history, starvation_s=starvation_s
-    )
+        name, true_lengths=true_lengths(groups, max_tokens), history=history, starvation_s=starvation_s,
+        order=context_order,
+    )  # fmt: skip
 
 
 def synthetic_groups(
