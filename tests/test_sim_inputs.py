@@ -124,3 +124,27 @@ def test_trace_groups_are_the_prompts_in_the_header_and_the_report(tmp_path, cap
     assert main([*args, "--report", str(tmp_path)]) == 0
     assert "3 prompts x 2 responses" in capsys.readouterr().out
     assert json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]["prompts"] == 3
+
+
+def test_context_order_reaches_the_context_manager_and_the_report(tmp_path, capsys):
+    """``--context-order estimate`` changes the order of a +history policy once the store
+    knows the prompts (iteration 2), not before; every response still runs to its length."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({**PROFILE, "kv_capacity_tokens": 16384, "max_num_seqs": 16}))
+    outputs = {}
+    for order in ("wait", "estimate"):
+        out = tmp_path / order
+        args = ["simulate", "--prompts", "16", "--samples", "4", "--instances", "2", "--max-tokens", "4000",
+                "--chunk-tokens", "256", "--iterations", "2", "--repeat-prompts", "--starvation-s", "100000",
+                "--profile", str(profile), "--context-order", order, "--policy", "divided,context+history",
+                "--report", str(out)]  # fmt: skip
+        assert main(args) == 0
+        report = json.loads((out / "moonlight" / "report.json").read_text())
+        assert report["meta"]["context_order"] == order
+        outputs[order] = [it["policies"] for it in report["iterations"]]
+    wait, estimate = outputs["wait"], outputs["estimate"]
+    assert wait[0] == estimate[0]  # iteration 1: no prompt is known yet
+    assert wait[1]["divided"] == estimate[1]["divided"]
+    assert wait[1]["context+history"]["makespan_s"] != estimate[1]["context+history"]["makespan_s"]
+    assert wait[1]["context+history"]["output_tokens"] == estimate[1]["context+history"]["output_tokens"]
+    assert "invalid choice: 'longest'" in _error([*SMALL, "--context-order", "longest"], capsys)
