@@ -180,10 +180,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     acceptance = _acceptance_models(args)
     for setup in _setups(args):
+        built = {}  # iteration -> its workload, built ahead of its turn
         if args.trace and args.groups:
             # The trace groups are the prompts (the header and report count them); a trace
             # too short for the last iteration fails now.
-            setup = dataclasses.replace(setup, prompts=len(_workload(args, setup, args.iterations - 1)))
+            built[args.iterations - 1] = _workload(args, setup, args.iterations - 1)
+            setup = dataclasses.replace(setup, prompts=len(built[args.iterations - 1]))
         p = setup.profile
         print(f"simulate {setup.name}: {setup.instances} instances x {p.kv_capacity_tokens:,} KV tokens, "
               f"{setup.prompts} prompts x {setup.samples} responses, max {setup.max_tokens:,} tokens, "
@@ -191,7 +193,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         runs: list[dict[str, RolloutResult]] = []
         stores = {name: HistoryStore() for name in policies if name.endswith(HISTORY_SUFFIX)}
         for it in range(args.iterations):
-            groups = _workload(args, setup, it)
+            groups = built.pop(it) if it in built else _workload(args, setup, it)
             total = sum(len(g.lengths) for g in groups)
             results = {}
             for name in policies:
