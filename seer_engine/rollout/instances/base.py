@@ -28,8 +28,8 @@ class InstanceHandle:
         self.stepping = False  # a step was started and its reply not yet polled
         self.info: InstanceInfo | None = None  # known once the instance is ready
         self.books: InstanceBooks | None = None  # the dispatcher's books, made by the pool
-        # A remote step (or abort) not answered in this long is taken as hung: the instance
-        # is killed and lost (None: wait forever). Set by the pool.
+        # A remote step, abort or serving call not answered in this long is taken as
+        # hung: the instance is killed and lost (None: wait forever). Set by the pool.
         self.reply_timeout_s: float | None = None
 
     def reply_deadline(self) -> float | None:

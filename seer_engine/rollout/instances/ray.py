@@ -188,6 +188,10 @@ class RayInstance(InstanceHandle):
             pass
         return InstanceDied(self.index, why)
 
+    def _hung(self, what: str) -> InstanceDied:
+        """No answer in time: kill the actor and report it lost."""
+        return self._died(f"no {what} reply in {self.reply_timeout_s:g} s, taken as hung and killed")
+
     def _remote(self, op: str, *args: Any) -> Any:
         if not self.alive:
             raise InstanceDied(self.index, "already gone")
@@ -204,9 +208,7 @@ class RayInstance(InstanceHandle):
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             return self._ray.get(ref, timeout=timeout)
         except errors.GetTimeoutError:
-            raise self._died(
-                f"no {op} reply in {self.reply_timeout_s:g} s, taken as hung and killed"
-            ) from None
+            raise self._hung(op) from None
         except errors.RayTaskError as e:
             cause = e.cause
             if op == "call" and isinstance(cause, (ValueError, OSError)):
@@ -252,7 +254,7 @@ class RayInstance(InstanceHandle):
         ready, _ = self._ray.wait([self._step_ref], timeout=0)
         if not ready:
             if self._step_deadline is not None and time.monotonic() > self._step_deadline:
-                raise self._died(f"no step reply in {self.reply_timeout_s:g} s, taken as hung and killed")
+                raise self._hung("step")
             return None
         ref, self._step_ref = self._step_ref, None
         self.stepping = False
