@@ -138,9 +138,10 @@ def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys, game24_trace)
             "--instances", "2", "--kv-blocks", "24", "--chunk-tokens", "32", "--max-tokens", "96",
             "--distributed-backend", "inproc", "--iterations", "3", "--clock", "moonlight",
             "--history", str(tmp_path / "hist"), "--policy", "seer,context+history+group_tree",
-            "--report", str(tmp_path)]  # fmt: skip
+            "--context-order", "estimate", "--report", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
     report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["context_order"] == "estimate"
     assert len(report["iterations"]) == 3 and report["policies"] == report["iterations"][-1]["policies"]
     groups = select_groups(load_trace(str(trace)), "2:4")
     for it, figures in enumerate(report["iterations"]):
@@ -160,7 +161,7 @@ def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys, game24_trace)
     ]
     assert tree[1] > tree[0] and tree[2] > tree[0], "drafts seeded from earlier iterations accept more"
     with pytest.raises(SystemExit):
-        main(args[:-6] + ["--history", "off", "--policy", "context+history"])
+        main(args[:-8] + ["--history", "off", "--policy", "context+history"])
     assert "need --history memory or DIR" in capsys.readouterr().err
 
 

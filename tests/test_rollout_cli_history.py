@@ -112,3 +112,39 @@ def test_a_server_refuses_history_of_another_model_at_startup(model, tmp_path):
         assert HistoryStore.load(hist / HISTORY_FILE).tokenizer == backend.history.tokenizer is not None
     finally:
         backend.close()
+
+
+def test_context_order_reaches_the_context_manager_of_serve_and_rollout(model, tmp_path, capsys):
+    """``--context-order`` is the simulator's option on the real commands too: ``serve``
+    and ``rollout`` build their Context Manager with it, a bad value is refused by name,
+    and ``estimate`` (which reorders groups the history store knows) changes no greedy
+    output and loses no sample."""
+    from seer_engine.entrypoints.cli import build_parser
+    from seer_engine.rollout.config import RolloutConfig
+
+    for command in (["serve", "--model", str(model)], _args(model, tmp_path)):
+        args = build_parser().parse_args([*command, "--context-order", "estimate"])
+        assert RolloutConfig.from_cli_args(args).make_policy().context.order == "estimate"
+        args = build_parser().parse_args(command)
+        assert RolloutConfig.from_cli_args(args).make_policy().context.order == "wait"
+    err = _error(_args(model, tmp_path, "--context-order", "longest"), capsys)
+    assert "--context-order: invalid choice: 'longest'" in err
+
+    prompts = tmp_path / "three-prompts.jsonl"  # _args writes prompts.jsonl
+    prompts.write_text(
+        "".join(json.dumps({"prompt": [10 + i, 11, 12, 13], "max_tokens": 8}) + "\n" for i in range(3))
+    )
+    outputs = {}
+    for order in ("wait", "estimate", "estimate"):  # the second estimate run finds every prompt known
+        out = tmp_path / f"out-{order}.jsonl"
+        hist = tmp_path / f"hist-{order}"
+        args = [*_args(model, tmp_path, "--rollout-policy", "context+history", "--history", str(hist),
+                       "--context-order", order)]  # fmt: skip
+        args[args.index("--input") + 1] = str(prompts)
+        args[args.index("--output") + 1] = str(out)
+        assert main(args) == 0
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        outputs.setdefault(order, []).append(sorted(json.dumps(r["outputs"]) for r in rows))
+        assert len(rows) == 3 and all(len(r["outputs"]) == 2 for r in rows)
+    assert HistoryStore.load(tmp_path / "hist-estimate" / HISTORY_FILE).iteration == 2
+    assert outputs["estimate"][0] == outputs["estimate"][1] == outputs["wait"][0]

@@ -37,7 +37,7 @@ from seer_engine.entrypoints.rollout_cli import (
 )
 from seer_engine.model_executor.model_config import ModelConfig
 from seer_engine.rollout.config import RolloutConfig, history_help, open_history, save_history
-from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
+from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S, add_context_order_arg
 from seer_engine.rollout.dispatcher import Dispatcher, add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
@@ -84,6 +84,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--starvation-s", type=float, default=DEFAULT_STARVATION_S)
+    add_context_order_arg(p)
     add_dispatch_args(p)
     p.add_argument(
         "--model", default=None, help="--task: the model that samples; --trace default: a tiny random "
@@ -296,7 +297,7 @@ def _run_policy(
 ) -> RolloutResult:
     """One policy on a fresh engine pool (clocks from zero; ``timer``: a modeled clock;
     ``history``: a +history policy's store, filled and seeding drafts)."""
-    policy = _bench_policy(name, true_lengths, args.starvation_s, history)
+    policy = _bench_policy(name, true_lengths, args.starvation_s, history, args.context_order)
     spec = policy.speculative
     if timer is not None and spec is not None and "step_cost" not in spec:
         # On a modeled clock the adaptive budget prices drafts with that clock's step,
@@ -333,6 +334,7 @@ def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutC
         "kv_blocks": args.kv_blocks, "chunk_tokens": args.chunk_tokens, "max_tokens": args.max_tokens,
         "distributed_backend": cluster.distributed_backend, "kv_connector": cluster.kv_connector,
         "clock": args.clock, "admission": args.admission, "backfill": args.backfill,
+        "context_order": args.context_order,
     }  # fmt: skip
 
 
@@ -437,15 +439,20 @@ SPEC_VARIANTS: dict[str, dict] = {
 
 
 def _bench_policy(
-    name: str, true_lengths: dict[str, int], starvation_s: float, history: HistoryStore | None = None
+    name: str,
+    true_lengths: dict[str, int],
+    starvation_s: float,
+    history: HistoryStore | None = None,
+    context_order: str = "wait",
 ):
     """A rollout policy by name; ``base+variant`` adds that speculative decoding
     (``seer+history``, ``context+history+group_tree``: ranks by ``history``)."""
     base, spec = _split(name)
+    order = {"starvation_s": starvation_s, "order": context_order}
     if base.endswith(HISTORY_SUFFIX):
-        policy = make_rollout_policy(base, starvation_s=starvation_s, history=history)
+        policy = make_rollout_policy(base, history=history, **order)
     else:
-        policy = make_rollout_policy(base, true_lengths=true_lengths, starvation_s=starvation_s)
+        policy = make_rollout_policy(base, true_lengths=true_lengths, **order)
     if spec:
         policy.name = name
         policy.speculative = SPEC_VARIANTS[spec]

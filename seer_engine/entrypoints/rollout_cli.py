@@ -25,7 +25,6 @@ from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
-from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 from seer_engine.tasks import TASKS, Grade, Task, TaskPrompt, get_task, parse_knobs, task_prompts
@@ -153,9 +152,7 @@ def run_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot write --output {args.output!r}: not a file in an existing directory")
     rollout_config = RolloutConfig.from_cli_args(args)
     history = rollout_config.open_history()
-    policy = make_rollout_policy(
-        rollout_config.policy, starvation_s=rollout_config.starvation_s, history=history
-    )
+    policy = rollout_config.make_policy(history)
     with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy, history=history) as pool:
         defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
         processor = pool.make_input_processor()

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from seer_engine.rollout.context_manager import ORDERS
+from seer_engine.rollout.context_manager import add_context_order_arg
 from seer_engine.rollout.dispatcher import add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
@@ -49,12 +49,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="override the setup's")
     p.add_argument("--chunk-tokens", type=int, default=None, help="override the setup's (paper: 8192)")
     p.add_argument("--starvation-s", type=float, default=None, help="the Context Manager's starvation guard")
-    p.add_argument(
-        "--context-order", choices=ORDERS, default="wait",
-        help="the Context Manager's order: wait order first (default), or, for prompts the history "
-        "store knows, longest estimate first across waits (raise --starvation-s with it: the guard "
-        "serves the oldest first)",
-    )  # fmt: skip
+    add_context_order_arg(p)
     p.add_argument(
         "--trace", default=None, help="replay this trace's lengths instead of the synthetic generator"
     )

@@ -32,7 +32,6 @@ from seer_engine.engine.stats import EngineStats, total
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
-from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.types import Group, InstanceDied, RolloutSample
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -79,7 +78,7 @@ class RolloutBackend:
         """``data_dir``: the server's; a +history policy keeps its store under it by default."""
         self.history_spec = rollout.history_spec(data_dir)
         self.history = rollout.open_history(data_dir)
-        policy = make_rollout_policy(rollout.policy, starvation_s=rollout.starvation_s, history=self.history)
+        policy = rollout.make_policy(self.history)
         self.pool = rollout.make_pool(config, policy, timeline_points=SERVER_LOG_LIMIT, history=self.history)
         self.dispatcher = Dispatcher(
             self.pool,

@@ -12,10 +12,16 @@ from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.llm_engine import TokenSource
 from seer_engine.kv_connector.factory import DEFAULT_LOCAL_POOL_GIB, KV_CONNECTORS, kv_pool_for
 from seer_engine.kv_connector.mooncake.common import split_address
-from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S
+from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S, ORDERS, add_context_order_arg
 from seer_engine.rollout.history import HistoryStore, vocab_fingerprint
 from seer_engine.rollout.placement import SEER_PULL_THRESHOLD_TOKENS, SEER_SPREAD_THRESHOLD, SeerPlacement
-from seer_engine.rollout.policies import HISTORY_POLICIES, HISTORY_SUFFIX, ROLLOUT_POLICIES, RolloutPolicy
+from seer_engine.rollout.policies import (
+    HISTORY_POLICIES,
+    HISTORY_SUFFIX,
+    ROLLOUT_POLICIES,
+    RolloutPolicy,
+    make_rollout_policy,
+)
 from seer_engine.rollout.pool import BACKENDS, EnginePool, StepTimer
 
 # An instance process or actor that answers no step in this long is taken as hung
@@ -89,6 +95,7 @@ class RolloutConfig:
     instances: int = 1
     chunk_tokens: int = 8192
     starvation_s: float = DEFAULT_STARVATION_S
+    context_order: str = "wait"  # the Context Manager's (context_manager.ORDERS)
     # None: an instance per process for --instances N > 1, in this process for one.
     distributed_backend: str | None = None
     # None: "local" (shared memory on this host) when instances > 1, else "none".
@@ -139,6 +146,8 @@ class RolloutConfig:
             raise ValueError(f"--instance-timeout must be a finite number > 0, got {self.instance_timeout_s}")
         if not (is_real(self.starvation_s) and self.starvation_s > 0):
             raise ValueError(f"--starvation-s must be a finite number > 0, got {self.starvation_s}")
+        if self.context_order not in ORDERS:
+            raise ValueError(f"--context-order must be one of {list(ORDERS)}, got {self.context_order!r}")
         if self.history == "":
             raise ValueError("--history must be off, memory or a directory, got ''")
         if self.history_half_life is not None and self.history_half_life <= 0:
@@ -202,6 +211,7 @@ class RolloutConfig:
             default=DEFAULT_STARVATION_S,
             help="a response waiting this long goes first",
         )
+        add_context_order_arg(parser)
         parser.add_argument(
             "--instance-timeout",
             type=float,
@@ -260,6 +270,7 @@ class RolloutConfig:
             instances=args.instances,
             chunk_tokens=args.chunk_tokens,
             starvation_s=args.starvation_s,
+            context_order=args.context_order,
             distributed_backend=args.distributed_backend,
             kv_connector=args.kv_connector,
             mooncake_master=args.mooncake_master,
@@ -269,6 +280,13 @@ class RolloutConfig:
             history=args.history,
             history_half_life=args.history_half_life,
             instance_timeout_s=args.instance_timeout,
+        )
+
+    def make_policy(self, history: HistoryStore | None = None) -> RolloutPolicy:
+        """The rollout policy this configuration names; ``history``: the store a
+        ``+history`` policy ranks by (``open_history``)."""
+        return make_rollout_policy(
+            self.policy, starvation_s=self.starvation_s, history=history, order=self.context_order
         )
 
     def placement(self) -> SeerPlacement:

@@ -34,6 +34,7 @@ budgets can hold requests back).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from seer_engine.rollout.group_estimator import GroupMaxEstimator
@@ -59,6 +60,16 @@ class _GroupState:
 # order already serves responses in turn; the guard bounds how long the probes (and, in a
 # server, responses of groups registered later) can hold one back.
 DEFAULT_STARVATION_S = 120.0
+
+
+def add_context_order_arg(parser: argparse.ArgumentParser) -> None:
+    """``--context-order``, as every command that runs the Context Manager takes it."""
+    parser.add_argument(
+        "--context-order", choices=ORDERS, default="wait",
+        help="the Context Manager's order: wait order first (default), or, for prompts the history "
+        "store knows, longest estimate first across waits (raise --starvation-s with it: the guard "
+        "serves the oldest first)",
+    )  # fmt: skip
 
 
 class ContextManager:
