@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=8, help="responses (siblings) per group")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument(
+        "--min-prob", type=float, default=SpeculativeConfig.min_prob, help="drop draft nodes below this"
+    )
     parser.add_argument("--history-weight", type=float, default=SpeculativeConfig.history_weight)
     parser.add_argument(
         "--history-sequences", type=int, default=SpeculativeConfig.history_sequences, help="seeds per group"
@@ -113,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     groups = select_groups(load_trace(args.trace), args.groups)
     config = SpeculativeConfig(
-        method="group_suffix", history_weight=args.history_weight, history_sequences=args.history_sequences
-    )
+        method="group_suffix", history_weight=args.history_weight, history_sequences=args.history_sequences,
+        min_prob=args.min_prob,
+    )  # fmt: skip
     store = HistoryStore(max_sequences=args.history_sequences, max_sequence_tokens=args.max_sequence_tokens)
     proposer = SuffixProposer(config, grouped=True)
     start = time.perf_counter()
@@ -161,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": machine_info(),
             "trace": Path(args.trace).name, "groups": len(groups), "samples": args.samples,
-            "budget": args.budget, "history_weight": args.history_weight, "history": not args.no_history,
+            "budget": args.budget, "min_prob": args.min_prob, "history_weight": args.history_weight,
+            "history": not args.no_history,
             "history_sequences": args.history_sequences, "max_sequence_tokens": args.max_sequence_tokens,
         }  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
