@@ -89,9 +89,9 @@ def _serve(model, data_dir, **kw) -> RolloutBackend:
     return RolloutBackend(EngineConfig(model=str(model), num_kv_blocks=64, max_num_seqs=8), rollout, data_dir)
 
 
-def _serve_group(backend: RolloutBackend, rid: str) -> list[list[int]]:
+def _serve_group(backend: RolloutBackend, rid: str, prompt: list[int] = PROMPTS[1]) -> list[list[int]]:
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=5, n=3)
-    backend.add_request(rid, PROMPTS[1], params)
+    backend.add_request(rid, prompt, params)
     done = {}
     while backend.has_unfinished_requests():
         for out in backend.step():
@@ -126,6 +126,28 @@ def test_server_keeps_history_under_its_data_dir_across_restarts_and_weight_upda
     memory = _serve(model, tmp_path / "other", history="memory")
     memory.close()
     assert not (tmp_path / "other").exists()
+
+
+def test_servers_sharing_a_history_directory_keep_each_others_records(model, tmp_path):
+    """Two servers with one --data-dir, each serving its own prompts: their saves (at
+    startup, weight updates and close) merge, so the file ends with both servers' groups."""
+    path = tmp_path / "history" / HISTORY_FILE
+    one, two = _serve(model, tmp_path), _serve(model, tmp_path)
+    try:
+        first = _serve_group(one, "a", PROMPTS[0])
+        second = _serve_group(two, "b", PROMPTS[2])
+        for backend in (one, two):
+            backend.update_weights(str(model))
+        saved = HistoryStore.load(path)
+        assert saved.iteration == 1 and saved.sequences(PROMPTS[0]) == first
+        assert saved.sequences(PROMPTS[2]) == second
+        assert PROMPTS[0] in two.history, "a save takes up what the other server saved"
+        _serve_group(one, "c", PROMPTS[0])
+    finally:
+        one.close()
+        two.close()
+    saved = HistoryStore.load(path)
+    assert [len(saved.lengths(p, before=2)) for p in PROMPTS] == [6, 0, 3]
 
 
 def test_bench_rollout_iterations_repeat_prompts(tmp_path, capsys, game24_trace):

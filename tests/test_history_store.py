@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
@@ -142,29 +141,73 @@ def test_history_store_load_keeps_the_bounds(tmp_path):
     assert len(store) == 3 and [1, 2] not in store, "the most recently used max_prompts prompts"
 
 
-def test_history_store_saves_whole_while_another_writer_saves(tmp_path, monkeypatch):
-    """Two servers sharing a --history directory save at the same moment: each save is
-    atomic on its own temporary file, so neither fails and the file is one store whole."""
+def test_history_store_merges_what_another_server_saved(tmp_path, caplog):
+    """Two servers sharing a --history directory: each save merges what the saver recorded
+    since its last save into what the other saved meanwhile, so neither's records are lost
+    or counted twice; each keeps counting its own iterations, the file the furthest."""
     path = tmp_path / "history.json"
     mine, theirs = HistoryStore(), HistoryStore()
-    mine.record([1], 10, token_ids=[3] * 50)
-    theirs.record([2], 20, token_ids=[4] * 50)
-    replace = os.replace
-    calls = []
-
-    def interleaved(src, dst):
-        calls.append(src)
-        if len(calls) == 1:  # the other writer saves between this one's write and its rename
-            theirs.save(path)
-        replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", interleaved)
+    mine.record([1], 10, token_ids=[3] * 5)
+    theirs.record([2], 20, token_ids=[4] * 5)
     mine.save(path)
-    monkeypatch.undo()
-    again = HistoryStore.load(path)
-    assert [1] in again and [2] not in again and again.sequences([1]) == [[3] * 50]
-    assert len(calls) == 2 and calls[0] != calls[1]
-    assert [p.name for p in tmp_path.iterdir()] == ["history.json"]
+    theirs.next_iteration()
+    theirs.save(path)
+    assert [1] in theirs and theirs.sequences([1]) == [[3] * 5], "the saver takes up the other's records"
+    mine.record([1], 11)
+    mine.record([2], 21)
+    mine.save(path)
+    mine.save(path)  # nothing new: written as it is, nothing doubled
+    saved = HistoryStore.load(path)
+    assert saved.iteration == 1 and mine.iteration == 0
+    assert saved.lengths([1], before=2) == [(11, 1.0), (10, 1.0)]
+    assert saved.lengths([2], before=2) == [(21, 1.0), (20, 1.0)]
+    assert saved.sequences([2]) == [[4] * 5]
+    assert [p.name for p in tmp_path.iterdir()] == ["history.json"], "no temporary or lock file is left"
+
+    other = HistoryStore()
+    other.bind_tokenizer("3:aaaa", 3)
+    other.record([1], 1)
+    other.save(path)
+    mine.bind_tokenizer("3:bbbb", 9)
+    mine.record([1], 12)
+    with pytest.raises(
+        ValueError, match=r"another server saved this history store under another tokenizer \(3:aaaa"
+    ):
+        mine.save(path)
+
+    path.write_text("not json")
+    theirs.record([5], 50)
+    with caplog.at_level("WARNING"):
+        theirs.save(path)
+    assert "is not valid" in caplog.text and "overwriting it" in caplog.text
+    assert [5] in HistoryStore.load(path)
+
+
+def _save_each(path: str, first: int, count: int) -> None:
+    store = HistoryStore()
+    for k in range(first, first + count):
+        store.record([k], k, token_ids=[k % 7] * 3)
+        store.save(path)
+
+
+def test_history_store_saves_from_processes_at_once_lose_no_record(tmp_path):
+    """Processes saving to one file as fast as they can (the lock takes turns): every
+    record of every process is in the file once, whatever the interleaving."""
+    import multiprocessing
+
+    path = str(tmp_path / "history.json")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_save_each, args=(path, 100 * i, 15)) for i in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    saved = HistoryStore.load(path)
+    assert len(saved) == 45
+    for i in range(3):
+        for k in range(100 * i, 100 * i + 15):
+            assert saved.lengths([k], before=1) == [(k, 1.0)] and saved.sequences([k]) == [[k % 7] * 3]
 
 
 def test_history_store_is_bound_to_its_tokenizer(tmp_path):

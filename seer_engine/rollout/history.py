@@ -11,22 +11,32 @@ first), ``max_lengths`` lengths per prompt (oldest first), and ``max_sequences``
 sequences of at most ``max_sequence_tokens`` tokens per prompt. Lengths carry the
 iteration they were seen in; ``weight`` halves a length's say every
 ``half_life_iterations`` (the policy that wrote it has changed since).
+
+Several servers may share one store file (a ``--history`` directory on one host): a
+save merges what this store recorded since its last save into whatever the others
+saved meanwhile, under a lock, so no server's records are lost.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import stat
 import tempfile
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from seer_engine.core.numbers import is_int
+
+logger = logging.getLogger(__name__)
 
 
 def prompt_key(prompt_token_ids: Sequence[int]) -> str:
@@ -80,6 +90,11 @@ class HistoryStore:
         self.iteration = 0
         self.tokenizer: str | None = None  # vocab_fingerprint of the tokenizer (None: not bound yet)
         self._prompts: OrderedDict[str, PromptHistory] = OrderedDict()
+        # What was recorded since the last save (bounded as the store is): a save merges
+        # it into a file another server wrote meanwhile.
+        self._unsaved: OrderedDict[str, PromptHistory] = OrderedDict()
+        self._file_state: tuple[int, int, int] | None = None  # the file as last read or written
+        self._file_iteration = 0  # the iteration it was written with
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -113,34 +128,48 @@ class HistoryStore:
         self, prompt_token_ids: Sequence[int], length: int, token_ids: Sequence[int] | None = None
     ) -> None:
         """A response to the prompt finished with ``length`` tokens (its ids, optionally)."""
-        entry = self._entry(prompt_token_ids)
-        entry.lengths.append((self.iteration, int(length)))
-        while len(entry.lengths) > self.max_lengths:
-            entry.lengths.popleft()
+        record = PromptHistory(deque([(self.iteration, int(length))]))
         if token_ids is not None:
-            self._add_sequence(entry, token_ids)
+            record.sequences.extend(self._clipped(token_ids))
+        self._add(prompt_key(prompt_token_ids), record)
 
     def add_sequence(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """A finished response's tokens alone (its length is recorded elsewhere)."""
-        self._add_sequence(self._entry(prompt_token_ids), token_ids)
+        self._add(prompt_key(prompt_token_ids), PromptHistory(sequences=deque(self._clipped(token_ids))))
 
-    def _entry(self, prompt_token_ids: Sequence[int]) -> PromptHistory:
-        """The prompt's record (new, or moved to the most recently used end)."""
-        key = prompt_key(prompt_token_ids)
-        entry = self._prompts.get(key)
-        if entry is None:
-            entry = self._prompts[key] = PromptHistory()
-            while len(self._prompts) > self.max_prompts:
-                self._prompts.popitem(last=False)
-        else:
-            self._prompts.move_to_end(key)
-        return entry
+    def _add(self, key: str, record: PromptHistory) -> None:
+        """Into the store and into what the next save must merge."""
+        for records in (self._prompts, self._unsaved):
+            self._extend(self._entry(records, key), record)
 
-    def _add_sequence(self, entry: PromptHistory, token_ids: Sequence[int]) -> None:
-        if self.max_sequences and len(token_ids):
-            entry.sequences.append([int(t) for t in list(token_ids)[: self.max_sequence_tokens]])
+    def _clipped(self, token_ids: Sequence[int]) -> list[list[int]]:
+        """The sequence as stored (capped), or none if sequences are not kept."""
+        if not self.max_sequences or not len(token_ids):
+            return []
+        return [[int(t) for t in list(token_ids)[: self.max_sequence_tokens]]]
+
+    def _extend(self, entry: PromptHistory, more: PromptHistory) -> None:
+        """``more``'s lengths and sequences after ``entry``'s, oldest dropped past the bounds."""
+        entry.lengths.extend(more.lengths)
+        while len(entry.lengths) > self.max_lengths:
+            entry.lengths.popleft()
+        if self.max_sequences:
+            cap = self.max_sequence_tokens
+            # shared, not copied, when within the cap: unsaved records hold the store's own lists
+            entry.sequences.extend(seq if len(seq) <= cap else seq[:cap] for seq in more.sequences)
             while len(entry.sequences) > self.max_sequences:
                 entry.sequences.popleft()
+
+    def _entry(self, records: OrderedDict[str, PromptHistory], key: str) -> PromptHistory:
+        """The prompt's record in ``records`` (new, or moved to the most recently used end)."""
+        entry = records.get(key)
+        if entry is None:
+            entry = records[key] = PromptHistory()
+            while len(records) > self.max_prompts:
+                records.popitem(last=False)
+        else:
+            records.move_to_end(key)
+        return entry
 
     def lengths(self, prompt_token_ids: Sequence[int], before: int | None = None) -> list[tuple[int, float]]:
         """(length, weight) of the prompt's earlier responses (iterations before ``before``,
@@ -169,11 +198,48 @@ class HistoryStore:
     # -- persistence -----------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the store as JSON, atomically: a crash leaves the old file, and a store
-        saved at the same time by another server replaces it whole (the last one wins)."""
+        """Write the store as JSON, atomically (a crash leaves the old file). If another
+        server saved to ``path`` since this store last read or wrote it, what this store
+        recorded since its last save is merged into that file's records first (and this
+        store takes them up); a lock on the directory keeps concurrent saves in turn. A
+        file that is not a store is overwritten, with a warning."""
+        p = Path(path)
+        try:
+            with _locked(p):
+                state = _file_state(p)
+                if state is not None and state != self._file_state:
+                    try:
+                        saved = HistoryStore.load(p)
+                    except ValueError as e:  # not a store: this one is the best there is
+                        logger.warning("%s; overwriting it with this store", e)
+                    else:
+                        self._merge_from(saved)
+                        self._file_iteration = saved.iteration
+                # The furthest any sharing server has got; this store counts its own updates.
+                self._write(p, max(self.iteration, self._file_iteration))
+        except OSError as e:
+            raise ValueError(f"cannot save the history store to {str(p)!r}: {e}") from None
+        self._unsaved.clear()
+
+    def _merge_from(self, saved: HistoryStore) -> None:
+        """Take up ``saved``'s records (another server's save) and put this store's
+        unsaved ones on top, each within this store's bounds."""
+        if saved.tokenizer is not None and self.tokenizer is not None and saved.tokenizer != self.tokenizer:
+            raise ValueError(
+                f"another server saved this history store under another tokenizer ({saved.tokenizer}, "
+                f"this one's is {self.tokenizer})"
+            )
+        self.tokenizer = self.tokenizer or saved.tokenizer
+        merged: OrderedDict[str, PromptHistory] = OrderedDict()
+        for records in (saved._prompts, self._unsaved):
+            for key, record in records.items():
+                self._extend(self._entry(merged, key), record)
+        self._prompts = merged
+
+    def _write(self, p: Path, iteration: int) -> None:
         data = {
             "version": 1,
-            "iteration": self.iteration,
+            "iteration": iteration,
             "bounds": [self.max_prompts, self.max_lengths, self.max_sequences, self.max_sequence_tokens],
             "half_life_iterations": self.half_life,
             "tokenizer": self.tokenizer,
@@ -182,7 +248,6 @@ class HistoryStore:
                 for k, e in self._prompts.items()
             },
         }
-        p = Path(path)
         tmp = None
         try:
             # A temporary file of its own: writers sharing a directory never touch each other's.
@@ -190,10 +255,11 @@ class HistoryStore:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f)
             os.replace(tmp, p)
-        except OSError as e:
+        except OSError:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
-            raise ValueError(f"cannot save the history store to {str(p)!r}: {e}") from None
+            raise
+        self._file_state, self._file_iteration = _file_state(p), iteration
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HistoryStore:
@@ -218,6 +284,7 @@ class HistoryStore:
                         raise ValueError(f"a sequence is {type(seq).__name__}, not a list of token ids")
                     item.sequences.append([_count(t) for t in seq[: store.max_sequence_tokens]])
                 store._prompts[str(key)] = item
+            store._file_state, store._file_iteration = _file_state(p), store.iteration
         except FileNotFoundError:
             raise ValueError(f"history store {str(p)!r} not found") from None
         except OSError as e:
@@ -226,6 +293,30 @@ class HistoryStore:
             detail = f"no {e} field" if isinstance(e, KeyError) else str(e)
             raise ValueError(f"history store {str(p)!r} is not valid: {detail}") from None
         return store
+
+
+def _file_state(p: Path) -> tuple[int, int, int] | None:
+    """Which version of the file is there (every save replaces it with a new inode);
+    None if there is no file."""
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None  # a directory in the way: writing names it
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+@contextlib.contextmanager
+def _locked(p: Path) -> Iterator[None]:
+    """An exclusive lock on ``p``'s directory while the block runs (no lock file is left
+    behind; ``flock`` holds between processes on one host)."""
+    fd = os.open(p.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _count(value: object) -> int:
