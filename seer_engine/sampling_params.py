@@ -18,6 +18,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0
+    # vLLM's penalties: presence and frequency subtract from the logits of tokens already
+    # generated (once, or per occurrence); repetition divides positive and multiplies
+    # negative logits of tokens in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
@@ -39,6 +45,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether logits depend on the tokens so far (any penalty set)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def validate(self) -> None:
         def check(ok: bool, msg: str) -> None:
             if not ok:
@@ -57,6 +68,13 @@ class SamplingParams:
         )
         check(
             is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}"
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(is_real(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value!r}")
+        check(
+            is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
         )
         check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         check(

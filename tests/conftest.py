@@ -64,8 +64,9 @@ def hf_model():
     return load
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Reference greedy continuation from transformers (EOS ignored, like ignore_eos)."""
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """Reference greedy continuation from transformers (EOS ignored, like ignore_eos);
+    ``generate_kwargs`` go to ``generate`` (e.g. ``repetition_penalty``)."""
     import torch
 
     with torch.no_grad():
@@ -76,5 +77,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             min_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **generate_kwargs,
         )
     return out[0, len(prompt) :].tolist()

@@ -52,6 +52,25 @@ def test_completion_token_prompts_echo_and_seed(client, model):
     assert echo.choices[0].text.startswith("Hello there")
 
 
+def test_penalties_reach_the_sampler(client, model):
+    """presence/frequency (the OpenAI client's own arguments) and vLLM's repetition_penalty
+    change a greedy continuation; the same request twice gives the same tokens."""
+    kwargs = dict(model=model, prompt=[5, 6, 7, 8], max_tokens=24, temperature=0)
+    body = {"ignore_eos": True, "return_token_ids": True}
+    plain = client.completions.create(**kwargs, extra_body=body).choices[0].token_ids
+    penalized = [
+        client.completions.create(**kwargs, **extra, extra_body={**body, **vllm_extra}).choices[0].token_ids
+        for extra, vllm_extra in (
+            ({"frequency_penalty": 1.5}, {}),
+            ({"presence_penalty": 2.0}, {}),
+            ({}, {"repetition_penalty": 3.0}),
+        )
+    ]
+    assert all(len(t) == 24 and t != plain for t in penalized), (plain, penalized)
+    again = client.completions.create(**kwargs, frequency_penalty=1.5, extra_body=body).choices[0].token_ids
+    assert again == penalized[0]
+
+
 def test_completion_streaming_matches_non_streaming(client, model):
     kwargs = dict(model=model, prompt="Once upon a time", n=2, max_tokens=20, seed=11, logprobs=1)
     full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
@@ -196,8 +215,9 @@ BAD_COMPLETIONS = [
     ({"prompt": [[1, 2], [-3]]}, 400, "vocabulary"),
     ({"prompt": []}, 400, "empty"),
     ({"prompt": "x", "stop_token_ids": [99999]}, 400, "vocabulary"),
-    ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
-    ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty must be in [-2, 2]"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 10]"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
     ({"prompt": "x", "n": "two"}, 422, "n"),
     ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
@@ -240,7 +260,7 @@ def test_bad_chat_requests(http, body, status):
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"repetition_penalty": 0.9}, "repetition_penalty"),
+        ({"repetition_penalty": 11}, "repetition_penalty"),
     ],
 )
 def test_chat_errors_name_the_chat_field(http, body, param):

@@ -32,7 +32,7 @@ from seer_engine.tasks.summary import format_summary, rollout_summary
 
 _SAMPLING_FIELDS = {
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "logprobs",
+    "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
 }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ are kept is decided by ``core.draft.accept``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -284,17 +285,37 @@ class SamplerRows:
 
 
 def sampling_rows(request: Request) -> list[SamplingRow]:
-    """One row at the request's next position, then one per draft node at its depth."""
-    depths = [0] + (request.draft.depths if request.draft else [])
-    return [sampling_row(request, d) for d in depths]
+    """One row at the request's next position, then one per draft node at its depth
+    (with a penalty, each node's row counts the draft tokens on its path as output)."""
+    draft = request.draft
+    if not draft:
+        return [sampling_row(request)]
+    if not request.sampling_params.penalized:
+        return [sampling_row(request)] + [sampling_row(request, d) for d in draft.depths]
+    rows, paths = [sampling_row(request)], []
+    for token, parent in zip(draft.tokens, draft.parents):
+        path = (paths[parent] if parent >= 0 else []) + [token]
+        paths.append(path)
+        rows.append(sampling_row(request, len(path), path))
+    return rows
 
 
-def sampling_row(request: Request, depth: int = 0) -> SamplingRow:
-    """The row that samples the token ``depth`` places after the request's next one."""
+def sampling_row(request: Request, depth: int = 0, draft_path: Sequence[int] = ()) -> SamplingRow:
+    """The row that samples the token ``depth`` places after the request's next one
+    (``draft_path``: the ``depth`` draft tokens before it, which penalties count)."""
     p = request.sampling_params
     banned: list[int] = []
     if request.num_output_tokens + depth < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
+    penalties = {}
+    if p.penalized:
+        penalties = {
+            "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty,
+            "prompt_token_ids": request.prompt_token_ids,
+            "output_token_ids": [*request.output_token_ids, *draft_path],
+        }
     return SamplingRow(
         temperature=p.temperature,
         top_k=p.top_k,
@@ -304,4 +325,5 @@ def sampling_row(request: Request, depth: int = 0) -> SamplingRow:
         position=request.num_tokens + depth,
         banned_token_ids=banned,
         num_logprobs=p.logprobs,
+        **penalties,
     )

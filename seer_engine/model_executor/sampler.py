@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Random draws use the exponential-race trick (argmax of p / q with q ~ Exp(1) is a
 sample from p) with noise seeded by (request seed, position) only, through
@@ -9,6 +9,7 @@ speculation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,17 @@ class SamplingRow:
     position: int  # index of the token being sampled within the whole sequence
     banned_token_ids: list[int]  # e.g. EOS / stop ids before min_tokens is reached
     num_logprobs: int | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # With a penalty: the tokens before the sampled one (the output's include a draft
+    # node's path); without, left empty.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass
@@ -61,6 +73,24 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_
     return logits
 
 
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row's raw logits with vLLM's penalties applied (in place): repetition over the
+    prompt and the output, then frequency and presence over the output."""
+    vocab = logits.shape[-1]
+    output = torch.as_tensor(list(row.output_token_ids), dtype=torch.long, device=logits.device)
+    if row.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        seen[torch.as_tensor(list(row.prompt_token_ids), dtype=torch.long, device=logits.device)] = True
+        seen[output] = True
+        values = logits[seen]
+        r = row.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / r, values * r)
+    if (row.frequency_penalty != 0.0 or row.presence_penalty != 0.0) and len(output):
+        counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits`` ``[len(rows), vocab]`` float32 -> one token per row."""
@@ -69,6 +99,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()
         for i, row in enumerate(rows):
+            if row.penalized:
+                apply_penalties(logits[i], row)
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
         tokens = logits.argmax(dim=-1)

@@ -79,12 +79,6 @@ class ServingBase:
     @staticmethod
     def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build and validate engine sampling parameters; unsupported options are refused."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(req, name)
-            if value not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (must be 0)", param=name)
-        if req.repetition_penalty not in (None, 1, 1.0):
-            raise APIError(400, "repetition_penalty is not supported (must be 1)", param="repetition_penalty")
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
         if req.logit_bias:
@@ -101,7 +95,10 @@ class ServingBase:
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        for name in (
+            "temperature", "top_p", "top_k", "min_p",
+            "presence_penalty", "frequency_penalty", "repetition_penalty",
+        ):  # fmt: skip
             value = getattr(req, name)
             if value is not None:
                 fields[name] = value

@@ -1,0 +1,133 @@
+"""Presence, frequency and repetition penalties (vLLM's semantics): greedy output equals
+transformers (repetition) and a PyTorch reference (presence, frequency) token for token;
+drafts verified under penalties change neither greedy nor seeded outputs; a divided
+rollout moving responses across instances and chunks gives the same tokens; the server
+takes them and refuses values out of range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.rollout.dispatcher import Dispatcher
+from seer_engine.rollout.policies import make_rollout_policy
+from seer_engine.rollout.pool import EnginePool
+from seer_engine.rollout.types import Group
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
+
+PROMPT = [(5 * i) % 40 + 2 for i in range(24)]
+TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3")
+
+
+def _engine(model, spec=None, **kw) -> LLMEngine:
+    args = {"num_kv_blocks": 256, "max_num_seqs": 64, **kw}
+    return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **args))
+
+
+def _run(engine: LLMEngine, requests, head_start: int = 0) -> dict[str, list[list[int]]]:
+    """Add (id, prompt, params, group) requests, the second half after ``head_start``
+    steps (so later siblings draft from earlier ones); run to the end."""
+    outputs = {}
+    half = len(requests) // 2 if head_start else len(requests)
+    for rid, prompt, params, group in requests[:half]:
+        engine.add_request(rid, prompt, params, group_id=group)
+    for _ in range(head_start):
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    for rid, prompt, params, group in requests[half:]:
+        engine.add_request(rid, prompt, params, group_id=group)
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    return {rid: [c.token_ids for c in o.outputs] for rid, o in outputs.items()}
+
+
+def _reference(hf, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """Greedy decoding with presence and frequency penalties, written out on transformers' logits."""
+    tokens = list(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([tokens])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[-1])
+            logits = (
+                logits - frequency * counts[: logits.shape[-1]] - presence * (counts[: logits.shape[-1]] > 0)
+            )
+            out.append(int(logits.argmax()))
+            tokens.append(out[-1])
+    return out
+
+
+def test_repetition_penalty_greedy_equals_transformers(model, hf_model):
+    hf = hf_model(model)
+    plain = hf_greedy(hf, PROMPT, 32)
+    want = hf_greedy(hf, PROMPT, 32, repetition_penalty=1.8)
+    assert want != plain, "the penalty must change this continuation for the test to mean anything"
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.8)
+    assert _run(_engine(model), [("r", PROMPT, params, None)]) == {"r": [want]}
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.7), (-0.5, 1.2)])
+def test_presence_and_frequency_penalties_greedy_equal_the_reference(model, hf_model, presence, frequency):
+    hf = hf_model(model)
+    want = _reference(hf, PROMPT, 32, presence, frequency)
+    assert want != _reference(hf, PROMPT, 32, 0.0, 0.0)
+    params = SamplingParams(
+        temperature=0, max_tokens=32, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency
+    )
+    assert _run(_engine(model), [("r", PROMPT, params, None)]) == {"r": [want]}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_verified_under_penalties_change_no_output(model, temperature):
+    """Siblings draft for each other; each draft node's row counts the draft tokens on its
+    path, so verification samples what decoding without drafts would have."""
+    params = SamplingParams(
+        temperature=temperature, top_k=3, max_tokens=40, ignore_eos=True, seed=7,
+        frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1,
+    )  # fmt: skip
+    requests = [(f"r{i}", PROMPT, params.clone(seed=7 + i % 2), "g") for i in range(6)]
+    want = _run(_engine(model), requests, head_start=30)
+    engine = _engine(model, TREE)
+    assert _run(engine, requests, head_start=30) == want
+    assert engine.scheduler.stats.draft_tokens_accepted > 0
+
+
+def test_divided_rollout_keeps_penalized_outputs(model):
+    """A response's earlier chunks count as its output wherever its next chunk runs."""
+    params = SamplingParams(temperature=1.0, max_tokens=36, ignore_eos=True, seed=3, frequency_penalty=1.0)
+    prompts = [[(3 * i + j) % 30 + 2 for i in range(12 + 5 * j)] for j in range(3)]
+
+    def run(policy: str, instances: int, chunk: int):
+        groups = [Group(f"g{j}", p, params, 4, params.max_tokens) for j, p in enumerate(prompts)]
+        cfg = EngineConfig(model=str(model), num_kv_blocks=9, max_num_seqs=3)
+        pol = make_rollout_policy(policy)
+        with EnginePool.start(cfg, instances, policy=pol) as pool:
+            rollout = Dispatcher(pool, pol, chunk_tokens=chunk)
+            result = rollout.run(groups)
+        return {k: [s.output_token_ids for s in v] for k, v in result.samples.items()}, rollout
+
+    want, _ = run("baseline", 1, 10_000)
+    got, rollout = run("context", 2, 8)
+    assert got == want and rollout.counters.migrations > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", float("nan"), "frequency_penalty must be in [-2, 2]"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
+        ("repetition_penalty", True, "repetition_penalty must be in (0, 10]"),
+    ],
+)
+def test_penalties_out_of_range_are_refused(field, value, message):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert str(e.value).startswith(message)
