@@ -80,3 +80,26 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **generate_kwargs) 
             **generate_kwargs,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def make_engine(model, spec=None, **kw):
+    """A real LLMEngine on ``model`` with room for a few groups; ``spec``: its speculative config."""
+    from seer_engine.engine.config import EngineConfig
+    from seer_engine.engine.llm_engine import LLMEngine
+
+    args = {"num_kv_blocks": 256, "max_num_seqs": 64, **kw}
+    return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **args))
+
+
+def run_waves(engine, waves, head_start: int = 6) -> dict[str, list[list[int]]]:
+    """Add each wave of (request id, prompt, params, group) after the previous one ran
+    ``head_start`` steps, so later siblings draft from earlier ones; run to the end."""
+    outputs = {}
+    for wave in waves:
+        for rid, prompt, params, group in wave:
+            engine.add_request(rid, prompt, params, group_id=group)
+        for _ in range(head_start):
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    return {rid: [c.token_ids for c in o.outputs] for rid, o in outputs.items()}

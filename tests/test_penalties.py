@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, make_engine, run_waves
 
 from seer_engine.engine.config import EngineConfig
-from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
@@ -25,27 +24,6 @@ TREE = {"method": "group_suffix", "budget": "fixed", "num_speculative_tokens": 8
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model("qwen3")
-
-
-def _engine(model, spec=None, **kw) -> LLMEngine:
-    args = {"num_kv_blocks": 256, "max_num_seqs": 64, **kw}
-    return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **args))
-
-
-def _run(engine: LLMEngine, requests, head_start: int = 0) -> dict[str, list[list[int]]]:
-    """Add (id, prompt, params, group) requests, the second half after ``head_start``
-    steps (so later siblings draft from earlier ones); run to the end."""
-    outputs = {}
-    half = len(requests) // 2 if head_start else len(requests)
-    for rid, prompt, params, group in requests[:half]:
-        engine.add_request(rid, prompt, params, group_id=group)
-    for _ in range(head_start):
-        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
-    for rid, prompt, params, group in requests[half:]:
-        engine.add_request(rid, prompt, params, group_id=group)
-    while engine.has_unfinished_requests():
-        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
-    return {rid: [c.token_ids for c in o.outputs] for rid, o in outputs.items()}
 
 
 def _reference(hf, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
@@ -70,7 +48,7 @@ def test_repetition_penalty_greedy_equals_transformers(model, hf_model):
     want = hf_greedy(hf, PROMPT, 32, repetition_penalty=1.8)
     assert want != plain, "the penalty must change this continuation for the test to mean anything"
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.8)
-    assert _run(_engine(model), [("r", PROMPT, params, None)]) == {"r": [want]}
+    assert run_waves(make_engine(model), [[("r", PROMPT, params, None)]]) == {"r": [want]}
 
 
 @pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.7), (-0.5, 1.2)])
@@ -81,7 +59,7 @@ def test_presence_and_frequency_penalties_greedy_equal_the_reference(model, hf_m
     params = SamplingParams(
         temperature=0, max_tokens=32, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency
     )
-    assert _run(_engine(model), [("r", PROMPT, params, None)]) == {"r": [want]}
+    assert run_waves(make_engine(model), [[("r", PROMPT, params, None)]]) == {"r": [want]}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -92,10 +70,10 @@ def test_drafts_verified_under_penalties_change_no_output(model, temperature):
         temperature=temperature, top_k=3, max_tokens=40, ignore_eos=True, seed=7,
         frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1,
     )  # fmt: skip
-    requests = [(f"r{i}", PROMPT, params.clone(seed=7 + i % 2), "g") for i in range(6)]
-    want = _run(_engine(model), requests, head_start=30)
-    engine = _engine(model, TREE)
-    assert _run(engine, requests, head_start=30) == want
+    waves = [[(f"w{w}-{i}", PROMPT, params.clone(seed=7 + i), "g") for i in range(3)] for w in range(2)]
+    want = run_waves(make_engine(model), waves, head_start=30)
+    engine = make_engine(model, TREE)
+    assert run_waves(engine, waves, head_start=30) == want
     assert engine.scheduler.stats.draft_tokens_accepted > 0
 
 

@@ -10,6 +10,8 @@ import itertools
 import pytest
 import torch
 from conftest import hf_greedy
+from conftest import make_engine as _engine
+from conftest import run_waves as _run_waves
 
 from seer_engine.core.draft import DraftTree, accept
 from seer_engine.engine.config import EngineConfig
@@ -41,25 +43,6 @@ SPECS = {
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model("qwen3")
-
-
-def _engine(model, spec=None, **kw) -> LLMEngine:
-    args = {"num_kv_blocks": 256, "max_num_seqs": 64, **kw}
-    return LLMEngine(EngineConfig(model=str(model), speculative_config=spec, **args))
-
-
-def _run_waves(engine: LLMEngine, waves, head_start: int = 6) -> dict[str, list[list[int]]]:
-    """Add each wave of (request id, prompt, params, group) after the previous one ran
-    ``head_start`` steps, so later siblings draft from earlier ones; run to the end."""
-    outputs = {}
-    for wave in waves:
-        for rid, prompt, params, group in wave:
-            engine.add_request(rid, prompt, params, group_id=group)
-        for _ in range(head_start):
-            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
-    while engine.has_unfinished_requests():
-        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
-    return {rid: [c.token_ids for c in o.outputs] for rid, o in outputs.items()}
 
 
 def _waves(params: SamplingParams, prompt_len: int = 40):
