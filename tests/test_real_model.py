@@ -62,6 +62,35 @@ def test_greedy_equals_transformers():
     assert "Paris" in tok.decode(ours[0])
 
 
+def test_repetition_penalty_greedy_equals_transformers():
+    """vLLM's repetition penalty on the real model: token for token what transformers'
+    ``generate(repetition_penalty=...)`` gives, and it changes the continuations."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(FOLDER)
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in CHAT_PROMPTS[:4]
+    ]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    llm = LLM(model="smollm2-135m", max_model_len=1024, num_kv_blocks=256, num_threads=1)
+    # min_tokens bans EOS as transformers' min_new_tokens does
+    params = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, repetition_penalty=1.3)
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate(ids, params)]
+    plain = [list(o.outputs[0].token_ids) for o in llm.generate(ids, params.clone(repetition_penalty=1.0))]
+    hf = AutoModelForCausalLM.from_pretrained(FOLDER, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = [
+            hf.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=48,
+                min_new_tokens=48, do_sample=False, repetition_penalty=1.3, pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in ids
+        ]  # fmt: skip
+    assert ours == theirs
+    assert ours != plain
+
+
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
     from server_harness import ServerProcess
