@@ -218,6 +218,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 10]"),
+    ({"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs is not supported"),
+    ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search is not supported"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json is not supported"),
+    ({"prompt": "x", "length_penalty": 0.5}, 400, "length_penalty is not supported"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
     ({"prompt": "x", "n": "two"}, 422, "n"),
     ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
@@ -314,6 +318,21 @@ def test_api_key_and_body_limit(server, http, model):
 
     resp = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert resp.status_code == 413
+
+
+def test_neutral_values_of_unsupported_options_and_unknown_fields_are_served(http, model):
+    """Trainers send vLLM's defaults for options this server lacks (prompt_logprobs null,
+    use_beam_search false) and OpenAI fields that change nothing here (store): served;
+    a chat asking for JSON output is refused rather than answered in free text."""
+    body = {"model": model, "prompt": "x", "max_tokens": 2, "prompt_logprobs": None, "use_beam_search": False,
+            "length_penalty": 1.0, "bad_words": [], "store": True, "metadata": {"k": "v"}}  # fmt: skip
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    resp = http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}})
+    assert resp.status_code == 200, resp.text
+    resp = http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format", resp.text
 
 
 def test_still_serving_after_bad_input(client, model):

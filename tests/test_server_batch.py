@@ -50,7 +50,14 @@ def test_batch_round_trip(server, client, model):
             "custom_id": "tokens-0",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": model, "prompt": [1, 2, 3], "max_tokens": 3, "return_token_ids": True},
+            # unseeded, so the engine draws its seed: ignore_eos keeps its length whatever it draws
+            "body": {
+                "model": model,
+                "prompt": [1, 2, 3],
+                "max_tokens": 3,
+                "return_token_ids": True,
+                "ignore_eos": True,
+            },  # fmt: skip
         }
     )
     batch = client.batches.create(

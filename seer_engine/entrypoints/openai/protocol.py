@@ -68,8 +68,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# Options of vLLM or OpenAI that change what is generated and that this server does not
+# implement: a request setting one to anything but its neutral value is refused (400),
+# never served as if it had not asked. Other unknown fields are ignored, as vLLM does.
+UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None, []),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}),
+    "prediction": (None,),
+    "spaces_between_special_tokens": (None, True),
+}
+
+
 class _SamplingFields(_Strict):
-    """Sampling fields shared by completions and chat (vLLM names for the extras)."""
+    """Sampling fields shared by completions and chat (vLLM names for the extras).
+    Unknown fields are kept (``model_extra``) so ``UNSUPPORTED_OPTIONS`` can be refused."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: int = 1

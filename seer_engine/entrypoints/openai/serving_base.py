@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from seer_engine.engine.client import EngineClient
 from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
-from seer_engine.entrypoints.openai.protocol import _SamplingFields
+from seer_engine.entrypoints.openai.protocol import UNSUPPORTED_OPTIONS, _SamplingFields
 from seer_engine.outputs import RequestOutput, SampleLogprobs
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -79,6 +79,10 @@ class ServingBase:
     @staticmethod
     def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build and validate engine sampling parameters; unsupported options are refused."""
+        for name, value in (req.model_extra or {}).items():
+            neutral = UNSUPPORTED_OPTIONS.get(name)
+            if neutral is not None and not any(value == n and type(value) is type(n) for n in neutral):
+                raise APIError(400, f"{name} is not supported", param=name)
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
         if req.logit_bias:
