@@ -20,7 +20,7 @@ from seer_engine.core.request import Request
 from seer_engine.model_executor import cpu_kernels as native_kernels
 from seer_engine.model_executor.attention import AttentionMetadata, get_attention_backend
 from seer_engine.model_executor.model_config import ModelConfig
-from seer_engine.model_executor.sampler import Sampler, SamplingRow
+from seer_engine.model_executor.sampler import Penalties, Sampler, SamplingRow
 from seer_engine.model_executor.weight_loader import load_model
 from seer_engine.sampling_params import SamplingParams
 
@@ -307,15 +307,12 @@ def sampling_row(request: Request, depth: int = 0, draft_path: Sequence[int] = (
     banned: list[int] = []
     if request.num_output_tokens + depth < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
-    penalties = {}
+    penalties = None
     if p.penalized:
-        penalties = {
-            "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty,
-            "repetition_penalty": p.repetition_penalty,
-            "prompt_token_ids": request.prompt_token_ids,
-            "output_token_ids": [*request.output_token_ids, *draft_path],
-        }
+        output = [*request.output_token_ids, *draft_path] if draft_path else request.output_token_ids
+        penalties = Penalties(
+            p.presence_penalty, p.frequency_penalty, p.repetition_penalty, request.prompt_token_ids, output
+        )
     return SamplingRow(
         temperature=p.temperature,
         top_k=p.top_k,
@@ -325,5 +322,5 @@ def sampling_row(request: Request, depth: int = 0, draft_path: Sequence[int] = (
         position=request.num_tokens + depth,
         banned_token_ids=banned,
         num_logprobs=p.logprobs,
-        **penalties,
+        penalties=penalties,
     )

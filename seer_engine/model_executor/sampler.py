@@ -17,6 +17,17 @@ import torch
 from seer_engine.core.seeds import position_seed
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """vLLM's penalties for one row and the tokens they look at."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # before the sampled token: a draft node's path included
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs from one request that samples this step."""
@@ -29,17 +40,7 @@ class SamplingRow:
     position: int  # index of the token being sampled within the whole sequence
     banned_token_ids: list[int]  # e.g. EOS / stop ids before min_tokens is reached
     num_logprobs: int | None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    # With a penalty: the tokens before the sampled one (the output's include a draft
-    # node's path); without, left empty.
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-
-    @property
-    def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+    penalties: Penalties | None = None  # only for a request that sets a penalty
 
 
 @dataclass
@@ -73,21 +74,21 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """One row's raw logits with vLLM's penalties applied (in place): repetition over the
     prompt and the output, then frequency and presence over the output."""
-    vocab = logits.shape[-1]
-    output = torch.as_tensor(list(row.output_token_ids), dtype=torch.long, device=logits.device)
-    if row.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-        seen[torch.as_tensor(list(row.prompt_token_ids), dtype=torch.long, device=logits.device)] = True
+    vocab, dev = logits.shape[-1], logits.device
+    output = torch.as_tensor(penalties.output_token_ids, dtype=torch.long, device=dev)
+    if penalties.repetition != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        seen[torch.as_tensor(penalties.prompt_token_ids, dtype=torch.long, device=dev)] = True
         seen[output] = True
         values = logits[seen]
-        r = row.repetition_penalty
+        r = penalties.repetition
         logits[seen] = torch.where(values > 0, values / r, values * r)
-    if (row.frequency_penalty != 0.0 or row.presence_penalty != 0.0) and len(output):
+    if (penalties.frequency != 0.0 or penalties.presence != 0.0) and len(output):
         counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
-        logits -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(logits.dtype)
+        logits -= penalties.frequency * counts + penalties.presence * (counts > 0).to(logits.dtype)
     return logits
 
 
@@ -99,8 +100,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()
         for i, row in enumerate(rows):
-            if row.penalized:
-                apply_penalties(logits[i], row)
+            if row.penalties is not None:
+                apply_penalties(logits[i], row.penalties)
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
         tokens = logits.argmax(dim=-1)
