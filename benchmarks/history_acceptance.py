@@ -54,8 +54,8 @@ def replay(
     responses: Sequence[list[int]],
     budget: int,
     seeds: list[list[int]],
-) -> tuple[list[int], list[int]]:
-    """One group in lock-step; (accepted per request-step, the step's round) for each."""
+) -> tuple[list[int], list[int], list[int]]:
+    """One group in lock-step; (accepted, drafted nodes, the step's round) per request-step."""
     if seeds:
         proposer.seed_group(gid, prompt, seeds)
     params = SamplingParams(max_tokens=10**9)
@@ -74,6 +74,7 @@ def replay(
     pos = [0] * len(responses)
     live = [k for k, r in enumerate(responses) if r]
     accepted_out: list[int] = []
+    drafted_out: list[int] = []
     rounds: list[int] = []
     step = 0
     while live:
@@ -87,11 +88,12 @@ def replay(
             proposer.observe(reqs[k])
             pos[k] = new
             accepted_out.append(accepted)
+            drafted_out.append(len(draft))
             rounds.append(step)
         live = [k for k in live if pos[k] < len(responses[k])]
         step += 1
     proposer.finish_group(gid)
-    return accepted_out, rounds
+    return accepted_out, drafted_out, rounds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     per_iteration = []
     for it in range(args.iterations):
-        total = steps = last = last_steps = seeded = 0
+        total = steps = last = last_steps = seeded = drafted = last_drafted = 0
         for g in groups:
             responses = [list(r) for r in g.response_token_ids[it * args.samples : (it + 1) * args.samples]]
             if len(responses) < args.samples:
@@ -132,12 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt = list(g.prompt_token_ids)
             seeds = [] if args.no_history else store.sequences(prompt)[-config.history_sequences :]
             seeded += bool(seeds)
-            accepted, rounds = replay(proposer, f"g{g.group_id}", prompt, responses, args.budget, seeds)
+            accepted, nodes, rounds = replay(proposer, f"g{g.group_id}", prompt, responses, args.budget, seeds)
             cut = (max(rounds) + 1) * 2 / 3
             total += sum(accepted)
+            drafted += sum(nodes)
             steps += len(accepted)
-            tail = [a for a, r in zip(accepted, rounds) if r >= cut]
-            last += sum(tail)
+            tail = [k for k, r in enumerate(rounds) if r >= cut]
+            last += sum(accepted[k] for k in tail)
+            last_drafted += sum(nodes[k] for k in tail)
             last_steps += len(tail)
             for r in responses:
                 store.record(prompt, len(r), r)
@@ -147,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seeded_groups": seeded,
             "accepted_per_step": round(total / steps, 3),
             "accepted_per_step_last_third": round(last / max(1, last_steps), 3),
+            "drafted_per_step": round(drafted / steps, 2),
+            "drafted_per_step_last_third": round(last_drafted / max(1, last_steps), 2),
             "steps": steps,
         }
         per_iteration.append(row)
