@@ -65,7 +65,8 @@ def hf_model():
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
-    """Reference greedy continuation from transformers (EOS ignored, like ignore_eos);
+    """Reference greedy continuation from transformers, EOS banned for all of it (as the
+    engine's min_tokens = max_tokens does; ignore_eos may still emit an EOS token);
     ``generate_kwargs`` go to ``generate`` (e.g. ``repetition_penalty``)."""
     import torch
 

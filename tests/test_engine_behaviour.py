@@ -254,7 +254,7 @@ def test_truncation_samplers_collapse_to_greedy_at_their_limits(llm):
     prompt = list(range(60, 80))
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     expected = greedy[0].outputs[0].token_ids
-    for kwargs in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+    for kwargs in (dict(top_k=1), dict(top_p=1e-6), dict(top_p=1e-300), dict(min_p=1.0)):
         params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, **kwargs)
         out = llm.generate([prompt], params)[0].outputs[0].token_ids
         assert out == expected, kwargs

@@ -216,3 +216,82 @@ def test_config_keys_transformers_ignores_for_an_architecture_are_ignored(
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     for prompt, out in zip(prompts, LLM(str(folder)).generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+def _hf_window(hf_config) -> int | None:
+    """The window transformers' attention applies on some layer (None: none does)."""
+    kinds = getattr(hf_config, "layer_types", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if hf_config.model_type == "llama":
+        return None
+    if kinds is not None and hf_config.model_type != "mistral":
+        return window if "sliding_attention" in kinds else None
+    return window
+
+
+@pytest.mark.parametrize(
+    ("arch", "change"),
+    [
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2,
+                       layer_types=["full_attention", "sliding_attention"])),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16, num_hidden_layers=30,
+                       max_window_layers="absent", layer_types="absent")),  # default 28: 2 slide
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers="absent",
+                       layer_types="absent")),  # 2 layers < 28: none slides
+        ("qwen3", dict(use_sliding_window=False, sliding_window=16,
+                       layer_types=["sliding_attention", "sliding_attention"])),
+        ("mistral", dict(sliding_window=None)),
+        ("mistral", dict(sliding_window="absent")),  # transformers' default: 4096
+        ("llama", dict(sliding_window=16)),  # Llama has none
+        ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_theta=1e4,
+                       rope_scaling=None)),
+        ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=5e5)),
+        ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0}, max_position_embeddings=256)),
+        ("llama", dict(max_position_embeddings="absent")),
+    ],
+)  # fmt: skip
+def test_config_reading_follows_transformers(arch, change, tiny_model, tmp_path):
+    """Windows, RoPE and lengths read from config.json as transformers' config classes
+    read them, defaults included (a key set to "absent" is removed)."""
+    from transformers import AutoConfig
+
+    from seer_engine.model_executor.model_config import ModelConfig
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model(arch), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value in change.items():
+        cfg.pop(key, None)
+        if value != "absent":
+            cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    hf = AutoConfig.from_pretrained(folder)
+    ours = ModelConfig.from_pretrained(folder)
+    assert ours.sliding_window == _hf_window(hf)
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    scaling = ours.rope_scaling or {}
+    assert scaling.get("rope_type", scaling.get("type", "default")) == hf.rope_parameters["rope_type"]
+    for key in ("factor", "original_max_position_embeddings"):
+        if key in hf.rope_parameters:
+            assert scaling[key] == hf.rope_parameters[key]
+
+
+def test_a_layer_window_caps_the_context_and_shorter_prompts_match(tiny_model, hf_model, tmp_path):
+    """layer_types slides one Qwen2 layer: the engine (full attention only) stays inside the
+    window, refuses a longer prompt by name, and matches transformers within it."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("qwen2"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=24, max_window_layers=cfg["num_hidden_layers"])
+    cfg["layer_types"] = ["full_attention"] * (cfg["num_hidden_layers"] - 1) + ["sliding_attention"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(folder))
+    assert llm.engine.max_model_len == 24
+    model = hf_model(folder)
+    prompt = _prompts(model.config.vocab_size, seed=6)[2]  # 17 tokens
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(model, prompt, 6)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(5, 45))], params)

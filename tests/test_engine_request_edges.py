@@ -119,3 +119,28 @@ def test_a_stop_string_completed_by_the_last_allowed_token_stops_the_output(llm)
         )[0].outputs[0]
         assert out.token_ids == tokens[:k]
         assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, texts[k][:-2])
+
+
+def test_a_text_prompt_the_model_has_no_embedding_for_is_refused(tiny_model, tmp_path):
+    """A tokenizer larger than the model's vocabulary: a text prompt that tokenizes past it
+    gets an error naming the id, as a token-id prompt does, not an IndexError mid-step."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    small = 600
+    model.resize_token_embeddings(small)
+    model.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, tmp_path / f)
+    llm = LLM(str(tmp_path))
+    text = "The rollout phase of synchronous reinforcement learning decides the iteration time."
+    ids = llm.engine.detokenizer.tokenizer.encode(text)
+    assert max(ids) >= small, "the prompt must reach past the model's vocabulary"
+    first = next(i for i in ids if i >= small)
+    with pytest.raises(InvalidRequestError, match=f"token id {first}, outside the model's vocabulary"):
+        llm.generate([text], SamplingParams(max_tokens=4))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4

@@ -43,9 +43,24 @@ class Detokenizer:
             text = self._piece_cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The conversation as text; ``template_kwargs`` are variables the template reads
+        (e.g. Qwen3's ``enable_thinking``)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
         )
 
     def find_stop_string(self, output_ids: Sequence[int], stops: Sequence[str]) -> str | None:

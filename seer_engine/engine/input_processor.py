@@ -87,7 +87,16 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt is not valid Unicode: {e.reason} at character {e.start} ({prompt[e.start]!r})"
                 ) from None
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt is empty once tokenized")
+            outside = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if outside is not None:
+                raise InvalidRequestError(
+                    f"prompt tokenizes to token id {outside}, outside the model's vocabulary "
+                    f"(0..{self.vocab_size - 1}): the tokenizer does not match the model"
+                )
+            return prompt, ids
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty")

@@ -68,6 +68,7 @@ class GGUFInfo:
     tensor_types: dict[str, int]  # GGML type name -> number of tensors of that type
     special_ids: dict[str, int | None]  # bos/eos/pad token ids the file names (None: none)
     rope_scaling: dict[str, Any] | None = None  # Hugging Face rope_scaling (None: plain RoPE)
+    sliding_window: int | None = None  # attention.sliding_window, when the file states it
 
     @property
     def quantization(self) -> str:
@@ -123,6 +124,7 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
     context = _field_value(reader, f"{file_arch}.context_length")
     license_ = _field_value(reader, "general.license")
     head_dim = _field_value(reader, f"{file_arch}.attention.key_length")
+    window = _field_value(reader, f"{file_arch}.attention.sliding_window")
     return GGUFInfo(
         path=path,
         architecture=arch,
@@ -136,6 +138,7 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
             for key in ("bos_token_id", "eos_token_id", "padding_token_id")
         },
         rope_scaling=_rope_scaling(reader, file_arch, path),
+        sliding_window=int(window) if isinstance(window, int) else None,
     )
 
 
@@ -297,6 +300,9 @@ def _repair_config(out: Path, dtype: str, info: GGUFInfo) -> None:
         cfg["rope_scaling"] = dict(rope)
     cfg["dtype"] = cfg["torch_dtype"] = dtype
     cfg["architectures"] = [GGUF_ARCHITECTURES[info.architecture]]
+    if info.architecture == "mistral":
+        # The file's window or none (as llama.cpp runs it), not MistralConfig's default of 4096.
+        cfg["sliding_window"] = info.sliding_window
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 

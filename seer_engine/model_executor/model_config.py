@@ -40,8 +40,18 @@ _MODEL_TYPES = {
 # Which architectures read the bias switches (the others ignore them in transformers).
 _READS_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 _READS_MLP_BIAS = ("LlamaForCausalLM",)
-# Their sliding window is off unless use_sliding_window, and covers layers from max_window_layers.
+# Their sliding window is off unless use_sliding_window, and covers the layers that
+# layer_types marks, else those from max_window_layers on. Llama has none.
 _LAYERED_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DEFAULT_WINDOW = 4096  # transformers' default sliding_window (Mistral, Qwen2, Qwen3)
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+# transformers' defaults where config.json has no max_position_embeddings
+_DEFAULT_MAX_POSITIONS = {
+    "LlamaForCausalLM": 2048,
+    "MistralForCausalLM": 131072,
+    "Qwen2ForCausalLM": 32768,
+    "Qwen3ForCausalLM": 32768,
+}
 
 
 class ModelLoadError(ValueError):
@@ -129,17 +139,10 @@ class ModelConfig:
             )
         # transformers' Qwen3Config defaults head_dim to 128, not hidden_size // heads.
         default_head_dim = 128 if arch == "Qwen3ForCausalLM" and "head_dim" not in cfg else hidden // heads
-        rope = cfg.get("rope_parameters") or {}
-        rope_scaling = cfg.get("rope_scaling") or (
-            rope if rope.get("rope_type") not in (None, "default") else None
-        )
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        max_positions = cfg.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+        rope_scaling, rope_theta = _rope(cfg, max_positions)
         layers = need("num_hidden_layers")
-        if arch in _LAYERED_WINDOW:
-            slides = cfg.get("use_sliding_window", False) and cfg.get("max_window_layers", layers) < layers
-        else:
-            slides = True
-        sliding = cfg.get("sliding_window") if slides else None
+        sliding = _sliding_window(arch, cfg, layers)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = arch in _READS_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         return cls(
@@ -155,7 +158,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
@@ -166,6 +169,36 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, cfg),
             bos_token_id=cfg.get("bos_token_id"),
         )
+
+
+def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[dict[str, Any] | None, float]:
+    """(scaling, theta) as transformers 5 reads them: a legacy ``rope_scaling`` replaces
+    ``rope_parameters``; theta comes from that dict, else the top-level ``rope_theta``;
+    llama3-style scalings' original length defaults to ``max_positions``."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return None, theta
+    if kind in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings", max_positions)
+    return params, theta
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> int | None:
+    """The window some layer attends within, as transformers' config classes default it
+    (None: every layer attends to the whole context)."""
+    if arch == "MistralForCausalLM":
+        return cfg.get("sliding_window", _DEFAULT_WINDOW)
+    if arch not in _LAYERED_WINDOW or not cfg.get("use_sliding_window", False):
+        return None
+    window = cfg.get("sliding_window", _DEFAULT_WINDOW)
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        slides = "sliding_attention" in kinds
+    else:
+        slides = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS) < layers
+    return window if slides else None
 
 
 def _eos_ids(path: Path, cfg: dict[str, Any]) -> list[int]:

@@ -51,7 +51,7 @@ __all__ = [
 
 FIND_LINKS_ENV = "SEER_ENGINE_PIP_FIND_LINKS"
 _STAMP_FILE = "seer_model_source.json"
-_FORMAT_VERSION = 2  # bump when conversion output changes, so cached folders are rebuilt
+_FORMAT_VERSION = 3  # bump when conversion output changes, so cached folders are rebuilt
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Keep the smallest prefix whose mass reaches top_p (always the first token).
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted[0] = False  # a top_p below float32's smallest number rounds to 0
         logits[order[drop_sorted]] = float("-inf")
     if min_p > 0.0:
         probs = logits.softmax(-1)

@@ -87,6 +87,7 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "response_format": (None, {"type": "text"}),
     "prediction": (None,),
     "spaces_between_special_tokens": (None, True),
+    "echo": (None, False),  # chat only: completions implement it
 }
 
 
@@ -139,6 +140,11 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    """A message; fields besides these (``tool_calls``, ``tool_call_id``,
+    ``reasoning_content``, ...) are kept and reach the chat template as sent."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -151,6 +157,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
 

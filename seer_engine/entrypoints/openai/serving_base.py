@@ -83,6 +83,8 @@ class ServingBase:
             neutral = UNSUPPORTED_OPTIONS.get(name)
             if neutral is not None and not any(value == n and type(value) is type(n) for n in neutral):
                 raise APIError(400, f"{name} is not supported", param=name)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
         if req.logit_bias:

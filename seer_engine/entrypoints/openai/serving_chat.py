@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -35,6 +36,24 @@ def _content_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
+def _template_message(message: ChatMessage, index: int) -> dict:
+    """What the template sees of a message: its text, name and extra fields as sent."""
+    out = {**(message.model_extra or {}), "role": message.role, "content": _content_text(message, index)}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+# apply_chat_template's own parameters: a template variable of the same name would clash.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
 class OpenAIServingChat(ServingBase):
     async def render_prompt(self, req: ChatCompletionRequest) -> str:
         """The conversation as one prompt string, through the model's chat template.
@@ -45,12 +64,32 @@ class OpenAIServingChat(ServingBase):
         """
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        messages = [{"role": m.role, "content": _content_text(m, i)} for i, m in enumerate(req.messages)]
-        render = self.engine.detokenizer.apply_chat_template
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+            )
+        messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+        render = functools.partial(
+            self.engine.detokenizer.apply_chat_template,
+            messages,
+            req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            template_kwargs=kwargs,
+        )
         try:
-            return await asyncio.to_thread(render, messages, req.add_generation_prompt)
+            return await asyncio.to_thread(render)
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault or the model's
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(400, f"cannot apply the chat template: {e}", param=param) from None
 
     async def create(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
