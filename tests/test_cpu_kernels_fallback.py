@@ -46,7 +46,8 @@ def test_engine_falls_back_to_torch_ops(tiny_model, fresh_probe, monkeypatch, ca
     if cause == "no_avx512":
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
         message = "need AVX-512 (this CPU: AVX2); running torch ops"
-    else:
+    else:  # an AVX-512 CPU (as reported) whose extension cannot be imported
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
         monkeypatch.setitem(sys.modules, "seer_engine._cpu_ops", None)  # import raises ImportError
         message = "C++ CPU kernels unavailable"
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
