@@ -60,10 +60,11 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 15.0, sig: int = signal.SIGTERM) -> None:
+        """Ask it to shut down (SIGTERM, as an orchestrator would; SIGINT is Ctrl-C)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGINT)
+        self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

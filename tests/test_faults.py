@@ -222,3 +222,22 @@ def test_killed_mooncake_master_makes_moves_recompute(model, start_server):
     assert server.metrics()["kv_pool_failures_total"] > 0
     health = _health(server)
     assert health["status"] == "degraded" and "KV pool" in health["reason"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_shuts_the_rollout_server_down_cleanly(model, start_server, sig):
+    """SIGTERM (what orchestrators send) and SIGINT both run the engine's shutdown: the
+    history store is saved with the groups served, and the instances' KV pool is released
+    by its owner rather than left to multiprocessing's leak tracker."""
+    from seer_engine.rollout.history import HistoryStore
+
+    args = ["--model", str(model), "--instances", "2", "--rollout-policy", "seer+history", *COMMON]
+    server = start_server(*args)
+    served = _request(server, 0)
+    assert len(served) == N
+    data = server.args[server.args.index("--data-dir") + 1]
+    server.stop(sig=sig)
+    assert server.proc.returncode in (0, 128 + sig, 1), server.log_tail()
+    saved = HistoryStore.load(Path(data) / "history" / "history.json")
+    assert sorted(saved.sequences([3, 7, 11, 5])) == sorted(tokens for _, tokens in served)
+    assert "leaked shared_memory" not in server.log_tail(20000), server.log_tail()

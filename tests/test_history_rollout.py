@@ -128,6 +128,30 @@ def test_server_keeps_history_under_its_data_dir_across_restarts_and_weight_upda
     assert not (tmp_path / "other").exists()
 
 
+def test_a_failed_history_save_fails_neither_the_weight_update_nor_the_shutdown(model, tmp_path):
+    """The weights are swapped before the store is saved: a save that fails (here a folder
+    where the file goes) is reported by /health, and the next update saves what was kept."""
+    path = tmp_path / "history" / HISTORY_FILE
+    backend = _serve(model, tmp_path)
+    try:
+        first = _serve_group(backend, "a")
+        path.unlink()
+        path.mkdir()
+        backend.update_weights(str(model))  # no exception: the update happened
+        assert "history store is not saved" in (backend.health().degraded or "")
+        assert backend.history.iteration == 1 and backend.history.sequences(PROMPTS[1]) == first
+        path.rmdir()
+        backend.update_weights(str(model))
+        assert backend.health().degraded is None
+        saved = HistoryStore.load(path)
+        assert saved.iteration == 2 and saved.sequences(PROMPTS[1]) == first
+        path.unlink()
+        path.mkdir()
+    finally:
+        backend.close()  # the failed save at shutdown is logged, the pool still closes
+    assert path.is_dir()
+
+
 def test_servers_sharing_a_history_directory_keep_each_others_records(model, tmp_path):
     """Two servers with one --data-dir, each serving its own prompts: their saves (at
     startup, weight updates and close) merge, so the file ends with both servers' groups."""

@@ -19,6 +19,7 @@ give the same tokens with or without rollout mode.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ from seer_engine.rollout.types import Group, InstanceDied, RolloutSample
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 SERVER_LOG_LIMIT = 10_000  # dispatches and steps per instance kept for inspection
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -95,6 +99,7 @@ class RolloutBackend:
         except ValueError:
             self.pool.close()
             raise
+        self._history_error: str | None = None  # why the last save failed (None: it did not)
         self._sleeping = False
         self._requests: dict[str, _UserRequest] = {}
         self._owner: dict[str, _UserRequest] = {}  # sample key -> its user request
@@ -249,7 +254,20 @@ class RolloutBackend:
         self._call_all("update_weights", str(path))
         if self.history is not None:
             self.history.next_iteration()
+            self._save_history()
+
+    def _save_history(self) -> None:
+        """Save the store; a failure (a full or read-only disk, a store of another
+        tokenizer in a shared directory) fails neither a weight update, which has already
+        happened, nor a shutdown: the store stays in memory, is saved again at the next
+        update, and /health says why it is not on disk."""
+        try:
             save_history(self.history, self.history_spec)
+        except (ValueError, OSError) as e:
+            self._history_error = str(e)
+            logger.error("%s; the store is kept in memory and saved again at the next update", e)
+        else:
+            self._history_error = None
 
     def reset_prefix_cache(self) -> None:
         self._call_all("reset_prefix_cache")
@@ -257,7 +275,7 @@ class RolloutBackend:
     def close(self) -> None:
         """Stop the instances (processes) and release the KV pool; save the history store."""
         try:
-            save_history(self.history, self.history_spec)
+            self._save_history()
         finally:
             self.pool.close()
 
@@ -266,7 +284,7 @@ class RolloutBackend:
         their steps); responses waiting in the Request Buffer count as waiting."""
         for inst in self.pool.alive:
             if not inst.poll_alive():
-                self.dispatcher.lose_instance(inst, f"engine instance {inst.index} died while idle")
+                self.dispatcher.lose_instance(inst, f"engine instance {inst.index} died")
         stats = total([inst.books.stats for inst in self.pool.alive])
         stats.waiting += len(self.dispatcher.buffer)
         return stats
@@ -283,6 +301,8 @@ class RolloutBackend:
         reasons = [f"engine instances {lost} lost"] if lost else []
         if pool_failures:
             reasons.append(f"the KV pool failed {pool_failures} times (moved responses recompute)")
+        if self._history_error is not None:
+            reasons.append(f"the history store is not saved: {self._history_error}")
         return Health(
             "; ".join(reasons) or None,
             instances,

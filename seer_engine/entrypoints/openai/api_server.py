@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable
@@ -253,6 +254,10 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -282,6 +287,10 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     engine = build_engine_client(config, settings)
+    # uvicorn re-raises the signal that stopped it once it has drained; SIGTERM's default
+    # action would then end the process before the engine shuts down (its instances, the
+    # KV pool and the history store's save), so it ends the process as SystemExit instead.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         app = create_app(engine, settings)
         host, port = sock.getsockname()[:2]
