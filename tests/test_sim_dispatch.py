@@ -317,3 +317,58 @@ def test_simulate_names_a_trace_too_short_for_its_iterations_before_running(game
     captured = capsys.readouterr()
     assert "iteration 13 takes responses 96..103 of each group" in captured.err
     assert "simulated" not in captured.out, "nothing runs before the error"
+
+
+def _chunk(key: str, prompt: int, max_tokens: int):
+    from seer_engine.rollout.types import ChunkRequest
+
+    params = SamplingParams(max_tokens=max_tokens)
+    return ChunkRequest(key, SimPrompt(prompt, key), params, key.split("/")[0], key, [])
+
+
+class _Recording(SimInstance):
+    """Records, per planned step, whether it preempted and what it admitted."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plans: list[tuple[bool, list[str]]] = []
+        self.evictions: list[dict[str, int]] = []
+        self.victims: list = []
+
+    def _preempt_until_growth_fits(self) -> bool:
+        waiting = list(self.waiting)
+        self._stopped = super()._preempt_until_growth_fits()
+        self.victims += [r for r in self.waiting if r not in waiting]
+        return self._stopped
+
+    def _next_segment(self):
+        seg = super()._next_segment()
+        if seg is not None:
+            self.plans.append((self._stopped, [r.key for r in seg.admit]))
+        return seg
+
+    def _evict(self) -> None:
+        super()._evict()
+        self.evictions.append(dict(self.cache))
+
+
+def test_a_preempted_response_keeps_the_start_of_its_context_as_the_engine_does():
+    """KV runs out: the engine preempts, admits nobody in that step, and the victim's freed
+    blocks are handed out from its end as running rows grow, so when it is readmitted it
+    recomputes what was taken (more than its last token, less than all of it)."""
+    lengths = {"a/0": 600, "b/0": 900, "c/0": 900}  # c is preempted; a ends while c waits
+    world = SimWorld(lengths, 900, {g: 1 for g in "abc"})
+    inst = _Recording(0, _profile(kv_tokens=1600), world, make_policy("fcfs"), max_model_len=1600)
+    for key in lengths:
+        inst.submit(_chunk(key, 100, 900))
+    done = []
+    while inst.decoding or inst.prefilling or inst.waiting:
+        done += inst.step().outputs
+    stats = inst._stats
+    assert stats.preemptions >= 1
+    assert all(not admitted for stopped, admitted in inst.plans if stopped), inst.plans
+    victim = inst.victims[0]
+    kept = [c[victim.key] for c in inst.evictions if victim.key in c]
+    assert any(0 < n < victim.lost for n in kept), (victim.lost, kept)  # trimmed, not dropped whole
+    assert stats.preemptions < stats.recomputed_tokens < sum(v.lost for v in inst.victims)
+    assert sorted(len(o.outputs[0].token_ids) for o in done) == [600, 900, 900]

@@ -8,9 +8,11 @@ prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in t
 engine's scheduling-policy order while sequences and KV allow; when KV runs out the
 policy's victim is preempted and recomputed later (a ``cuttable`` chunk that has new
 tokens is cut instead, as the real scheduler does: it ends where it is, keeping its KV,
-and its response returns to the buffer). A chunk that ran here before
-finds its context in the prefix cache (LRU, evicted when running requests need the
-room), a chunk pulled from the KV pool pays the transfer, anything else recomputes.
+and its response returns to the buffer); a step that preempted admits nobody new. A
+chunk that ran here before finds what is left of its context in the prefix cache: when
+running requests need the room, the least recently freed context gives up its last
+tokens first, as the engine's free list hands out blocks. A chunk pulled from the KV
+pool pays the transfer, anything else recomputes.
 
 Speed comes from one observation: between two events (a chunk ends, KV runs out, a
 chunk arrives) every decoding row gains the same tokens per step, so a run of decode
@@ -197,7 +199,7 @@ class SimInstance(InstanceHandle):
         return self._segment
 
     def _next_segment(self) -> Segment | None:
-        self._preempt_until_growth_fits()
+        stopped = self._preempt_until_growth_fits()
         rows = len(self.decoding)
         gain, drafted = self._rates(rows)
         budget = self.profile.max_num_batched_tokens - rows * (1 + drafted)
@@ -207,7 +209,8 @@ class SimInstance(InstanceHandle):
             if n > 0:
                 prefill.append((req, n))
                 budget -= n
-        admit = self._admissible(budget, rows * gain)
+        # As the engine's scheduler: a step that preempted or cut admits nobody new.
+        admit = [] if stopped else self._admissible(budget, rows * gain)
         if not prefill and not admit:
             if not rows:
                 return None
@@ -311,13 +314,16 @@ class SimInstance(InstanceHandle):
         cached = min(self.cache.get(req.key, 0), int(req.context) - 1)
         return max(req.hit, cached)
 
-    def _preempt_until_growth_fits(self) -> None:
-        """The engine preempts its policy's victim when the next step's tokens have no KV."""
+    def _preempt_until_growth_fits(self) -> bool:
+        """The engine preempts its policy's victim when the next step's tokens have no KV;
+        whether it stopped (preempted or cut) any row."""
+        stopped = False
         while self.decoding or self.prefilling:
             rows = len(self.decoding)
             gain = 1.0 if self.speculation is None else self._rates(rows)[0]
             if self._running_kv() + rows * gain <= self.capacity:
-                return
+                return stopped
+            stopped = True
             running = list(self.decoding.values()) + self.prefilling
             victim = self.scheduling.select_victim(running)
             if victim.cuttable and victim.request_id in self.decoding:  # it has new tokens: cut it
@@ -335,6 +341,7 @@ class SimInstance(InstanceHandle):
             victim.computed = 0.0
             self.waiting.append(victim)
             self._stats.preemptions += 1
+        return stopped
 
     # -- committing ------------------------------------------------------------------------
 
@@ -402,6 +409,7 @@ class SimInstance(InstanceHandle):
         st.draft_tokens_accepted += steps * seg.rows * (seg.gain - 1)
         self.progress += steps * seg.gain
         self._note_kv()
+        self._evict()  # the rows grew into cached blocks before any of them ended
         outputs = []
         while self._ends and self._ends[0][0] <= self.progress + EPS:
             entry = heapq.heappop(self._ends)
@@ -474,10 +482,19 @@ class SimInstance(InstanceHandle):
         self.cached_tokens += tokens
 
     def _evict(self) -> None:
-        """Drop the least recently cached contexts while running rows need their room."""
-        while self.cache and self.cached_tokens + self._running_kv() > self.capacity:
-            _, dropped = self.cache.popitem(last=False)
-            self.cached_tokens -= dropped
+        """Take the room running rows need from the cached contexts, as the engine's free
+        list hands out blocks: the least recently freed context first, and each one from
+        its end, so a preempted response keeps the start of its context longest."""
+        excess = math.ceil(self.cached_tokens + self._running_kv() - self.capacity - EPS)
+        while self.cache and excess > 0:
+            key, tokens = next(iter(self.cache.items()))
+            taken = min(tokens, excess)
+            if taken == tokens:
+                self.cache.popitem(last=False)
+            else:
+                self.cache[key] = tokens - taken
+            self.cached_tokens -= taken
+            excess -= taken
 
     def _uncache(self, key: str) -> int:
         tokens = self.cache.pop(key)
