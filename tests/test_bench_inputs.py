@@ -47,6 +47,8 @@ def loads(monkeypatch) -> list[tuple]:
         (["--context-order", "longest"], "--context-order: invalid choice: 'longest'"),
         (["--policy", "seer+history,baseline,seer+history"], "--policy names seer+history more than once"),
         (["--tokenizer", "/nonexistent/tok.json"], "tokenizer '/nonexistent/tok.json' not found"),
+        (["--report", "/dev/null"], "--report '/dev/null' is not a directory this run can write to"),
+        (["--history", "/dev/null"], "--history '/dev/null' is not a directory this run can write to"),
     ],
 )
 def test_bench_names_bad_arguments_before_loading(args, message, tmp_path, capsys, loads):

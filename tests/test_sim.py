@@ -204,6 +204,7 @@ def test_simulate_cli_writes_the_bench_report_keys_and_a_png(tmp_path, capsys):
         (["--profile", "/nonexistent.json"], "not found"),
         (["--trace", "/nonexistent.jsonl.gz"], "trace '/nonexistent.jsonl.gz' not found"),
         (["--acceptance", "/nonexistent.json"], "acceptance model '/nonexistent.json' not found"),
+        (["--report", "/dev/null"], "--report '/dev/null' is not a directory this run can write to"),
     ],
 )
 def test_simulate_cli_names_bad_input(args, message, capsys):

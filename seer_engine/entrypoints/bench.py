@@ -49,7 +49,7 @@ from seer_engine.rollout.policies import (
     distinct_policies,
     make_rollout_policy,
 )
-from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, write_report
+from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, writable_dir, write_report
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
@@ -161,6 +161,10 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     args.admission = check_dispatch_rules(args.admission, args.backfill)
     if args.history == "off" and any(_split(p)[0] in HISTORY_POLICIES for p in policies):
         raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
+    if args.report:
+        writable_dir(args.report, "--report")
+    if args.history not in ("off", "memory"):
+        writable_dir(args.history, "--history")
     if args.task is not None:
         return _run_task_bench(args, policies, machine, timer)
     from seer_engine.workloads.groups import select_groups

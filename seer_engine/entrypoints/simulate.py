@@ -23,7 +23,7 @@ from seer_engine.rollout.dispatcher import add_dispatch_args, check_dispatch_rul
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import HISTORY_SUFFIX, distinct_policies, rollout_policy_names
-from seer_engine.rollout.report import Progress, format_table, policy_summary, write_report
+from seer_engine.rollout.report import Progress, format_table, policy_summary, writable_dir, write_report
 from seer_engine.sim.admission import KNOWN_ENDS
 
 
@@ -163,6 +163,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.drift and not args.repeat_prompts:
         raise ValueError("--drift moves repeated prompts: pass --repeat-prompts too")
     args.admission = check_dispatch_rules(args.admission, args.backfill, own_rules=(KNOWN_ENDS,))
+    if args.report:
+        writable_dir(args.report, "--report")
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
     if args.trace:

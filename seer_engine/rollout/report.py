@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +24,19 @@ REPORT_KEYS = (
     "drafter_s",
     "verification_overhead",
 )
+
+
+def writable_dir(path: str | Path, flag: str) -> Path:
+    """``path`` as a directory this run can write into (made if missing). Checked before
+    the run, so a mistyped or read-only path fails at once, not after the work."""
+    out = Path(path).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {str(path)!r} is not a directory this run can write to: {e}") from None
+    return out
 
 
 def policy_summary(result: RolloutResult) -> dict:
