@@ -315,8 +315,8 @@ class SimInstance(InstanceHandle):
         return max(req.hit, cached)
 
     def _preempt_until_growth_fits(self) -> bool:
-        """The engine preempts its policy's victim when the next step's tokens have no KV;
-        whether it stopped (preempted or cut) any row."""
+        """The engine preempts its policy's victim when the next step's tokens have no KV
+        (True if it stopped a row: preempted or cut)."""
         stopped = False
         while self.decoding or self.prefilling:
             rows = len(self.decoding)
@@ -482,17 +482,15 @@ class SimInstance(InstanceHandle):
         self.cached_tokens += tokens
 
     def _evict(self) -> None:
-        """Take the room running rows need from the cached contexts, as the engine's free
-        list hands out blocks: the least recently freed context first, and each one from
-        its end, so a preempted response keeps the start of its context longest."""
+        """Take the room running rows need from cached contexts as the engine's free list
+        hands out blocks: the least recently freed first, each from its end."""
         excess = math.ceil(self.cached_tokens + self._running_kv() - self.capacity - EPS)
         while self.cache and excess > 0:
             key, tokens = next(iter(self.cache.items()))
             taken = min(tokens, excess)
+            self.cache[key] = tokens - taken  # in place: its LRU rank stays
             if taken == tokens:
                 self.cache.popitem(last=False)
-            else:
-                self.cache[key] = tokens - taken
             self.cached_tokens -= taken
             excess -= taken
 
