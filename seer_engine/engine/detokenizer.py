@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +44,14 @@ class Detokenizer:
         if text is None:
             text = self._piece_cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    @functools.cached_property
+    def chat_template_arguments(self) -> frozenset[str]:
+        """Names a template variable may not take: ``apply_chat_template``'s own
+        parameters (read from the tokenizer in use), and ``messages``, which it renders."""
+        params = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return frozenset(named | {"messages"})
 
     def apply_chat_template(
         self,

@@ -90,10 +90,10 @@ class InputProcessor:
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise InvalidRequestError("prompt is empty once tokenized")
-            outside = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            outside = self._first_outside_vocabulary(ids)
             if outside is not None:
                 raise InvalidRequestError(
-                    f"prompt tokenizes to token id {outside}, outside the model's vocabulary "
+                    f"prompt tokenizes to token id {ids[outside]}, outside the model's vocabulary "
                     f"(0..{self.vocab_size - 1}): the tokenizer does not match the model"
                 )
             return prompt, ids
@@ -109,8 +109,16 @@ class InputProcessor:
                 f"{what} has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                 "(at least one output token must fit)"
             )
-        for t in ids:
+        outside = self._first_outside_vocabulary(ids)
+        if outside is not None:
+            raise InvalidRequestError(
+                f"{what} token id {ids[outside]!r} is out of the vocabulary "
+                f"(valid ids: 0..{self.vocab_size - 1})"
+            )
+
+    def _first_outside_vocabulary(self, ids: Sequence[int]) -> int | None:
+        """Index of the first id that names no token of the model (a non-integer included)."""
+        for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"{what} token id {t!r} is out of the vocabulary (valid ids: 0..{self.vocab_size - 1})"
-                )
+                return i
+        return None

@@ -44,16 +44,6 @@ def _template_message(message: ChatMessage, index: int) -> dict:
     return out
 
 
-# apply_chat_template's own parameters: a template variable of the same name would clash.
-_TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    }
-)  # fmt: skip
-
-
 class OpenAIServingChat(ServingBase):
     async def render_prompt(self, req: ChatCompletionRequest) -> str:
         """The conversation as one prompt string, through the model's chat template.
@@ -71,14 +61,15 @@ class OpenAIServingChat(ServingBase):
                 param="continue_final_message",
             )
         kwargs = req.chat_template_kwargs or {}
-        reserved = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+        detokenizer = self.engine.detokenizer
+        reserved = sorted(set(kwargs) & detokenizer.chat_template_arguments)
         if reserved:
             raise APIError(
                 400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
             )
         messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
         render = functools.partial(
-            self.engine.detokenizer.apply_chat_template,
+            detokenizer.apply_chat_template,
             messages,
             req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
