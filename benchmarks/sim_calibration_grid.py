@@ -86,7 +86,8 @@ def plot(report: dict, path: Path) -> None:
 
     points = report["points"]
     panels = sorted({(p["extra_overhead_s"], p["kv_scale"]) for p in points})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True, squeeze=False)
+    width = max(6.5, 4.2 * len(panels))  # one panel still fits the title
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.8), sharey=True, squeeze=False)
     for ax, (overhead, kv) in zip(axes[0], panels):
         chosen = sorted((p for p in points if (p["extra_overhead_s"], p["kv_scale"]) == (overhead, kv)),
                         key=lambda p: p["across_sigma"])  # fmt: skip

@@ -166,7 +166,7 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
         (dict(kv_pool_gib=float("nan")), "--kv-pool-gib must be a finite number"),
         (dict(instance_timeout_s=float("nan")), "--instance-timeout must be a finite number"),
         (dict(starvation_s=float("inf")), "--starvation-s must be a finite number"),
-        (dict(context_order="longest"), "--context-order must be one of \\['wait', 'estimate'\\]"),
+        (dict(context_order="longest"), "--context-order must be one of \\['auto', 'wait', 'estimate'\\]"),
     ):
         with pytest.raises(ValueError, match=needle):
             RolloutConfig(**bad)

@@ -126,7 +126,7 @@ def test_context_order_reaches_the_context_manager_of_serve_and_rollout(model, t
         args = build_parser().parse_args([*command, "--context-order", "estimate"])
         assert RolloutConfig.from_cli_args(args).make_policy().context.order == "estimate"
         args = build_parser().parse_args(command)
-        assert RolloutConfig.from_cli_args(args).make_policy().context.order == "wait"
+        assert RolloutConfig.from_cli_args(args).make_policy().context.order == "auto"
     err = _error(_args(model, tmp_path, "--context-order", "longest"), capsys)
     assert "--context-order: invalid choice: 'longest'" in err
 

@@ -179,3 +179,39 @@ def test_groupmax_orders_known_prompts_by_estimate_only_when_asked(order):
         assert keys == ["long/1", "short/1", "new/1", "new/2"]
     with pytest.raises(ValueError, match="unknown context order"):
         ContextManager(order="longest")
+
+
+@pytest.mark.parametrize("spread", [0.1, 3.0])
+def test_auto_order_ranks_known_prompts_by_estimate_only_when_prompts_differ_far_more_than_siblings(spread):
+    """``order="auto"``: while prompts the history store knows differ in length about as
+    much as one prompt's responses do, the wait order; once they differ far more (log
+    sd across prompts over twice that within), longest estimate first, as "estimate"."""
+    import math
+
+    from seer_engine.rollout.context_manager import AUTO_MIN_PROMPTS
+    from seer_engine.rollout.history import HistoryStore
+
+    store = HistoryStore()
+    prompts = [[100 + k, 200 + k] for k in range(AUTO_MIN_PROMPTS)]
+    for k, tokens in enumerate(prompts):
+        center = 300 * math.exp(spread * (k - AUTO_MIN_PROMPTS / 2) / AUTO_MIN_PROMPTS)
+        for factor in (0.8, 1.0, 1.25):  # log sd within a prompt ~0.18
+            store.record(tokens, round(center * factor))
+    store.next_iteration()
+    ctx = ContextManager(starvation_s=1e6, history=store)
+    groups = [Group(f"p{k}", tokens, PARAMS, 3, 100_000, order=k) for k, tokens in enumerate(prompts)]
+    for g in groups[:-1]:
+        ctx.register(g, 100_000)
+    assert ctx.effective_order == "wait", "too few prompts known to tell"
+    ctx.take_changes()
+    ctx.register(groups[-1], 100_000)
+    expected = "estimate" if spread > 1 else "wait"
+    assert ctx.effective_order == expected
+    assert ctx.take_changes()[0] == (expected == "estimate"), "a switch re-keys every sample"
+    assert ctx.guard_s == (None if expected == "estimate" else 1e6), "the guard would undo the order"
+    first, last = groups[0], groups[-1]  # the shortest prompt waited longest
+    pending = [_sample(first, 1, enqueued=0.0), _sample(last, 1, enqueued=5.0)]
+    keys = [s.key for s in sorted(pending, key=lambda s: ctx.priority(s, now=6.0))]
+    assert keys == (["p7/1", "p0/1"] if expected == "estimate" else ["p0/1", "p7/1"])
+    assert ctx.spread.prompts == AUTO_MIN_PROMPTS
+    assert ContextManager(history=store, order="wait").effective_order == "wait"

@@ -37,6 +37,8 @@ def _error(args: list[str], capsys) -> str:
         (["--policy", "seer+history,oracle,seer+history"], "--policy names seer+history more than once"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--starvation-s", "-5"], "--starvation-s must be >= 0"),
+        (["--across-sigma", "-0.5"], "--across-sigma must be >= 0, got -0.5"),
+        (["--across-sigma", "nan"], "--across-sigma must be >= 0, got nan"),
     ],
 )
 def test_simulate_names_bad_arguments(args, message, capsys):
@@ -148,3 +150,32 @@ def test_context_order_reaches_the_context_manager_and_the_report(tmp_path, caps
     assert wait[1]["context+history"]["makespan_s"] != estimate[1]["context+history"]["makespan_s"]
     assert wait[1]["context+history"]["output_tokens"] == estimate[1]["context+history"]["output_tokens"]
     assert "invalid choice: 'longest'" in _error([*SMALL, "--context-order", "longest"], capsys)
+
+
+def test_across_sigma_spreads_the_group_lengths_and_is_reported(tmp_path):
+    """``--across-sigma`` replaces the setup's spread of group mean lengths: at 0 the
+    groups differ only by their prompts and samples, at 1.5 far more; both keep the
+    calibrated mean, and the report names the spread it ran."""
+    spread = {}
+    for sigma in ("0", "1.5"):
+        out = tmp_path / sigma
+        args = ["simulate", "--prompts", "64", "--samples", "4", "--instances", "2", "--max-tokens", "20000",
+                "--policy", "divided", "--across-sigma", sigma, "--report", str(out)]  # fmt: skip
+        assert main(args) == 0
+        report = json.loads((out / "moonlight" / "report.json").read_text())
+        assert report["meta"]["across_sigma"] == float(sigma)
+        spread[sigma] = report["policies"]["divided"]["output_tokens"]
+    from seer_engine.sim.setups import get_setup
+    from seer_engine.sim.simulator import synthetic_groups
+
+    s = get_setup("moonlight")
+    mean = round(s.mean_tokens * 20000 / s.max_tokens)
+    cv = {}
+    for sigma in (0.0, 1.5):
+        groups = synthetic_groups(64, 4, 20000, s.prompt_len, 0, mean, across_sigma=sigma)
+        means = [sum(g.lengths) / len(g.lengths) for g in groups]
+        avg = sum(means) / len(means)
+        cv[sigma] = (sum((m - avg) ** 2 for m in means) / len(means)) ** 0.5 / avg
+    assert cv[1.5] > 3 * cv[0.0]
+    assert spread["0"] != spread["1.5"]  # the same seed, another workload
+    assert get_setup("qwen2vl-72b").across_sigma > get_setup("moonlight").across_sigma

@@ -447,7 +447,7 @@ def _bench_policy(
     true_lengths: dict[str, int],
     starvation_s: float,
     history: HistoryStore | None = None,
-    context_order: str = "wait",
+    context_order: str = "auto",
 ):
     """A rollout policy by name; ``base+variant`` adds that speculative decoding
     (``seer+history``, ``context+history+group_tree``: ranks by ``history``)."""

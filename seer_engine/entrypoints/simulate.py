@@ -49,6 +49,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="override the setup's")
     p.add_argument("--chunk-tokens", type=int, default=None, help="override the setup's (paper: 8192)")
     p.add_argument("--starvation-s", type=float, default=None, help="the Context Manager's starvation guard")
+    p.add_argument(
+        "--across-sigma", type=float, default=None,
+        help="sd of the synthetic groups' log mean lengths (override; the setup's: sim/setups.py)",
+    )  # fmt: skip
     add_context_order_arg(p)
     p.add_argument(
         "--trace", default=None, help="replay this trace's lengths instead of the synthetic generator"
@@ -84,13 +88,15 @@ def _setups(args: argparse.Namespace) -> list:
     overrides = {
         "instances": args.instances, "prompts": args.prompts, "samples": args.samples,
         "max_tokens": args.max_tokens, "chunk_tokens": args.chunk_tokens, "starvation_s": args.starvation_s,
-        "profile": profile,
+        "profile": profile, "across_sigma": args.across_sigma,
     }  # fmt: skip
     for key in ("instances", "prompts", "samples", "max_tokens", "chunk_tokens"):
         if overrides[key] is not None and overrides[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
     if args.starvation_s is not None and args.starvation_s < 0:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
+    if args.across_sigma is not None and not args.across_sigma >= 0:
+        raise ValueError(f"--across-sigma must be >= 0, got {args.across_sigma}")
     return [_override(get_setup(n), {k: v for k, v in overrides.items() if v is not None}) for n in names]
 
 
@@ -123,6 +129,7 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
         setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed, setup.mean_tokens,
         iteration=iteration if repeat else 0, drift=args.drift if repeat else 0.0,
         prompt_len_sigma=setup.prompt_len_sigma, prompt_len_corr=setup.prompt_len_corr,
+        across_sigma=setup.across_sigma,
     )  # fmt: skip
 
 
@@ -278,7 +285,8 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
         "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,
         "starvation_s": setup.starvation_s, "iterations": args.iterations, "seed": args.seed,
         "workload": args.trace or "synthetic", "kv_pool": not args.no_kv_pool,
-        "mean_tokens": setup.mean_tokens, "repeat_prompts": args.repeat_prompts, "drift": args.drift,
+        "mean_tokens": setup.mean_tokens, "across_sigma": None if args.trace else setup.across_sigma,
+        "repeat_prompts": args.repeat_prompts, "drift": args.drift,
         "admission": args.admission, "backfill": args.backfill, "context_order": args.context_order,
         "acceptance": args.acceptance or "default",
         "history_acceptance": args.history_acceptance or "default",

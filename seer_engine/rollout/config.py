@@ -95,7 +95,7 @@ class RolloutConfig:
     instances: int = 1
     chunk_tokens: int = 8192
     starvation_s: float = DEFAULT_STARVATION_S
-    context_order: str = "wait"  # the Context Manager's (context_manager.ORDERS)
+    context_order: str = "auto"  # the Context Manager's (context_manager.ORDERS)
     # None: an instance per process for --instances N > 1, in this process for one.
     distributed_backend: str | None = None
     # None: "local" (shared memory on this host) when instances > 1, else "none".

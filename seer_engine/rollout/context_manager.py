@@ -24,9 +24,12 @@ as soon as its shortest response finishes. Why wait order first: a response that
 rejoins the back of the queue after each chunk keeps every long response moving, and
 longest-first across waits packs long contexts together, which leaves less KV for rows.
 ``order="estimate"`` ranks the groups the history store knows longest-estimate-first
-across waits instead: in the simulator it cuts the tail where most responses fit one
-chunk (qwen2vl-72b) and loses throughput where they span many (moonlight, kimi-k2).
-In the simulator the FIFO rotation alone is within 2% of the oracle's throughput on
+across waits instead. It pays where prompts differ in length far more than one
+prompt's responses do: the group estimate then says which responses are long. Where
+most of the spread is within groups (the Qwen3 trace), the guesses start some long
+responses late and lose throughput. ``order="auto"`` (the default) measures that ratio
+on the history store's lengths and picks between the two.
+In the simulator the FIFO rotation alone is within 2-4% of the oracle's throughput on
 moonlight and kimi-k2 (``benchmarks/results/simulator/README.md``). A starvation guard
 lets a request that waited too long go first (the probes and a server's mix of
 budgets can hold requests back).
@@ -35,6 +38,7 @@ budgets can hold requests back).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 from seer_engine.rollout.group_estimator import GroupMaxEstimator
@@ -43,10 +47,44 @@ from seer_engine.rollout.types import Group, RolloutSample
 
 PROBE_INDEX = 0  # the sample of each group that runs as its probe
 RULES = ("seer", "groupmax")
-# ``groupmax``'s order: "wait" (wait order first, the estimate among equal waits) or
+# ``groupmax``'s order: "wait" (wait order first, the estimate among equal waits),
 # "estimate" (groups the history store knows, longest estimate first across waits,
-# ahead of the rest, which keep the wait order).
-ORDERS = ("wait", "estimate")
+# ahead of the rest, which keep the wait order), or "auto": "estimate" once the history
+# store shows prompts differing in length far more than one prompt's responses do.
+ORDERS = ("auto", "wait", "estimate")
+# "auto" ranks by estimate when the sd of known prompts' mean log lengths exceeds this
+# many times the sd of log length within a prompt, over at least AUTO_MIN_PROMPTS known
+# prompts. Measured regimes (simulator): ratio ~1.5 (the Qwen3 trace's spread: the
+# estimate order loses 13-15%) and ~5 (qwen2vl-72b: it cuts the tail by 96%).
+AUTO_SPREAD_RATIO = 2.0
+AUTO_MIN_PROMPTS = 8
+
+
+class LengthSpread:
+    """How much prompts differ in length, against how much one prompt's responses do,
+    from earlier iterations' lengths (log scale; a prompt needs two lengths to count)."""
+
+    def __init__(self) -> None:
+        self.prompts = 0
+        self._sum = self._sumsq = self._within = 0.0
+
+    def add(self, lengths: list[int]) -> None:
+        logs = [math.log(x) for x in lengths if x > 0]
+        if len(logs) < 2:
+            return
+        mean = sum(logs) / len(logs)
+        self.prompts += 1
+        self._sum += mean
+        self._sumsq += mean * mean
+        self._within += sum((x - mean) ** 2 for x in logs) / len(logs)
+
+    def ratio(self) -> float:
+        """sd across prompts' mean log lengths over the mean within-prompt sd (0: too few prompts)."""
+        if self.prompts < AUTO_MIN_PROMPTS:
+            return 0.0
+        mean = self._sum / self.prompts
+        between = math.sqrt(max(0.0, self._sumsq / self.prompts - mean * mean))
+        return between / max(math.sqrt(self._within / self.prompts), 1e-9)
 
 
 @dataclass
@@ -65,10 +103,10 @@ DEFAULT_STARVATION_S = 120.0
 def add_context_order_arg(parser: argparse.ArgumentParser) -> None:
     """``--context-order``, as every command that runs the Context Manager takes it."""
     parser.add_argument(
-        "--context-order", choices=ORDERS, default="wait",
-        help="the Context Manager's order: wait order first (default), or, for prompts the history "
-        "store knows, longest estimate first across waits (raise --starvation-s with it: the guard "
-        "serves the oldest first)",
+        "--context-order", choices=ORDERS, default="auto",
+        help="the Context Manager's order: wait order first (wait), or, for prompts the history "
+        "store knows, longest estimate first across waits (estimate); auto (default): estimate once "
+        "the history shows prompts differing in length far more than their responses do",
     )  # fmt: skip
 
 
@@ -80,7 +118,7 @@ class ContextManager:
         probes: bool = True,
         estimator: GroupMaxEstimator | None = None,
         history: HistoryStore | None = None,
-        order: str = "wait",
+        order: str = "auto",
     ) -> None:
         """``history``: earlier iterations' lengths per prompt, the prior of each group
         (``groupmax``), recorded into as responses finish. ``order``: see ``ORDERS``."""
@@ -97,6 +135,9 @@ class ContextManager:
         self._groups: dict[str, _GroupState] = {}
         self._changed: set[str] = set()  # groups whose samples' rank keys changed (take_changes)
         self._epoch = self.estimator.epoch
+        self.spread = LengthSpread()  # of the prompts the history store knows ("auto")
+        self._by_estimate = order == "estimate"  # known prompts ranked across waits
+        self._reorder = False  # "auto" switched: every known prompt's key changed
 
     def register(self, group: Group, max_tokens: int) -> None:
         gid = group.group_id
@@ -109,6 +150,25 @@ class ContextManager:
             if seen:
                 self.estimator.set_history(gid, seen)
                 self._groups[gid].seen_before = True
+                self._measure_spread([x for x, _ in seen])
+
+    def _measure_spread(self, lengths: list[int]) -> None:
+        self.spread.add(lengths)
+        if self.order == "auto":
+            by_estimate = self.spread.ratio() > AUTO_SPREAD_RATIO
+            self._reorder |= by_estimate != self._by_estimate
+            self._by_estimate = by_estimate
+
+    @property
+    def guard_s(self) -> float | None:
+        """The starvation guard in force: none under the estimate order, which holds short
+        known prompts back on purpose (the guard would serve the oldest first and undo it)."""
+        return None if self._by_estimate else self.starvation_s
+
+    @property
+    def effective_order(self) -> str:
+        """The order now in force for prompts the history store knows ("wait" or "estimate")."""
+        return "estimate" if self._by_estimate else "wait"
 
     def raise_budget(self, group_id: str, max_tokens: int) -> None:
         """A response with a larger budget joined the group (online serving)."""
@@ -120,8 +180,8 @@ class ContextManager:
 
     def take_changes(self) -> tuple[bool, set[str]]:
         """(every key may have changed, groups whose keys changed) since the last call."""
-        everything = self.estimator.epoch != self._epoch
-        self._epoch = self.estimator.epoch
+        everything = self.estimator.epoch != self._epoch or self._reorder
+        self._epoch, self._reorder = self.estimator.epoch, False
         changed, self._changed = self._changed, set()
         return everything, changed
 
@@ -171,7 +231,8 @@ class ContextManager:
     def priority(self, sample: RolloutSample, now: float) -> tuple:
         """Smaller runs first: starving requests, then probes, then longest-first."""
         waited = now - sample.enqueued_at
-        if waited > self.starvation_s:
+        guard = self.guard_s
+        if guard is not None and waited > guard:
             return (0, -waited)
         return self.rank_key(sample)
 
@@ -184,7 +245,7 @@ class ContextManager:
         if self.rule == "groupmax":
             value = self.estimate(gid)
             tie = (-value, -sample.num_generated, sample.group.order, sample.sample_index)
-            if self.order == "estimate" and self._groups[gid].seen_before:
+            if self._by_estimate and self._groups[gid].seen_before:
                 return (2, 0, *tie)
             return (2, 1, sample.enqueued_at, *tie)
         return (2, -self.estimate(gid), sample.group.order, sample.sample_index)

@@ -78,7 +78,7 @@ class ContextAwarePolicy(RolloutPolicy):
 
     @property
     def starvation_s(self) -> float | None:  # type: ignore[override]
-        return self.context.starvation_s
+        return self.context.guard_s
 
     def rank_key(self, sample: RolloutSample) -> Any:
         if type(self).priority is not ContextAwarePolicy.priority:

@@ -190,7 +190,7 @@ def policy_for(
     max_tokens: int,
     starvation_s: float,
     history=None,
-    context_order: str = "wait",
+    context_order: str = "auto",
 ) -> RolloutPolicy:
     """``history``: the store a ``+history`` policy keeps across iterations;
     ``context_order``: the Context Manager's (``context_manager.ORDERS``)."""
