@@ -1,6 +1,10 @@
 """Markdown tables from `seer_engine simulate --report DIR` runs: per setup, iteration and
 policy, throughput against the same iteration's baseline and oracle, the tail, preemptions
-and chunk cuts. Usage: python benchmarks/sim_tables.py DIR [SETUP ...]"""
+and chunk cuts; or, with --targets, issue 13's targets for one setup across runs (seeds).
+
+    python benchmarks/sim_tables.py DIR [SETUP ...]
+    python benchmarks/sim_tables.py --targets SETUP DIR [DIR ...]
+"""
 
 from __future__ import annotations
 
@@ -30,7 +34,60 @@ def table(report: dict) -> list[str]:
     return lines
 
 
+# Issue 13's iteration-1 targets per setup: `divided` and `context` x baseline.
+FIRST_ITERATION = {"moonlight": (1.27, 1.32), "qwen2vl-72b": (1.28, 1.40), "kimi-k2": (1.04, 1.14)}
+
+
+def _ratios(report: dict) -> list[dict[str, float]]:
+    out = []
+    for run in report["iterations"]:
+        p = run["policies"]
+        tps = {name: m["throughput_tokens_per_s"] for name, m in p.items()}
+        base, oracle, base_tail = tps["baseline"], tps["oracle"], p["baseline"]["tail_s"]
+        out.append({
+            "divided": tps["divided"] / base, "context": tps["context"] / base,
+            "context_oracle": tps["context"] / oracle, "history_oracle": tps["context+history"] / oracle,
+            "seer_history": tps["seer+history"] / base, "tail": p["seer+history"]["tail_s"] / base_tail - 1,
+        })  # fmt: skip
+    return out
+
+
+def targets(setup: str, roots: list[Path]) -> list[str]:
+    """One row per target, one column per run: the figure, bold where it misses."""
+    runs = [_ratios(json.loads((root / setup / "report.json").read_text())) for root in roots]
+    div, ctx = FIRST_ITERATION[setup]
+    # (label, key, iterations it is judged on, passes, format)
+    rows = [
+        (f"it. 1 `divided` >= {div}x", "divided", slice(0, 1), lambda v: v >= div, "{:.2f}"),
+        (f"it. 1 `context` >= {ctx}x", "context", slice(0, 1), lambda v: v >= ctx, "{:.2f}"),
+        ("it. 1 `context` >= 90% of oracle", "context_oracle", slice(0, 1), lambda v: v >= 0.9, "{:.1%}"),
+        ("it. 2-3 `context+history` >= 97% of oracle", "history_oracle", slice(1, None), lambda v: v >= 0.97,
+         "{:.1%}"),
+        ("it. 2-3 `seer+history` >= 2.2x", "seer_history", slice(1, None), lambda v: v >= 2.2, "{:.2f}"),
+        ("it. 2-3 `seer+history` tail <= -85%", "tail", slice(1, None), lambda v: v <= -0.85, "{:+.0%}"),
+    ]  # fmt: skip
+    lines = [
+        "| target | " + " | ".join(f"run {k}" for k in range(len(roots))) + " | met |",
+        "|---|" + "---|" * len(roots) + "---|",
+    ]
+    for name, key, iterations, passes, fmt in rows:
+        cells, met, total = [], 0, 0
+        for run in runs:
+            parts = []
+            for figures in run[iterations]:
+                ok = passes(figures[key])
+                text = fmt.format(figures[key])
+                parts.append(text if ok else f"**{text}**")
+                met, total = met + ok, total + 1
+            cells.append(" / ".join(parts))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {met} of {total} |")
+    return lines
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--targets":
+        print("\n".join(targets(argv[1], [Path(a) for a in argv[2:]])))
+        return 0
     root = Path(argv[0])
     setups = argv[1:] or sorted(p.name for p in root.iterdir() if (p / "report.json").exists())
     for setup in setups:
