@@ -179,3 +179,15 @@ def test_across_sigma_spreads_the_group_lengths_and_is_reported(tmp_path):
     assert cv[1.5] > 3 * cv[0.0]
     assert spread["0"] != spread["1.5"]  # the same seed, another workload
     assert get_setup("qwen2vl-72b").across_sigma > get_setup("moonlight").across_sigma
+
+
+def test_simulate_says_which_context_order_auto_chose(tmp_path, capsys):
+    """Once the history store knows the prompts, ``simulate`` prints the order ``auto``
+    put in force and the spread it measured: groups this unequal get ``estimate``."""
+    args = ["simulate", "--prompts", "16", "--samples", "4", "--instances", "2", "--max-tokens", "4000",
+            "--chunk-tokens", "256", "--iterations", "2", "--repeat-prompts", "--across-sigma", "3",
+            "--policy", "context+history"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "iter 1/2 context+history] context order" not in out, "nothing known in iteration 1"
+    assert "iter 2/2 context+history] context order for known prompts: estimate" in out
