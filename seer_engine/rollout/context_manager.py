@@ -162,7 +162,9 @@ class ContextManager:
     @property
     def guard_s(self) -> float | None:
         """The starvation guard in force: none under the estimate order, which holds short
-        known prompts back on purpose (the guard would serve the oldest first and undo it)."""
+        known prompts back on purpose (the guard would serve the oldest first and undo it).
+        So a server fed longer known prompts without pause can hold a short one back until
+        they stop; ``order="wait"`` keeps the guard."""
         return None if self._by_estimate else self.starvation_s
 
     @property
