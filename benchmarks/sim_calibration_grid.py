@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from seer_engine.sim.diagnostics import diagnostics
-from seer_engine.sim.setups import get_setup
+from seer_engine.sim.setups import PAPER_ABLATION, get_setup
 from seer_engine.sim.simulator import policy_for, simulate, synthetic_groups
 
 RUNS = (
@@ -71,8 +71,6 @@ def point(setup_name: str, across: float, overhead_s: float, kv_scale: float, se
     return out
 
 
-# The paper's ablation (Table 4): + divided rollout, + context-aware scheduling, x veRL.
-PAPER_ABLATION = {"moonlight": (1.41, 1.47), "qwen2vl-72b": (1.42, 1.56), "kimi-k2": (1.16, 1.27)}
 STYLES = (("divided", "o-"), ("context", "s-"), ("oracle", "^--"), ("oracle/peak-known", "v:"))
 
 

@@ -218,10 +218,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                 m = results[name].metrics
                 print(f"[{label}] simulated {m.makespan_s:,.0f}s in {time.perf_counter() - start:.1f}s wall",
                       flush=True)  # fmt: skip
-                context = getattr(policy, "context", None)
-                if context is not None and context.spread.prompts:
-                    spread = context.spread.ratio()
-                    print(f"[{label}] context order for known prompts: {context.effective_order} "
+                if policy.context.spread.prompts:
+                    spread = policy.context.spread.ratio()
+                    print(f"[{label}] context order for known prompts: {policy.context.effective_order} "
                           f"(their length spread is {spread:.2f}x the within-prompt one)")  # fmt: skip
             runs.append(results)
             print(format_table(results))

@@ -160,6 +160,12 @@ KIMI_K2 = Setup(
 
 SETUPS: dict[str, Setup] = {s.name: s for s in (MOONLIGHT, QWEN2VL_72B, KIMI_K2)}
 
+# The paper's ablation (Table 4, its 5th iteration): + divided rollout, + context-aware
+# scheduling, throughput x veRL.
+PAPER_ABLATION: dict[str, tuple[float, float]] = {
+    "moonlight": (1.41, 1.47), "qwen2vl-72b": (1.42, 1.56), "kimi-k2": (1.16, 1.27),
+}  # fmt: skip
+
 
 def get_setup(name: str) -> Setup:
     if name not in SETUPS:
