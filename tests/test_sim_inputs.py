@@ -39,6 +39,8 @@ def _error(args: list[str], capsys) -> str:
         (["--starvation-s", "-5"], "--starvation-s must be >= 0"),
         (["--across-sigma", "-0.5"], "--across-sigma must be >= 0, got -0.5"),
         (["--across-sigma", "nan"], "--across-sigma must be >= 0, got nan"),
+        (["--across-sigma", "inf"], "--across-sigma must be at most 4, got inf"),
+        (["--across-sigma", "1e6"], "--across-sigma must be at most 4, got 1000000.0"),
     ],
 )
 def test_simulate_names_bad_arguments(args, message, capsys):

@@ -366,3 +366,5 @@ def test_repeated_prompts_keep_their_length_distribution():
         synthetic_workload(2, 8, 100, mean_len=100)
     with pytest.raises(ValueError, match="drift"):
         synthetic_workload(2, 8, 100, drift=-1.0)
+    with pytest.raises(ValueError, match=r"across_sigma must be in \[0, 4\], got 40"):
+        synthetic_workload(2, 8, 100, across_sigma=40.0)

@@ -25,6 +25,7 @@ from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import HISTORY_SUFFIX, distinct_policies, rollout_policy_names
 from seer_engine.rollout.report import Progress, format_table, policy_summary, writable_dir, write_report
 from seer_engine.sim.admission import KNOWN_ENDS
+from seer_engine.workloads.synthetic import MAX_ACROSS_SIGMA
 
 
 def add_cli(subparsers) -> None:
@@ -97,6 +98,8 @@ def _setups(args: argparse.Namespace) -> list:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     if args.across_sigma is not None and not args.across_sigma >= 0:
         raise ValueError(f"--across-sigma must be >= 0, got {args.across_sigma}")
+    if args.across_sigma is not None and args.across_sigma > MAX_ACROSS_SIGMA:
+        raise ValueError(f"--across-sigma must be at most {MAX_ACROSS_SIGMA:g}, got {args.across_sigma}")
     return [_override(get_setup(n), {k: v for k, v in overrides.items() if v is not None}) for n in names]
 
 

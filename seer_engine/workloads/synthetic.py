@@ -55,6 +55,11 @@ FIT: dict[str, float] = {
 }
 
 
+# Group means spread over e^(+-4 x across_sigma) around the median at two sd; past this
+# the length scale leaves float range (and no workload spreads that far).
+MAX_ACROSS_SIGMA = 4.0
+
+
 @lru_cache(maxsize=32)
 def _population_quantile(across: float, within: float, spread: float, quantile: float) -> float:
     """Quantile of the generative length distribution (median group mean = 1), by fixed-seed Monte Carlo.
@@ -255,6 +260,8 @@ def synthetic_workload(
         raise ValueError(f"vocab_size {vocab_size} leaves no token ids at or above {first_token_id}")
     if iteration < 0 or drift < 0:
         raise ValueError(f"iteration and drift must be >= 0, got {iteration} and {drift}")
+    if not 0.0 <= across_sigma <= MAX_ACROSS_SIGMA:
+        raise ValueError(f"across_sigma must be in [0, {MAX_ACROSS_SIGMA:g}], got {across_sigma}")
     if prompt_len_sigma < 0 or not -1.0 <= prompt_len_corr <= 1.0:
         raise ValueError("prompt_len_sigma must be >= 0 and prompt_len_corr in [-1, 1]")
     if mean_len is not None:
