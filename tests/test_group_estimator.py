@@ -10,6 +10,7 @@ import pytest
 from seer_engine.rollout.context_manager import ContextManager
 from seer_engine.rollout.group_estimator import GroupMaxEstimator
 from seer_engine.rollout.history import HistoryStore
+from seer_engine.rollout.policies import ContextAwarePolicy
 from seer_engine.rollout.types import Group, RolloutSample
 from seer_engine.sampling_params import SamplingParams
 
@@ -131,7 +132,7 @@ def test_context_manager_order_by_estimated_group_maximum():
         _sample(groups["c"], 1, 0),
         _sample(groups["c"], 0, 4000, chunks=1),  # c's probe after its first chunk
     ]
-    order = sorted(pending, key=lambda s: ctx.priority(s, now=0.0))
+    order = ContextAwarePolicy(ctx).order(pending, now=0.0)
     assert [s.key for s in order] == ["b/0", "b/1", "b/2", "c/0", "c/1", "a/0"]
     assert ctx.take_changes()[1] == {"a", "b"}, "the groups whose keys moved"
     assert ctx.take_changes() == (False, set())
@@ -154,11 +155,12 @@ def test_context_manager_serves_wait_order_first_and_estimates_among_equal_waits
     waiting = _sample(short, 3, 0)  # in the buffer since t = 0
     together = _sample(long, 2, 12000, chunks=2)
     together.enqueued_at = 50.0
-    order = sorted([requeued, waiting, together], key=lambda s: ctx.priority(s, now=60.0))
+    order = ContextAwarePolicy(ctx).order([requeued, waiting, together], now=60.0)
     assert [s.key for s in order] == ["s/3", "l/1", "l/2"], "wait order first; longest group among equals"
     shorter = _sample(short, 0, 400, chunks=1)
     shorter.enqueued_at = 50.0
-    assert ctx.priority(together, 60.0) < ctx.priority(shorter, 60.0)
+    policy = ContextAwarePolicy(ctx)
+    assert policy.priority(together, 60.0) < policy.priority(shorter, 60.0)
 
 
 def test_context_manager_records_into_and_reads_from_its_history():
@@ -197,4 +199,5 @@ def test_seer_rule_keeps_the_papers_order():
     ctx.on_finished(_sample(a, 1, 500, chunks=1))
     assert ctx.estimate("a") == 500 and ctx.estimate("b") == MAX
     probe_a, probe_b = _sample(a, 0, 300, chunks=1), _sample(b, 0, 300, chunks=1)
-    assert ctx.priority(probe_b, 0.0) < ctx.priority(probe_a, 0.0), "b's probe still probes"
+    policy = ContextAwarePolicy(ctx)
+    assert policy.priority(probe_b, 0.0) < policy.priority(probe_a, 0.0), "b's probe still probes"

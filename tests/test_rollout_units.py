@@ -9,7 +9,7 @@ from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.context_manager import ContextManager
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.policies import DividedPolicy
+from seer_engine.rollout.policies import ContextAwarePolicy, DividedPolicy
 from seer_engine.rollout.request_buffer import RequestBuffer
 from seer_engine.rollout.types import Group, InstanceInfo, RolloutSample
 from seer_engine.sampling_params import SamplingParams
@@ -140,7 +140,7 @@ def test_context_manager_order():
         _sample(groups[0], 0, generated=10),  # probe with 10 generated
         _sample(groups[2], 2, enqueued=-500.0),  # starving
     ]
-    order = sorted(pending, key=lambda s: ctx.priority(s, now=0.0))
+    order = ContextAwarePolicy(ctx).order(pending, now=0.0)
     assert [s.key for s in order] == ["g2/2", "g0/0", "g3/0", "g0/1", "g2/1", "g1/1"]
 
 
@@ -172,7 +172,7 @@ def test_groupmax_orders_known_prompts_by_estimate_only_when_asked(order):
         _sample(groups["long"], 1, generated=32, enqueued=5.0),
         _sample(groups["new"], 2, generated=32, enqueued=3.0),
     ]
-    keys = [s.key for s in sorted(pending, key=lambda s: ctx.priority(s, now=6.0))]
+    keys = [s.key for s in ContextAwarePolicy(ctx).order(pending, now=6.0)]
     if order == "wait":
         assert keys == ["new/1", "short/1", "new/2", "long/1"]
     else:
@@ -211,7 +211,7 @@ def test_auto_order_ranks_known_prompts_by_estimate_only_when_prompts_differ_far
     assert ctx.guard_s == (None if expected == "estimate" else 1e6), "the guard would undo the order"
     first, last = groups[0], groups[-1]  # the shortest prompt waited longest
     pending = [_sample(first, 1, enqueued=0.0), _sample(last, 1, enqueued=5.0)]
-    keys = [s.key for s in sorted(pending, key=lambda s: ctx.priority(s, now=6.0))]
+    keys = [s.key for s in ContextAwarePolicy(ctx).order(pending, now=6.0)]
     assert keys == (["p7/1", "p0/1"] if expected == "estimate" else ["p0/1", "p7/1"])
     assert ctx.spread.prompts == AUTO_MIN_PROMPTS
     assert ContextManager(history=store, order="wait").effective_order == "wait"

@@ -151,9 +151,9 @@ def test_the_simulator_schedules_with_the_engines_own_classes():
     calls = []
 
     class Counting(ContextAwarePolicy):
-        def priority(self, sample, now):
+        def rank_key(self, sample):
             calls.append(sample.key)
-            return super().priority(sample, now)
+            return super().rank_key(sample)
 
     groups = _groups()
     result = simulate(groups, Counting(), _profile(), 3, MAX_TOKENS, 1024)

@@ -46,7 +46,7 @@ class Ranked(RolloutPolicy):
         super().__init__()
         self.rank = rank
 
-    def priority(self, sample, now):
+    def rank_key(self, sample):
         return (self.rank[sample.group.group_id], sample.sample_index)
 
 
@@ -135,6 +135,43 @@ def test_the_priority_index_hands_out_the_policy_order_as_keys_change():
         ranked.close()
         assert first == sorted(live, key=policy.rank_key)[:5]
         assert list(index.ranked(0.0)) == sorted(live, key=policy.rank_key)  # ...loses nothing
+
+
+def test_the_priority_index_serves_starving_samples_oldest_first_as_the_policy_says():
+    """The guard is stated once (``RolloutPolicy.priority``): the index, which marks
+    samples starving incrementally as time passes, hands out exactly that order."""
+    rng = random.Random(5)
+
+    class Guarded(RolloutPolicy):
+        starvation_s = 10.0
+
+        def __init__(self):
+            super().__init__()
+            self.value = {f"g{k}": rng.random() for k in range(12)}
+
+        def rank_key(self, sample):
+            return (self.value[sample.group.group_id], sample.sample_index)
+
+    policy = Guarded()
+    index = PriorityIndex(policy)
+    params = SamplingParams(max_tokens=10)
+    live = []
+    for k in range(12):
+        for i in range(3):
+            sample = RolloutSample(Group(f"g{k}", [1], params, 3, 10), i, 0, 10)
+            sample.enqueued_at = float(rng.randrange(0, 40))
+            live.append(sample)
+    for sample in sorted(live, key=lambda s: s.enqueued_at):  # the buffer adds in time order
+        index.add(sample)
+    for now in (0.0, 12.0, 25.5, 31.0, 60.0):
+        expected = policy.order(live, now)
+        assert list(index.ranked(now)) == expected
+        starving = [s for s in expected if now - s.enqueued_at > 10.0]
+        assert expected[: len(starving)] == sorted(starving, key=lambda s: s.enqueued_at)
+        gone = expected[len(expected) // 2]
+        index.remove(gone)
+        live.remove(gone)
+    assert len(index) == len(live)
 
 
 def test_reserve_holds_a_groups_prompt_once_per_instance():

@@ -226,21 +226,10 @@ class ContextManager:
             return False  # the group has shown (or an earlier iteration showed) its length
         return self.rule == "seer" or sample.chunks == 0
 
-    def priorities(self, samples: list[RolloutSample], now: float) -> list[tuple]:
-        """``priority`` of many samples."""
-        return [self.priority(sample, now) for sample in samples]
-
-    def priority(self, sample: RolloutSample, now: float) -> tuple:
-        """Smaller runs first: starving requests, then probes, then longest-first."""
-        waited = now - sample.enqueued_at
-        guard = self.guard_s
-        if guard is not None and waited > guard:
-            return (0, -waited)
-        return self.rank_key(sample)
-
     def rank_key(self, sample: RolloutSample) -> tuple:
-        """The priority of a sample that is not starving (it changes only when its
-        group's evidence does, which ``take_changes`` reports)."""
+        """The sample's place in the Context Manager's order (smaller first; it changes
+        only when its group's evidence does, which ``take_changes`` reports). The
+        starvation guard (``guard_s``) is applied over it by ``RolloutPolicy.priority``."""
         gid = sample.group.group_id
         if self._probing(sample):
             return (1, sample.num_generated, sample.group.order)

@@ -25,17 +25,27 @@ class RolloutPolicy:
     def __init__(self, context: ContextManager | None = None) -> None:
         self.context = context or ContextManager()
 
-    def priority(self, sample: RolloutSample, now: float) -> Any:
-        """Dispatch order among buffered samples (smaller first)."""
+    def rank_key(self, sample: RolloutSample) -> Any:
+        """The policy's own order among buffered samples (smaller first). It may change
+        only as ``take_changes`` says; a policy defines its order here."""
         return (sample.group.order, sample.sample_index)
 
-    def order(self, samples: list[RolloutSample], now: float) -> list[RolloutSample]:
-        """``samples`` in dispatch order (a policy may compute many keys at once faster)."""
-        return sorted(samples, key=lambda s: self.priority(s, now))
+    def starving(self, enqueued_at: float, now: float) -> bool:
+        """Whether a sample buffered since ``enqueued_at`` has waited past the guard."""
+        guard = self.starvation_s
+        return guard is not None and now - enqueued_at > guard
 
-    def rank_key(self, sample: RolloutSample) -> Any:
-        """``priority`` before any starvation: it changes only as ``take_changes`` says."""
-        return self.priority(sample, sample.enqueued_at)
+    def priority(self, sample: RolloutSample, now: float) -> tuple:
+        """Dispatch order (smaller first): samples past the starvation guard, oldest
+        first, ahead of everything else in ``rank_key`` order. The one statement of the
+        rule: the Request Buffer's ``PriorityIndex`` keys samples with it."""
+        if self.starving(sample.enqueued_at, now):
+            return (0, sample.enqueued_at)
+        return (1, self.rank_key(sample))
+
+    def order(self, samples: list[RolloutSample], now: float) -> list[RolloutSample]:
+        """``samples`` in dispatch order."""
+        return sorted(samples, key=lambda s: self.priority(s, now))
 
     def take_changes(self) -> tuple[bool, set[str]]:
         """(every rank key may have changed, groups whose samples' keys changed) since the
@@ -63,7 +73,7 @@ class DividedPolicy(RolloutPolicy):
 
     name = "divided"
 
-    def priority(self, sample: RolloutSample, now: float) -> Any:
+    def rank_key(self, sample: RolloutSample) -> Any:
         return (sample.enqueued_at, sample.group.order, sample.sample_index)
 
 
@@ -73,16 +83,11 @@ class ContextAwarePolicy(RolloutPolicy):
 
     name = "context"
 
-    def priority(self, sample: RolloutSample, now: float) -> Any:
-        return self.context.priority(sample, now)
-
     @property
     def starvation_s(self) -> float | None:  # type: ignore[override]
         return self.context.guard_s
 
     def rank_key(self, sample: RolloutSample) -> Any:
-        if type(self).priority is not ContextAwarePolicy.priority:
-            return super().rank_key(sample)  # a subclass changed the key: use it
         return self.context.rank_key(sample)
 
     def take_changes(self) -> tuple[bool, set[str]]:
@@ -90,12 +95,6 @@ class ContextAwarePolicy(RolloutPolicy):
 
     def engine_priority(self, sample: RolloutSample) -> int:
         return -self.context.estimate(sample.group.group_id)
-
-    def order(self, samples: list[RolloutSample], now: float) -> list[RolloutSample]:
-        if type(self).priority is not ContextAwarePolicy.priority:
-            return super().order(samples, now)  # a subclass changed the key: use it
-        keys = self.context.priorities(samples, now)
-        return [samples[i] for i in sorted(range(len(samples)), key=keys.__getitem__)]
 
 
 class SeerPolicy(ContextAwarePolicy):
@@ -115,7 +114,7 @@ class OraclePolicy(RolloutPolicy):
         super().__init__(context)
         self.true_lengths = true_lengths
 
-    def priority(self, sample: RolloutSample, now: float) -> Any:
+    def rank_key(self, sample: RolloutSample) -> Any:
         return (-self.true_lengths[sample.key], sample.group.order, sample.sample_index)
 
     def engine_priority(self, sample: RolloutSample) -> int:

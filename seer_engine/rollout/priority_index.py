@@ -20,9 +20,9 @@ from seer_engine.rollout.types import RolloutSample
 
 
 class RankedPolicy(Protocol):
-    starvation_s: float | None
+    def priority(self, sample: RolloutSample, now: float) -> Any: ...
 
-    def rank_key(self, sample: RolloutSample) -> Any: ...
+    def starving(self, enqueued_at: float, now: float) -> bool: ...
 
     def take_changes(self) -> tuple[bool, set[str]]: ...
 
@@ -33,21 +33,19 @@ class PriorityIndex:
         self._heap: list[list] = []  # [key, seq, sample]; entries of removed or re-keyed samples linger
         self._seq_of: dict[RolloutSample, int] = {}  # the live entry of each sample
         self._by_group: dict[str, set[RolloutSample]] = {}
-        self._arrivals: deque[tuple[float, int, RolloutSample]] = deque()  # enqueue order, for starvation
-        self._starving: set[RolloutSample] = set()
+        self._arrivals: deque[tuple[float, RolloutSample]] = deque()  # enqueue order, for starvation
         self._counter = itertools.count()
 
     def __len__(self) -> int:
         return len(self._seq_of)
 
     def add(self, sample: RolloutSample) -> None:
-        self._push(sample, self.policy.rank_key(sample))
+        self._push(sample, self.policy.priority(sample, sample.enqueued_at))
         self._by_group.setdefault(sample.group.group_id, set()).add(sample)
-        self._arrivals.append((sample.enqueued_at, self._seq_of[sample], sample))
+        self._arrivals.append((sample.enqueued_at, sample))
 
     def remove(self, sample: RolloutSample) -> None:
         del self._seq_of[sample]
-        self._starving.discard(sample)
         members = self._by_group[sample.group.group_id]
         members.discard(sample)
         if not members:
@@ -58,29 +56,21 @@ class PriorityIndex:
         self._seq_of[sample] = seq
         heapq.heappush(self._heap, [key, seq, sample])
 
-    def _starving_key(self, sample: RolloutSample, seq: int) -> tuple:
-        return (0, sample.enqueued_at, seq)  # ahead of every policy key (those start at 1 or more)
-
     def _refresh(self, now: float) -> None:
+        """Re-key what changed: samples that started to starve, then the policy's changes
+        (a key taken at ``now`` is the starving one for a sample past the guard)."""
         everything, groups = self.policy.take_changes()
-        starvation = self.policy.starvation_s
-        if starvation is not None:
-            while self._arrivals and now - self._arrivals[0][0] > starvation:
-                enqueued, seq, sample = self._arrivals.popleft()
-                if sample in self._seq_of and sample.enqueued_at == enqueued:
-                    self._starving.add(sample)
-                    self._push(sample, self._starving_key(sample, seq))
+        while self._arrivals and self.policy.starving(self._arrivals[0][0], now):
+            enqueued, sample = self._arrivals.popleft()
+            if sample in self._seq_of and sample.enqueued_at == enqueued:
+                self._push(sample, self.policy.priority(sample, now))
         if everything:
-            self._heap = [
-                [self._starving_key(s, seq) if s in self._starving else self.policy.rank_key(s), seq, s]
-                for s, seq in self._seq_of.items()
-            ]
+            self._heap = [[self.policy.priority(s, now), seq, s] for s, seq in self._seq_of.items()]
             heapq.heapify(self._heap)
             return
         for gid in groups:
             for sample in self._by_group.get(gid, ()):
-                if sample not in self._starving:
-                    self._push(sample, self.policy.rank_key(sample))
+                self._push(sample, self.policy.priority(sample, now))
         if len(self._heap) > 4 * len(self._seq_of) + 64:  # mostly dead entries: compact
             self._heap = [e for e in self._heap if self._seq_of.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
