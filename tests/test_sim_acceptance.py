@@ -157,13 +157,6 @@ def test_accepted_per_step_interpolates_and_clamps():
     assert [m.stage_bin(s) for s in (-1, 0, 0.3, 0.5, 0.99, 1, 2)] == [0, 0, 0, 1, 1, 1, 1]
 
 
-def test_per_token_rate_is_budget_one_clamped():
-    m = table()
-    assert m.per_token_rate(0.2) == pytest.approx(0.4)
-    high = AcceptanceModel((1, 2), (0.0, 1.0), ((1.3, 2.0),))
-    assert high.per_token_rate(0.5) == 0.999
-
-
 def test_a_table_with_coverage_bins_reads_the_coverage_row(tmp_path):
     m = AcceptanceModel(
         (1, 2), (0.0, 0.5, 1.0),
@@ -174,7 +167,6 @@ def test_a_table_with_coverage_bins_reads_the_coverage_row(tmp_path):
     assert m.accepted_per_step(2, 0.1, 0.7) == pytest.approx(1.0)
     assert m.accepted_per_step(1, 0.9, 0.7) == pytest.approx(0.7)
     assert m.accepted_per_step(2, 0.9) == pytest.approx(0.4)  # coverage defaults to 0
-    assert m.per_token_rate(0.9, 1.0) == pytest.approx(0.7)
     assert m.drafted_per_step(5, 0.0, 1.0) == 5  # no drafted table: every budget in full
     assert AcceptanceModel.load(m.save(tmp_path / "c.json")) == m
     with pytest.raises(ValueError, match="2 stage rows of 2 coverage rows of 2 budgets"):

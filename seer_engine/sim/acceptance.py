@@ -164,10 +164,6 @@ class AcceptanceModel(SavedAsJson):
             return max(0.0, budget)
         return min(max(0.0, budget), self._interpolate(self._row(self.drafted, stage, coverage), budget))
 
-    def per_token_rate(self, stage: float, coverage: float = 0.0) -> float:
-        """Acceptance probability of a single draft token (what budget 1 accepts per step)."""
-        return min(0.999, max(0.0, self.accepted_per_step(1, stage, coverage)))
-
     def _row(self, table, stage: float, coverage: float) -> tuple[float, ...]:
         row = table[self.stage_bin(stage)]
         return row if len(self.coverage_edges) == 2 else row[self.coverage_bin(coverage)]

@@ -69,6 +69,7 @@ class SimInstance(InstanceHandle):
         self.decoding: dict[str, SimRequest] = {}
         self._ends: list[tuple[float, int, str]] = []  # (progress_end, order, request id), lazily pruned
         self._context_base = 0.0  # sum of (context - progress_start) over decoding rows
+        self._start_sum = 0.0  # sum of progress_start over decoding rows
         self.prefilling: list[SimRequest] = []
         self.waiting: list[SimRequest] = []
         self.cache: OrderedDict[str, int] = OrderedDict()  # response key -> context tokens, LRU first
@@ -283,7 +284,8 @@ class SimInstance(InstanceHandle):
             m.c_s_per_kv_token * self._decoding_context() / rows if m.kv_per_query else 0
         )
         cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0), rows) - m.b_s_per_token * rows, per_token)
-        drafted, accepted = self.speculation.rates(rows, stage, coverage, cost)
+        chunk_tokens = self.progress - self._start_sum / rows  # the rows' mean, on this instance
+        drafted, accepted = self.speculation.rates(rows, stage, coverage, cost, chunk_tokens)
         return 1.0 + accepted, drafted
 
     def _admissible(self, budget: float, growth: float) -> list[SimRequest]:
@@ -463,11 +465,13 @@ class SimInstance(InstanceHandle):
         req.progress_start = self.progress
         self.decoding[req.request_id] = req
         self._context_base += req.context - self.progress
+        self._start_sum += self.progress
         heapq.heappush(self._ends, (self._progress_end(req), req.arrival_order, req.request_id))
 
     def _stop_decoding(self, rid: str) -> SimRequest:
         req = self.decoding.pop(rid)
         self._context_base -= req.context - req.progress_start
+        self._start_sum -= req.progress_start
         req.generated = min(req.end, req.generated + self.progress - req.progress_start)
         return req
 

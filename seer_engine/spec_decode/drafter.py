@@ -24,6 +24,14 @@ PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # an even prior: 1 accepted out of 2 tri
 DECAY = 0.8  # weight of the past at each verified draft
 
 
+def learnt_acceptance(accepted: float, tried: float, drafts: float) -> float:
+    """What a response's estimate reads after ``drafts`` verified drafts that each
+    accepted ``accepted`` of ``tried`` nodes (``Drafter.acceptance`` at steady rates; the
+    simulator's modeled drafters read it)."""
+    weight = (1.0 - DECAY ** max(drafts, 0.0)) / (1.0 - DECAY)
+    return (accepted * weight + PRIOR_ACCEPTED) / (tried * weight + PRIOR_TRIED)
+
+
 @dataclass
 class _Estimate:
     """A request's decayed acceptance counts, kept with the request they are learnt from
