@@ -37,8 +37,9 @@ class RolloutPolicy:
 
     def priority(self, sample: RolloutSample, now: float) -> tuple:
         """Dispatch order (smaller first): samples past the starvation guard, oldest
-        first, ahead of everything else in ``rank_key`` order. The one statement of the
-        rule: the Request Buffer's ``PriorityIndex`` keys samples with it."""
+        first (equals in the order they arrived), ahead of everything else in
+        ``rank_key`` order. The one statement of the rule: the Request Buffer's
+        ``PriorityIndex`` keys samples with it."""
         if self.starving(sample.enqueued_at, now):
             return (0, sample.enqueued_at)
         return (1, self.rank_key(sample))

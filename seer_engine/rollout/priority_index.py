@@ -30,8 +30,11 @@ class RankedPolicy(Protocol):
 class PriorityIndex:
     def __init__(self, policy: RankedPolicy) -> None:
         self.policy = policy
-        self._heap: list[list] = []  # [key, seq, sample]; entries of removed or re-keyed samples linger
-        self._seq_of: dict[RolloutSample, int] = {}  # the live entry of each sample
+        # [key, arrival, seq, sample]: equal keys go in arrival order; entries of removed
+        # or re-keyed samples linger (the live one is the sample's latest seq)
+        self._heap: list[list] = []
+        self._seq_of: dict[RolloutSample, int] = {}
+        self._arrival_of: dict[RolloutSample, int] = {}
         self._by_group: dict[str, set[RolloutSample]] = {}
         self._arrivals: deque[tuple[float, RolloutSample]] = deque()  # enqueue order, for starvation
         self._counter = itertools.count()
@@ -40,12 +43,13 @@ class PriorityIndex:
         return len(self._seq_of)
 
     def add(self, sample: RolloutSample) -> None:
+        self._arrival_of[sample] = next(self._counter)
         self._push(sample, self.policy.priority(sample, sample.enqueued_at))
         self._by_group.setdefault(sample.group.group_id, set()).add(sample)
         self._arrivals.append((sample.enqueued_at, sample))
 
     def remove(self, sample: RolloutSample) -> None:
-        del self._seq_of[sample]
+        del self._seq_of[sample], self._arrival_of[sample]
         members = self._by_group[sample.group.group_id]
         members.discard(sample)
         if not members:
@@ -54,7 +58,7 @@ class PriorityIndex:
     def _push(self, sample: RolloutSample, key: Any) -> None:
         seq = next(self._counter)
         self._seq_of[sample] = seq
-        heapq.heappush(self._heap, [key, seq, sample])
+        heapq.heappush(self._heap, [key, self._arrival_of[sample], seq, sample])
 
     def _refresh(self, now: float) -> None:
         """Re-key what changed: samples that started to starve, then the policy's changes
@@ -65,14 +69,16 @@ class PriorityIndex:
             if sample in self._seq_of and sample.enqueued_at == enqueued:
                 self._push(sample, self.policy.priority(sample, now))
         if everything:
-            self._heap = [[self.policy.priority(s, now), seq, s] for s, seq in self._seq_of.items()]
+            self._heap = [
+                [self.policy.priority(s, now), self._arrival_of[s], seq, s] for s, seq in self._seq_of.items()
+            ]
             heapq.heapify(self._heap)
             return
         for gid in groups:
             for sample in self._by_group.get(gid, ()):
                 self._push(sample, self.policy.priority(sample, now))
         if len(self._heap) > 4 * len(self._seq_of) + 64:  # mostly dead entries: compact
-            self._heap = [e for e in self._heap if self._seq_of.get(e[2]) == e[1]]
+            self._heap = [e for e in self._heap if self._seq_of.get(e[3]) == e[2]]
             heapq.heapify(self._heap)
 
     def ranked(self, now: float) -> Iterator[RolloutSample]:
@@ -83,11 +89,11 @@ class PriorityIndex:
         try:
             while self._heap:
                 entry = heapq.heappop(self._heap)
-                if self._seq_of.get(entry[2]) != entry[1]:
+                if self._seq_of.get(entry[3]) != entry[2]:
                     continue  # removed, or re-keyed since
                 taken.append(entry)
-                yield entry[2]
+                yield entry[3]
         finally:
             for entry in taken:
-                if self._seq_of.get(entry[2]) == entry[1]:
+                if self._seq_of.get(entry[3]) == entry[2]:
                     heapq.heappush(self._heap, entry)
