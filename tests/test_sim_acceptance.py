@@ -240,3 +240,34 @@ def test_committed_fit_loads_and_is_sane():
     # so it does early for a row whose siblings have written ahead of it.
     assert m.accepted_per_step(16, 0.9) > m.accepted_per_step(16, 0.0)
     assert m.accepted_per_step(16, 0.0, 1.0) > m.accepted_per_step(16, 0.0, 0.0)
+
+
+def test_a_fit_records_the_command_that_made_it(game24_trace, tmp_path, capsys):
+    import importlib.util
+    import shlex
+
+    from seer_engine.sim.acceptance_replay import main
+
+    out = tmp_path / "fit.json"
+    argv = [
+        "--trace",
+        str(game24_trace),
+        "--groups",
+        "2",
+        "--samples",
+        "4",
+        "--budgets",
+        "1,2",
+        "--spreads",
+        "0",
+    ]
+    assert main([*argv, "--output", str(out)]) == 0
+    model = AcceptanceModel.load(out)
+    words = shlex.split(model.measured["command"])
+    assert words[:3] == ["python", "-m", "seer_engine.sim.acceptance_replay"] and words[3:] == [
+        *argv,
+        "--output",
+        str(out),
+    ]
+    assert importlib.util.find_spec(words[2]) is not None, "the recorded command runs"
+    assert model.derivation.startswith(f"`{model.measured['command']}`")

@@ -266,7 +266,7 @@ def _numbers(text: str, kind: type) -> tuple:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Fit on a trace and write the model (``python -m seer_engine.sim.acceptance``)."""
+    """Fit on a trace and write the model (``python -m seer_engine.sim.acceptance_replay``)."""
     from seer_engine.workloads.groups import select_groups
     from seer_engine.workloads.traces import load_trace
 
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spreads=_numbers(args.spreads, float),
         seed=args.seed,
     )
-    command = " ".join(["python -m seer_engine.sim.acceptance", *argv])
+    command = " ".join(["python -m seer_engine.sim.acceptance_replay", *argv])
     derivation = (
         f"`{command}`: exact-match replay of {len(groups)} groups (--groups {args.groups}) x "
         f"{args.samples} responses of {Path(args.trace).name} through the engine's C++ GroupSuffixTrees "
