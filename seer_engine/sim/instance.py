@@ -1,23 +1,19 @@
 """A modeled engine instance: continuous batching on a step-time model, no forward passes.
 
-It speaks the dispatcher's instance interface (``InstanceHandle``: submit, abort, step
-replies with the chunks that ended), so the simulator runs the engine's own
-dispatcher, policies, Context Manager and placement over it. Only the engine below
-that line is modeled, after the real scheduler: each step runs the decode rows, then
-prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in the
-engine's scheduling-policy order while sequences and KV allow; when KV runs out the
-policy's victim is preempted and recomputed later (a ``cuttable`` chunk that has new
-tokens is cut instead, as the real scheduler does: it ends where it is, keeping its KV,
-and its response returns to the buffer); a step that preempted admits nobody new. A
-chunk that ran here before finds what is left of its context in the prefix cache: when
-running requests need the room, the least recently freed context gives up its last
-tokens first, as the engine's free list hands out blocks. A chunk pulled from the KV
-pool pays the transfer, anything else recomputes.
+It speaks the dispatcher's instance interface (``InstanceHandle``), so the simulator
+runs the engine's own dispatcher, policies, Context Manager and placement over it. The
+engine below that line is modeled after the real scheduler: each step runs the decode
+rows, then prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in
+the scheduling policy's order while sequences and KV allow. When KV runs out the
+policy's victim is preempted and recomputed later (a ``cuttable`` chunk with new tokens
+is cut instead, keeping its KV); a step that preempted admits nobody new. A returning
+chunk finds what is left of its context in the prefix cache: running rows take the
+least recently freed context's last tokens first, as the engine's free list hands out
+blocks. A chunk pulled from the KV pool pays the transfer; anything else recomputes.
 
-Speed comes from one observation: between two events (a chunk ends, KV runs out, a
-chunk arrives) every decoding row gains the same tokens per step, so a run of decode
-steps has a closed form. Rows are kept in "progress" units: ``progress`` grows by the
-tokens each row gains per step, and a row ends when it reaches its ``progress_end``.
+Between two events (a chunk ends, KV runs out, a chunk arrives) every decoding row
+gains the same tokens per step, so a run of decode steps has a closed form: ``progress``
+grows by the tokens each row gains per step, and a row ends at its ``progress_end``.
 """
 
 from __future__ import annotations
