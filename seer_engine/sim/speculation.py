@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from seer_engine.sim.acceptance import COVERAGE_WINDOW
 from seer_engine.spec_decode.budget import StepCostModel, make_budget
-from seer_engine.spec_decode.drafter import PRIOR_ACCEPTED, PRIOR_TRIED, learnt_acceptance
+from seer_engine.spec_decode.drafter import learnt_acceptance
 
 
 class SimSpeculation:
@@ -58,7 +58,7 @@ class SimSpeculation:
         # The fixed cost moves with the batch's KV; two significant digits of its ratio
         # to the per-token cost decide the budget just as well and keep the cache small.
         ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
-        learnt = [PRIOR_ACCEPTED / PRIOR_TRIED] * len(bins)
+        learnt = [learnt_acceptance(0.0, 0.0, 0.0)] * len(bins)  # before any verdict: the prior
         for _ in range(FIXED_POINT_ROUNDS):
             rated = tuple((round(rate, 3), n) for rate, (_, n) in zip(learnt, bins))
             per_bin = []
