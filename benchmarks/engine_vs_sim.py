@@ -1,6 +1,7 @@
 """The real engine's policy order against the simulator's on the same workload: per
 iteration and policy, tokens/s (x baseline), engine / simulator, accepted draft tokens
-per step, and the order of policies by throughput. Reads `report.json` files written
+per step, the order of policies by throughput, and for the policies that draft, draft
+nodes per row and step and the share of them accepted. Reads `report.json` files written
 by `seer_engine bench rollout --report` and `seer_engine simulate --report`.
 
     python benchmarks/engine_vs_sim.py ENGINE_REPORT SIM_REPORT [SIM_REPORT ...] [--within 0.15]
@@ -54,6 +55,34 @@ def compare(engine: list[dict], sims: list[list[dict]], within: float) -> tuple[
     return lines, orders
 
 
+def _drafts(m: dict) -> str:
+    """Draft nodes verified per row and step, and the share accepted (rows' steps are
+    accepted tokens over accepted per step)."""
+    verified, accepted, per_step = (
+        m["draft_tokens_verified"],
+        m["draft_tokens_accepted"],
+        m["accepted_tokens_per_step"],
+    )
+    if not verified or not per_step:
+        return "- | -"
+    return f"{verified * per_step / accepted:.2f} | {accepted / verified:.3f}"
+
+
+def drafts(engine: list[dict], sims: list[list[dict]]) -> list[str]:
+    """Markdown lines: draft nodes per row-step and accepted per node, engine beside each sim."""
+    head = "| iteration | policy | engine nodes / row-step | engine accepted / node |"
+    head += "".join(
+        f" sim {k + 1} nodes / row-step | sim {k + 1} accepted / node |" for k in range(len(sims))
+    )
+    lines = [head, "|---|---|" + "---:|---:|" * (1 + len(sims))]
+    for it, pols in enumerate(engine):
+        for name, m in pols.items():
+            if m["draft_tokens_verified"]:
+                cells = [_drafts(m)] + [_drafts(sim[it][name]) for sim in sims]
+                lines.append(f"| {it + 1} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine", help="the engine's report.json (bench rollout --report)")
@@ -68,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, orders = compare(engine, sims, args.within)
     print("\n".join(f"sim {k + 1}: `{p}`" for k, p in enumerate(args.sims)) + "\n")
     print("\n".join(lines) + "\n\nOrder by throughput:\n\n" + "\n".join(orders))
+    print("\nDrafts:\n\n" + "\n".join(drafts(engine, sims)))
     return 0
 
 
