@@ -169,9 +169,6 @@ def test_the_modeled_engines_use_the_engines_scheduling_and_budget_policies(monk
         return real_allocate(self, requests, acceptance, max_nodes)
 
     monkeypatch.setattr(AdaptiveBudget, "allocate", allocate)
-    from seer_engine.sim import speculation as sim_speculation
-
-    sim_speculation._allocate.cache_clear()
     _run("seer", _groups(3))
     assert seen, "seer's draft budgets come from the engine's AdaptiveBudget"
     inst = SimInstance(0, _profile(), None, engine_policies.make_policy("fcfs"))

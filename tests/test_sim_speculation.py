@@ -1,8 +1,9 @@
-"""The modeled drafters size drafts from what the engine's drafter would have learnt:
-the estimate itself against the Drafter's, and the budget that follows from it."""
+"""The modeled drafters size drafts as the engine's drafter does: each response learns
+its own estimate from its verdicts since its chunk began, and the budget follows it."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -10,24 +11,11 @@ import pytest
 from seer_engine.core.draft import Acceptance
 from seer_engine.sim.acceptance import AcceptanceModel
 from seer_engine.sim.speculation import SimSpeculation
-from seer_engine.spec_decode.budget import FixedBudget, StepCostModel
+from seer_engine.spec_decode.budget import AdaptiveBudget, StepCostModel
 from seer_engine.spec_decode.config import SpeculativeConfig
-from seer_engine.spec_decode.drafter import PRIOR_ACCEPTED, PRIOR_TRIED, Drafter, learnt_acceptance
+from seer_engine.spec_decode.drafter import Drafter
 
 STEP = StepCostModel(fixed_s=0.03, per_token_s=0.0005)  # a GPU-like step: drafts pay in small batches
-
-
-@pytest.mark.parametrize("accepted, depth", [(0, 8), (2, 8), (8, 8), (3, 4)])
-def test_learnt_acceptance_is_what_the_drafter_learns_from_alike_verdicts(accepted, depth):
-    drafter = Drafter(SpeculativeConfig(), proposer=None, budget=FixedBudget())
-    request = SimpleNamespace(sequence_id="g/0")
-    tried = min(accepted + 1, depth)
-    prior = PRIOR_ACCEPTED / PRIOR_TRIED
-    assert drafter.acceptance(request) == learnt_acceptance(accepted, tried, 0) == prior
-    for k in range(1, 12):
-        verdict = Acceptance(list(range(accepted)), [0] * (accepted + 1), [0] * (accepted + 1), depth)
-        drafter._learn(request, verdict)
-        assert drafter.acceptance(request) == pytest.approx(learnt_acceptance(accepted, tried, k))
 
 
 def _model(low: float, high: float) -> AcceptanceModel:
@@ -52,8 +40,8 @@ def test_rows_start_each_chunk_at_the_prior_and_learn_their_own_rate():
     assert spec.rates(8, 0.5, uncovered, STEP, 200.0)[0] < fresh < spec.rates(8, 0.5, covered, STEP, 200.0)[0]
     # In a mixed batch the covered half gets the deeper drafts, so it accepts more per
     # node than a batch where every row drafted alike.
-    drafted, accepted = spec.rates(8, 0.5, mixed, STEP, 200.0)
-    alike_drafted, alike_accepted = spec.rates(8, 0.5, mixed, STEP, 0.0)
+    drafted, accepted, _ = spec.rates(8, 0.5, mixed, STEP, 200.0)
+    alike_drafted, alike_accepted, _ = spec.rates(8, 0.5, mixed, STEP, 0.0)
     assert accepted / drafted > alike_accepted / alike_drafted
 
 
@@ -61,3 +49,59 @@ def test_a_fixed_budget_drafts_in_full_whatever_was_learnt():
     spec = SimSpeculation(_model(0.05, 0.9), "fixed", 8)
     for chunk_tokens in (0.0, 500.0):
         assert spec.rates(4, 0.5, (0.5, 0.5), STEP, chunk_tokens)[0] == 8
+
+
+def _engine_drafting(p: float, rows: int, step: StepCostModel, rounds: int, batches: int) -> list[float]:
+    """Mean draft nodes per row at each step of a chunk, from the engine's own Drafter and
+    AdaptiveBudget over ``batches`` batches of ``rows`` responses whose draft nodes each
+    hold with probability ``p`` once the one before them did."""
+    totals = [0.0] * rounds
+    rng = random.Random(7)
+    for batch in range(batches):
+        drafter = Drafter(SpeculativeConfig(), proposer=None, budget=AdaptiveBudget(step))
+        requests = [SimpleNamespace(sequence_id=f"{batch}/{i}") for i in range(rows)]
+        for r in range(rounds):
+            for req, k in zip(requests, drafter.budget.allocate(requests, drafter.acceptance, 16)):
+                totals[r] += k / (rows * batches)
+                if k:
+                    m = 0
+                    while m < k and rng.random() < p:
+                        m += 1
+                    drafter._learn(req, Acceptance(list(range(m)), [0] * (m + 1), [0] * (m + 1), k))
+    return totals
+
+
+def test_the_modeled_drafting_follows_the_engines_drafter_through_a_chunk():
+    """Near the budget's threshold the responses' estimates spread: the ones whose drafts
+    failed stop drafting and never learn again in the chunk, so a batch drafts less and
+    less as its chunk goes on, as the engine's drafter does."""
+    p, rows, rounds, step = 0.45, 4, 60, StepCostModel(7e-4, 1e-4)
+    engine = _engine_drafting(p, rows, step, rounds, batches=300)
+    spec = SimSpeculation(_model(p, 0.9), "adaptive", 16)
+    modeled, chunk_tokens = [], 0.0
+    for _ in range(rounds):
+        rates = spec.rates(rows, 0.5, (1.0, 0.0), step, chunk_tokens)
+        modeled.append(rates.drafted)
+        chunk_tokens += 1.0 + rates.accepted
+
+    def window(xs, start):
+        return sum(xs[start : start + 10]) / 10
+
+    assert window(engine, 50) < 0.6 * window(engine, 0), "the engine's drafting dies down in the chunk"
+    for start in range(0, rounds, 10):
+        assert window(modeled, start) == pytest.approx(window(engine, start), rel=0.15, abs=0.05), (
+            start,
+            [round(x, 2) for x in engine[::5]],
+            [round(x, 2) for x in modeled[::5]],
+        )
+
+
+def test_a_segment_of_steady_drafting_ends_where_the_rates_change():
+    spec = SimSpeculation(_model(0.45, 0.9), "adaptive", 16)
+    step = StepCostModel(7e-4, 1e-4)
+    rates = spec.rates(4, 0.5, (1.0, 0.0), step, 0.0)
+    assert 0 < rates.steady_tokens < 100
+    assert spec.rates(4, 0.5, (1.0, 0.0), step, rates.steady_tokens * 0.999)[:2] == rates[:2]
+    assert spec.rates(4, 0.5, (1.0, 0.0), step, rates.steady_tokens)[:2] != rates[:2]
+    # A batch too large for any draft to pay at the prior never drafts, so never learns.
+    assert spec.rates(64, 0.5, (1.0, 0.0), step, 0.0) == (0.0, 0.0, float("inf"))

@@ -6,14 +6,13 @@ engine below that line is modeled after the real scheduler: each step runs the d
 rows, then prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in
 the scheduling policy's order while sequences and KV allow. When KV runs out the
 policy's victim is preempted and recomputed later (a ``cuttable`` chunk with new tokens
-is cut instead, keeping its KV); a step that preempted admits nobody new. A returning
-chunk finds what is left of its context in the prefix cache: running rows take the
-least recently freed context's last tokens first, as the engine's free list hands out
-blocks. A chunk pulled from the KV pool pays the transfer; anything else recomputes.
+is cut instead); a step that preempted admits nobody new. A returning chunk finds what
+is left of its context in the prefix cache (freed blocks go least recently freed
+first) or pulls it from the KV pool, paying the transfer.
 
-Between two events (a chunk ends, KV runs out, a chunk arrives) every decoding row
-gains the same tokens per step, so a run of decode steps has a closed form: ``progress``
-grows by the tokens each row gains per step, and a row ends at its ``progress_end``.
+Between two events (a chunk ends or arrives, KV runs out, the rows' drafting changes)
+every decoding row gains the same tokens per step, so a run of decode steps has a closed
+form: ``progress`` grows by each row's gain per step; a row ends at its ``progress_end``.
 """
 
 from __future__ import annotations
@@ -198,7 +197,7 @@ class SimInstance(InstanceHandle):
     def _next_segment(self) -> Segment | None:
         stopped = self._preempt_until_growth_fits()
         rows = len(self.decoding)
-        gain, drafted = self._rates(rows)
+        gain, drafted, steady_tokens = self._rates(rows)
         budget = self.profile.max_num_batched_tokens - rows * (1 + drafted)
         prefill = []
         for req in self.prefilling:
@@ -211,7 +210,7 @@ class SimInstance(InstanceHandle):
         if not prefill and not admit:
             if not rows:
                 return None
-            return self._decode_segment(rows, gain, drafted)
+            return self._decode_segment(rows, gain, drafted, steady_tokens)
         tokens = rows * (1 + drafted) + sum(n for _, n in prefill)
         m = self.profile.step
         kv_read = self._decode_kv(drafted) + sum(m.kv_read(r.computed, n) for r, n in prefill)
@@ -226,8 +225,9 @@ class SimInstance(InstanceHandle):
         seconds = m.step_s(tokens, kv_read, rows * (1 + drafted) + ending) + self._carried_s
         return Segment(1, seconds, self.clock + seconds, rows, gain, drafted, prefill, admit)
 
-    def _decode_segment(self, rows: int, gain: float, drafted: float) -> Segment:
-        first_end = self._first_end()
+    def _decode_segment(self, rows: int, gain: float, drafted: float, steady_tokens: float) -> Segment:
+        """Steps until a row ends, the KV fills or the rows' drafting changes."""
+        first_end = min(self._first_end(), self.progress + steady_tokens)
         steps = max(1, math.ceil((first_end - self.progress) / gain - EPS))
         growth = rows * gain
         room = self.capacity - self._running_kv()
@@ -265,10 +265,10 @@ class SimInstance(InstanceHandle):
                 hi = mid - 1
         return lo
 
-    def _rates(self, rows: int) -> tuple[float, float]:
-        """(tokens gained, draft nodes) per decoding row and step."""
+    def _rates(self, rows: int) -> tuple[float, float, float]:
+        """(tokens gained, draft nodes) per decoding row and step, and for how many tokens."""
         if self.speculation is None or not rows:
-            return 1.0, 0.0
+            return 1.0, 0.0, math.inf
         stage = self.groups.mean_stage(self.world)
         coverage = (1.0,)
         if self.speculation.uses_coverage:
@@ -281,8 +281,8 @@ class SimInstance(InstanceHandle):
         )
         cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0), rows) - m.b_s_per_token * rows, per_token)
         chunk_tokens = self.progress - self._start_sum / rows  # the rows' mean, on this instance
-        drafted, accepted = self.speculation.rates(rows, stage, coverage, cost, chunk_tokens)
-        return 1.0 + accepted, drafted
+        drafted, accepted, steady_tokens = self.speculation.rates(rows, stage, coverage, cost, chunk_tokens)
+        return 1.0 + accepted, drafted, steady_tokens
 
     def _admissible(self, budget: float, growth: float) -> list[SimRequest]:
         """Waiting chunks the engine would admit this step, in its policy's order."""

@@ -3,11 +3,29 @@ policy sizes drafts, the acceptance model (fitted by trace replay) rewards them.
 
 from __future__ import annotations
 
-from functools import lru_cache
+import math
+import random
+from bisect import bisect_right
+from typing import NamedTuple
 
 from seer_engine.sim.acceptance import COVERAGE_WINDOW
 from seer_engine.spec_decode.budget import StepCostModel, make_budget
-from seer_engine.spec_decode.drafter import learnt_acceptance
+from seer_engine.spec_decode.drafter import estimate, learn
+
+PARTICLES = 256  # modeled responses per chunk trajectory, whatever the batch
+SETTLED_ROUNDS = 160  # past this many steps into a chunk its drafting no longer changes
+LOOKAHEAD_ROUNDS = 16  # steady rates are checked again after at most this many steps
+TAIL_ROUNDS = 32  # a settled chunk drafts as it did on average over its last rounds
+STEADY_NODES = 0.05  # draft rates within this (or 10%) of each other count as unchanged
+
+
+class DraftRates(NamedTuple):
+    """Per row and step: draft nodes verified, draft tokens accepted, and how many more
+    tokens of its chunk a row writes before these rates change (inf: they no longer do)."""
+
+    drafted: float
+    accepted: float
+    steady_tokens: float = math.inf
 
 
 class SimSpeculation:
@@ -22,6 +40,7 @@ class SimSpeculation:
         self.max_nodes = max_nodes
         self.pinned = pinned
         self.coverage_window = COVERAGE_WINDOW
+        self._chunks: dict[tuple, ChunkDrafting] = {}
 
     @property
     def coverage_bins(self) -> int:
@@ -42,46 +61,114 @@ class SimSpeculation:
         coverage: tuple[float, ...],
         step: StepCostModel,
         chunk_tokens: float = 0.0,
-    ) -> tuple[float, float]:
-        """(draft nodes, accepted tokens) per row and step for ``rows`` decoding rows at the
+    ) -> DraftRates:
+        """Draft nodes and accepted tokens per row and step for ``rows`` decoding rows at the
         rows' mean stage, ``coverage[b]`` of them in coverage bin ``b`` (``sim/acceptance.py``),
         that have written ``chunk_tokens`` of their current chunk on average.
 
-        The budget sizes each row's draft from the acceptance the engine's drafter would
-        have learnt for it by then (``learnt_acceptance``: an even prior, decayed counts,
-        restarted with each chunk's request), so rows that siblings cover get deeper
-        drafts. What a row learns depends on what the drafts it was given accepted: a few
-        rounds find the fixed point."""
+        Each response sizes its drafts from what its own verdicts taught it since its
+        chunk began (``ChunkDrafting``), so a batch drafts as its rows' estimates spread:
+        rows whose first drafts fail stop drafting, rows whose drafts land go deeper."""
         step = self.pinned or step
-        edges = self.acceptance.coverage_edges
-        bins = [(edges[b], n) for b, n in enumerate(_split(rows, coverage)) if n]
         # The fixed cost moves with the batch's KV; two significant digits of its ratio
         # to the per-token cost decide the budget just as well and keep the cache small.
         ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
-        learnt = [learnt_acceptance(0.0, 0.0, 0.0)] * len(bins)  # before any verdict: the prior
-        for _ in range(FIXED_POINT_ROUNDS):
-            rated = tuple((round(rate, 3), n) for rate, (_, n) in zip(learnt, bins))
-            per_bin = []
-            for (c, n), nodes in zip(bins, _allocate(self.budget, rated, ratio, self.max_nodes)):
-                drafted = sum(self.acceptance.drafted_per_step(k, stage, c) * m for k, m in nodes) / n
-                accepted = min(
-                    drafted, sum(self.acceptance.accepted_per_step(k, stage, c) * m for k, m in nodes) / n
-                )
-                per_bin.append((accepted, drafted))
-            moved = [
-                learnt_acceptance(a, min(a + 1.0, d), chunk_tokens / (1.0 + a) if d else 0.0)
-                for a, d in per_bin
-            ]
-            settled = max(abs(x - y) for x, y in zip(moved, learnt)) < 0.005
-            learnt = moved
-            if settled:
+        counts = tuple(_split(rows, coverage))
+        key = (counts, ratio, self.acceptance.stage_bin(stage))
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            chunk = self._chunks[key] = ChunkDrafting(self, counts, ratio, stage)
+        return chunk.at(chunk_tokens)
+
+
+class ChunkDrafting:
+    """A batch's drafting through one chunk, step by step: ``PARTICLES`` modeled responses,
+    spread over the coverage classes as the batch's rows are, each with the decayed
+    counts the engine's drafter keeps (``drafter.learn``), start at the prior. Every step
+    the engine's budget policy sizes their drafts from their estimates, over copies of
+    the batch (its fixed cost scaled alike, so the same nodes pay), and each draft
+    accepts a random share drawn from the acceptance model (a fixed seed: runs repeat).
+
+    The outcome of a draft of k nodes: it exists with the model's budget-1 drafted rate,
+    and accepts at least j nodes with the model's increment from budget j - 1 to j."""
+
+    def __init__(self, spec: SimSpeculation, counts: tuple[int, ...], ratio: float, stage: float) -> None:
+        model, cap, edges = spec.acceptance, spec.max_nodes, spec.acceptance.coverage_edges
+        rows = sum(counts)
+        copies = max(1, PARTICLES // rows)
+        self._policy = make_budget(spec.budget, StepCostModel(ratio * copies, 1.0))
+        self._cap = cap
+        self._classes = [b for b, n in enumerate(counts) for _ in range(n * copies)]
+        self._counts = [(0.0, 0.0)] * len(self._classes)
+        self._drafted, self._accepted, self._survival = {}, {}, {}
+        for b in set(self._classes):
+            c = edges[b]
+            accepted = [model.accepted_per_step(k, stage, c) for k in range(cap + 1)]
+            self._drafted[b] = [model.drafted_per_step(k, stage, c) for k in range(cap + 1)]
+            self._accepted[b] = [min(a, d) for a, d in zip(accepted, self._drafted[b])]
+            exists, survival = min(1.0, self._drafted[b][1]), [1.0]
+            for k in range(1, cap + 1):
+                survival.append(min(survival[-1], exists, max(0.0, accepted[k] - accepted[k - 1])))
+            self._survival[b] = (exists, survival)
+        self._rng = random.Random(0)
+        self._progress: list[float] = []  # chunk tokens written before each round
+        self._rounds: list[tuple[float, float]] = []  # (drafted, accepted) per row, each round
+        self._frozen = False  # a round in which nobody drafted: nobody learns, all rounds alike
+
+    def at(self, chunk_tokens: float) -> DraftRates:
+        """The rates in the step after ``chunk_tokens``, and for how many tokens they hold."""
+        i = self._round_at(chunk_tokens)
+        if i is None:
+            tail = self._rounds[-TAIL_ROUNDS:]
+            return DraftRates(sum(d for d, _ in tail) / len(tail), sum(a for _, a in tail) / len(tail))
+        drafted, accepted = self._rounds[i]
+        j = i + 1
+        while j <= i + LOOKAHEAD_ROUNDS:
+            if j == len(self._rounds):
+                if j == SETTLED_ROUNDS or self._frozen:
+                    return DraftRates(drafted, accepted)
+                self._round()
+            d, a = self._rounds[j]
+            if abs(d - drafted) > max(STEADY_NODES, 0.1 * drafted) or abs(a - accepted) > max(
+                STEADY_NODES, 0.1 * accepted
+            ):
                 break
-        accepted = sum(a * n for (a, _), (_, n) in zip(per_bin, bins)) / rows
-        drafted = sum(d * n for (_, d), (_, n) in zip(per_bin, bins)) / rows
-        return drafted, accepted
+            j += 1
+        return DraftRates(drafted, accepted, self._progress[min(j, len(self._progress) - 1)] - chunk_tokens)
 
+    def _round_at(self, chunk_tokens: float) -> int | None:
+        """The round a row is in after writing ``chunk_tokens`` (None: past the settled ones)."""
+        while (
+            len(self._rounds) < SETTLED_ROUNDS
+            and not self._frozen
+            and (not self._progress or self._progress[-1] <= chunk_tokens)
+        ):
+            self._round()
+        i = max(bisect_right(self._progress, chunk_tokens) - 1, 0)
+        if self._frozen and i == len(self._rounds) - 1:
+            return i
+        return None if i == SETTLED_ROUNDS - 1 and self._progress[-1] <= chunk_tokens else i
 
-FIXED_POINT_ROUNDS = 6
+    def _round(self) -> None:
+        rates = [estimate(a, t) for a, t in self._counts]
+        budgets = self._policy.allocate(range(len(rates)), rates.__getitem__, self._cap)
+        n = len(budgets)
+        drafted = sum(self._drafted[b][k] for b, k in zip(self._classes, budgets)) / n
+        accepted = sum(self._accepted[b][k] for b, k in zip(self._classes, budgets)) / n
+        self._progress.append(self._progress[-1] + 1.0 + self._rounds[-1][1] if self._rounds else 0.0)
+        self._rounds.append((drafted, accepted))
+        self._frozen = not any(budgets)
+        for i, (b, k) in enumerate(zip(self._classes, budgets)):
+            if k <= 0:
+                continue
+            u = self._rng.random()
+            exists, survival = self._survival[b]
+            if u >= exists:
+                continue  # nothing to draft from: no verdict, nothing learnt
+            m = 0
+            while m < k and u < survival[m + 1]:
+                m += 1
+            self._counts[i] = learn(*self._counts[i], m, k)
 
 
 def _split(rows: int, shares: tuple[float, ...]) -> list[int]:
@@ -92,22 +179,3 @@ def _split(rows: int, shares: tuple[float, ...]) -> list[int]:
     for b in by_remainder[: rows - sum(counts)]:
         counts[b] += 1
     return counts
-
-
-@lru_cache(maxsize=65536)
-def _allocate(
-    budget: str, rated: tuple[tuple[float, int], ...], ratio: float, max_nodes: int
-) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The engine's budget policy over rows that learnt ``rate`` in each (rate, how many
-    rows) class: per class, (nodes, how many rows) pairs."""
-    policy = make_budget(budget, StepCostModel(ratio, 1.0))
-    rates = [rate for rate, n in rated for _ in range(n)]
-    budgets = policy.allocate(range(len(rates)), rates.__getitem__, max_nodes)
-    out, start = [], 0
-    for _, n in rated:
-        counts: dict[int, int] = {}
-        for k in budgets[start : start + n]:
-            counts[k] = counts.get(k, 0) + 1
-        out.append(tuple(counts.items()))
-        start += n
-    return tuple(out)

@@ -24,12 +24,16 @@ PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # an even prior: 1 accepted out of 2 tri
 DECAY = 0.8  # weight of the past at each verified draft
 
 
-def learnt_acceptance(accepted: float, tried: float, drafts: float) -> float:
-    """What a response's estimate reads after ``drafts`` verified drafts that each
-    accepted ``accepted`` of ``tried`` nodes (``Drafter.acceptance`` at steady rates; the
-    simulator's modeled drafters read it)."""
-    weight = (1.0 - DECAY ** max(drafts, 0.0)) / (1.0 - DECAY)
-    return (accepted * weight + PRIOR_ACCEPTED) / (tried * weight + PRIOR_TRIED)
+def estimate(accepted: float, tried: float) -> float:
+    """A response's acceptance estimate from its decayed counts (the prior added)."""
+    return (accepted + PRIOR_ACCEPTED) / (tried + PRIOR_TRIED)
+
+
+def learn(accepted: float, tried: float, verdict_accepted: int, draft_depth: int) -> tuple[float, float]:
+    """The decayed counts after one verified draft of ``draft_depth`` that accepted
+    ``verdict_accepted`` nodes: the depths tried are those accepted and the first miss.
+    The simulator's modeled drafters learn by the same rule."""
+    return accepted * DECAY + verdict_accepted, tried * DECAY + min(verdict_accepted + 1, draft_depth)
 
 
 @dataclass
@@ -67,8 +71,7 @@ class Drafter:
 
     def acceptance(self, request: Request) -> float:
         e = self._estimates.get(request.sequence_id)
-        acc, tried = (e.accepted, e.tried) if e is not None else (0.0, 0.0)
-        return (acc + PRIOR_ACCEPTED) / (tried + PRIOR_TRIED)
+        return estimate(e.accepted, e.tried) if e is not None else estimate(0.0, 0.0)
 
     def after_step(
         self, updated: Sequence[Request], verdicts: dict[str, Acceptance], running: Sequence[Request]
@@ -100,14 +103,11 @@ class Drafter:
             del self._estimates[sid]
 
     def _learn(self, request: Request, verdict: Acceptance) -> None:
-        accepted = len(verdict.nodes)
-        tried = min(accepted + 1, verdict.draft_depth)
         e = self._estimates.get(request.sequence_id)
         if e is None:
             e = self._estimates[request.sequence_id] = _Estimate(request)
         e.request = request
-        e.accepted = e.accepted * DECAY + accepted
-        e.tried = e.tried * DECAY + tried
+        e.accepted, e.tried = learn(e.accepted, e.tried, len(verdict.nodes), verdict.draft_depth)
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set ``request.draft`` on every request that decodes next step and gets a budget."""
