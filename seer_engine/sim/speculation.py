@@ -4,9 +4,10 @@ policy sizes drafts, the acceptance model (fitted by trace replay) rewards them.
 from __future__ import annotations
 
 import math
-import random
 from bisect import bisect_right
 from typing import NamedTuple
+
+import numpy as np
 
 from seer_engine.sim.acceptance import COVERAGE_WINDOW
 from seer_engine.spec_decode.budget import StepCostModel, make_budget
@@ -94,23 +95,26 @@ class ChunkDrafting:
 
     def __init__(self, spec: SimSpeculation, counts: tuple[int, ...], ratio: float, stage: float) -> None:
         model, cap, edges = spec.acceptance, spec.max_nodes, spec.acceptance.coverage_edges
-        rows = sum(counts)
-        copies = max(1, PARTICLES // rows)
+        copies = max(1, PARTICLES // sum(counts))
         self._policy = make_budget(spec.budget, StepCostModel(ratio * copies, 1.0))
         self._cap = cap
-        self._classes = [b for b, n in enumerate(counts) for _ in range(n * copies)]
-        self._counts = [(0.0, 0.0)] * len(self._classes)
-        self._drafted, self._accepted, self._survival = {}, {}, {}
-        for b in set(self._classes):
-            c = edges[b]
-            accepted = [model.accepted_per_step(k, stage, c) for k in range(cap + 1)]
-            self._drafted[b] = [model.drafted_per_step(k, stage, c) for k in range(cap + 1)]
-            self._accepted[b] = [min(a, d) for a, d in zip(accepted, self._drafted[b])]
-            exists, survival = min(1.0, self._drafted[b][1]), [1.0]
-            for k in range(1, cap + 1):
-                survival.append(min(survival[-1], exists, max(0.0, accepted[k] - accepted[k - 1])))
-            self._survival[b] = (exists, survival)
-        self._rng = random.Random(0)
+        self._classes = np.repeat(np.arange(len(counts)), [n * copies for n in counts])
+        self._accepted_counts = np.zeros(len(self._classes))  # each response's decayed counts
+        self._tried_counts = np.zeros(len(self._classes))
+        budgets = range(cap + 1)
+        accepted = np.array(
+            [[model.accepted_per_step(k, stage, edges[b]) for k in budgets] for b in range(len(counts))]
+        )
+        self._drafted = np.array(
+            [[model.drafted_per_step(k, stage, edges[b]) for k in budgets] for b in range(len(counts))]
+        )
+        self._accepted = np.minimum(accepted, self._drafted)
+        self._exists = np.minimum(1.0, self._drafted[:, 1])
+        # P(at least j nodes accepted) for j >= 1: the increments, never rising, never above ``exists``.
+        steps = np.maximum(0.0, np.diff(accepted, axis=1))
+        self._survival = np.minimum.accumulate(np.minimum(steps, self._exists[:, None]), axis=1)
+        self._depths = np.arange(1, cap + 1)
+        self._rng = np.random.default_rng(0)
         self._progress: list[float] = []  # chunk tokens written before each round
         self._rounds: list[tuple[float, float]] = []  # (drafted, accepted) per row, each round
         self._frozen = False  # a round in which nobody drafted: nobody learns, all rounds alike
@@ -150,25 +154,21 @@ class ChunkDrafting:
         return None if i == SETTLED_ROUNDS - 1 and self._progress[-1] <= chunk_tokens else i
 
     def _round(self) -> None:
-        rates = [estimate(a, t) for a, t in self._counts]
-        budgets = self._policy.allocate(range(len(rates)), rates.__getitem__, self._cap)
-        n = len(budgets)
-        drafted = sum(self._drafted[b][k] for b, k in zip(self._classes, budgets)) / n
-        accepted = sum(self._accepted[b][k] for b, k in zip(self._classes, budgets)) / n
+        budgets = np.asarray(
+            self._policy.allocate_rates(estimate(self._accepted_counts, self._tried_counts), self._cap)
+        )
+        drafted = float(self._drafted[self._classes, budgets].mean())
+        accepted = float(self._accepted[self._classes, budgets].mean())
         self._progress.append(self._progress[-1] + 1.0 + self._rounds[-1][1] if self._rounds else 0.0)
         self._rounds.append((drafted, accepted))
-        self._frozen = not any(budgets)
-        for i, (b, k) in enumerate(zip(self._classes, budgets)):
-            if k <= 0:
-                continue
-            u = self._rng.random()
-            exists, survival = self._survival[b]
-            if u >= exists:
-                continue  # nothing to draft from: no verdict, nothing learnt
-            m = 0
-            while m < k and u < survival[m + 1]:
-                m += 1
-            self._counts[i] = learn(*self._counts[i], m, k)
+        self._frozen = not budgets.any()
+        u = self._rng.random(len(budgets))
+        verified = (budgets > 0) & (u < self._exists[self._classes])  # else nothing to draft from
+        held = u[:, None] < self._survival[self._classes]
+        nodes = (held & (self._depths[None, :] <= budgets[:, None])).sum(axis=1)
+        accepted_counts, tried_counts = learn(self._accepted_counts, self._tried_counts, nodes, budgets)
+        self._accepted_counts = np.where(verified, accepted_counts, self._accepted_counts)
+        self._tried_counts = np.where(verified, tried_counts, self._tried_counts)
 
 
 def _split(rows: int, shares: tuple[float, ...]) -> list[int]:

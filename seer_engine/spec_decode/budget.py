@@ -12,10 +12,11 @@ gets deep ones.
 
 from __future__ import annotations
 
-import heapq
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from seer_engine.core.request import Request
 
@@ -53,6 +54,11 @@ class BudgetPolicy:
         self, requests: Sequence[Request], acceptance: Callable[[Request], float], max_nodes: int
     ) -> list[int]:
         """Draft nodes per request (same order), each at most ``max_nodes``."""
+        return self.allocate_rates([acceptance(r) for r in requests], max_nodes)
+
+    def allocate_rates(self, rates: Sequence[float], max_nodes: int) -> list[int]:
+        """Draft nodes for requests whose drafts are accepted at ``rates`` per node (the
+        simulator's modeled drafters call this with their own estimates)."""
         raise NotImplementedError
 
 
@@ -61,8 +67,8 @@ class FixedBudget(BudgetPolicy):
 
     name = "fixed"
 
-    def allocate(self, requests, acceptance, max_nodes):
-        return [max_nodes] * len(requests)
+    def allocate_rates(self, rates, max_nodes):
+        return [max_nodes] * len(rates)
 
 
 class AdaptiveBudget(BudgetPolicy):
@@ -79,27 +85,26 @@ class AdaptiveBudget(BudgetPolicy):
             self._cost = self._cost()
         return self._cost
 
-    def allocate(self, requests, acceptance, max_nodes):
-        budgets = [0] * len(requests)
-        if not requests:
-            return budgets
+    def allocate_rates(self, rates, max_nodes):
+        """Nodes in order of gain (a request's k-th node is worth a^k; on equal gains the
+        earlier request first), taken while each pays for its row: at the first node
+        that does not, the step's tokens per second would fall, and every later one is
+        worth less."""
+        n = len(rates)
+        if not n or max_nodes <= 0:
+            return [0] * n
         cost = self.cost
-        tokens = float(len(requests))  # every request emits at least its bonus token
-        seconds = cost.fixed_s + cost.per_token_s * len(requests)
-        rates = [min(max(acceptance(r), 0.0), 0.999) for r in requests]
-        heap = [(-a, i) for i, a in enumerate(rates) if a > 0.0]
-        heapq.heapify(heap)
-        while heap:
-            neg_gain, i = heapq.heappop(heap)
-            gain = -neg_gain
-            if gain * seconds <= cost.per_token_s * tokens:
-                break  # the best node left no longer pays for its row
-            budgets[i] += 1
-            tokens += gain
-            seconds += cost.per_token_s
-            if budgets[i] < max_nodes:
-                heapq.heappush(heap, (-gain * rates[i], i))
-        return budgets
+        a = np.clip(np.asarray(rates, dtype=float), 0.0, 0.999)
+        gains = np.cumprod(np.repeat(a[:, None], max_nodes, axis=1), axis=1).ravel()
+        rows = np.repeat(np.arange(n), max_nodes)
+        order = np.lexsort((rows, -gains))
+        g = gains[order]
+        taken = np.arange(g.size)  # nodes already in the step when each is considered
+        tokens = n + np.concatenate(([0.0], np.cumsum(g)[:-1]))  # every row emits its bonus token
+        seconds = cost.fixed_s + cost.per_token_s * (n + taken)
+        pays = (g > 0.0) & (g * seconds > cost.per_token_s * tokens)
+        stop = g.size if pays.all() else int(np.argmin(pays))
+        return np.bincount(rows[order[:stop]], minlength=n).tolist()
 
 
 def make_budget(name: str, cost: StepCostModel | Callable[[], StepCostModel]) -> BudgetPolicy:

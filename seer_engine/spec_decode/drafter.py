@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from seer_engine.core.draft import Acceptance
 from seer_engine.core.request import Request
 from seer_engine.spec_decode.budget import BudgetPolicy
@@ -32,8 +34,8 @@ def estimate(accepted: float, tried: float) -> float:
 def learn(accepted: float, tried: float, verdict_accepted: int, draft_depth: int) -> tuple[float, float]:
     """The decayed counts after one verified draft of ``draft_depth`` that accepted
     ``verdict_accepted`` nodes: the depths tried are those accepted and the first miss.
-    The simulator's modeled drafters learn by the same rule."""
-    return accepted * DECAY + verdict_accepted, tried * DECAY + min(verdict_accepted + 1, draft_depth)
+    The simulator's modeled drafters learn by the same rule (on arrays of responses)."""
+    return accepted * DECAY + verdict_accepted, tried * DECAY + np.minimum(verdict_accepted + 1, draft_depth)
 
 
 @dataclass
