@@ -14,7 +14,7 @@ from seer_engine.spec_decode.budget import StepCostModel, make_budget
 from seer_engine.spec_decode.drafter import estimate, learn
 
 PARTICLES = 256  # modeled responses per chunk trajectory, whatever the batch
-SETTLED_ROUNDS = 160  # past this many steps into a chunk its drafting no longer changes
+SETTLED_ROUNDS = 64  # past this many steps into a chunk (0.8^64: no prior left) its drafting settles
 LOOKAHEAD_ROUNDS = 16  # steady rates are checked again after at most this many steps
 TAIL_ROUNDS = 32  # a settled chunk drafts as it did on average over its last rounds
 STEADY_NODES = 0.05  # draft rates within this (or 10%) of each other count as unchanged

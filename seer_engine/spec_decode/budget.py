@@ -97,7 +97,7 @@ class AdaptiveBudget(BudgetPolicy):
         a = np.clip(np.asarray(rates, dtype=float), 0.0, 0.999)
         gains = np.cumprod(np.repeat(a[:, None], max_nodes, axis=1), axis=1).ravel()
         rows = np.repeat(np.arange(n), max_nodes)
-        order = np.lexsort((rows, -gains))
+        order = np.argsort(-gains, kind="stable")
         g = gains[order]
         taken = np.arange(g.size)  # nodes already in the step when each is considered
         tokens = n + np.concatenate(([0.0], np.cumsum(g)[:-1]))  # every row emits its bonus token
