@@ -6,6 +6,7 @@ prefill, prefix sharing, rollout chunks and several instances."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -106,6 +107,31 @@ def test_adaptive_budget_follows_marginal_benefit():
     big = [Request(f"b{i}", [1, 2], SamplingParams(), 8, seed=i) for i in range(400)]
     assert budget.allocate(big, lambda r: 0.5, 16)[0] < budget.allocate(big[:4], lambda r: 0.5, 16)[0]
     assert FixedBudget().allocate(reqs, lambda r: 0.0, 5) == [5] * 4
+
+
+def _one_node_at_a_time(rates: list[float], cost: StepCostModel, max_nodes: int) -> list[int]:
+    """The marginal-benefit rule step by step: the best node left, while it pays."""
+    budgets = [0] * len(rates)
+    tokens, seconds = float(len(rates)), cost.fixed_s + cost.per_token_s * len(rates)
+    while True:
+        left = [(r ** (budgets[i] + 1), -i) for i, r in enumerate(rates) if budgets[i] < max_nodes and r > 0]
+        if not left:
+            return budgets
+        gain, i = max(left)[0], -max(left)[1]
+        if gain * seconds <= cost.per_token_s * tokens:
+            return budgets
+        budgets[i] += 1
+        tokens, seconds = tokens + gain, seconds + cost.per_token_s
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_adaptive_budget_takes_the_nodes_the_one_at_a_time_rule_takes(seed):
+    rng = random.Random(seed)
+    rows = rng.choice([1, 3, 16, 200])
+    rates = [rng.choice([0.0, 0.5, rng.random(), 0.95]) for _ in range(rows)] + [0.7]
+    cost = StepCostModel(fixed_s=rng.choice([7e-4, 0.015, 0.03]), per_token_s=rng.choice([1e-4, 1.5e-5]))
+    cap = rng.choice([1, 8, 16])
+    assert AdaptiveBudget(cost).allocate_rates(rates, cap) == _one_node_at_a_time(rates, cost, cap)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -14,6 +14,8 @@ from seer_engine.spec_decode.budget import StepCostModel, make_budget
 from seer_engine.spec_decode.drafter import estimate, learn
 
 PARTICLES = 256  # modeled responses per chunk trajectory, whatever the batch
+EXACT_ROWS = 32  # larger batches share trajectories with those of the same two leading digits
+SHARE_STEPS = 16  # coverage shares to the nearest 1/16 name a trajectory
 SETTLED_ROUNDS = 64  # past this many steps into a chunk (0.8^64: no prior left) its drafting settles
 LOOKAHEAD_ROUNDS = 16  # steady rates are checked again after at most this many steps
 TAIL_ROUNDS = 32  # a settled chunk drafts as it did on average over its last rounds
@@ -41,7 +43,10 @@ class SimSpeculation:
         self.max_nodes = max_nodes
         self.pinned = pinned
         self.coverage_window = COVERAGE_WINDOW
-        self._chunks: dict[tuple, ChunkDrafting] = {}
+        a = acceptance
+        model = (a.budgets, a.stage_edges, a.coverage_edges, a.accepted, a.drafted)
+        # Trajectories repeat; every run in the process with these drafters shares them.
+        self._chunks = _TRAJECTORIES.setdefault((model, budget, max_nodes), {})
 
     @property
     def coverage_bins(self) -> int:
@@ -74,7 +79,8 @@ class SimSpeculation:
         # The fixed cost moves with the batch's KV; two significant digits of its ratio
         # to the per-token cost decide the budget just as well and keep the cache small.
         ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
-        counts = tuple(_split(rows, coverage))
+        shape = rows if rows <= EXACT_ROWS else int(float(f"{rows:.2g}"))
+        counts = tuple(_split(shape, tuple(round(SHARE_STEPS * c / sum(coverage)) for c in coverage)))
         key = (counts, ratio, self.acceptance.stage_bin(stage))
         chunk = self._chunks.get(key)
         if chunk is None:
@@ -95,10 +101,15 @@ class ChunkDrafting:
 
     def __init__(self, spec: SimSpeculation, counts: tuple[int, ...], ratio: float, stage: float) -> None:
         model, cap, edges = spec.acceptance, spec.max_nodes, spec.acceptance.coverage_edges
-        copies = max(1, PARTICLES // sum(counts))
-        self._policy = make_budget(spec.budget, StepCostModel(ratio * copies, 1.0))
+        rows = sum(counts)
+        modeled = (
+            _split(rows * (PARTICLES // rows), counts) if rows <= PARTICLES else _split(PARTICLES, counts)
+        )
+        # Each row stands for sum(modeled) / rows modeled responses; the fixed cost is
+        # scaled alike, so the nodes that pay are those that would in the batch itself.
+        self._policy = make_budget(spec.budget, StepCostModel(ratio * sum(modeled) / rows, 1.0))
         self._cap = cap
-        self._classes = np.repeat(np.arange(len(counts)), [n * copies for n in counts])
+        self._classes = np.repeat(np.arange(len(counts)), modeled)
         self._accepted_counts = np.zeros(len(self._classes))  # each response's decayed counts
         self._tried_counts = np.zeros(len(self._classes))
         budgets = range(cap + 1)
@@ -169,6 +180,9 @@ class ChunkDrafting:
         accepted_counts, tried_counts = learn(self._accepted_counts, self._tried_counts, nodes, budgets)
         self._accepted_counts = np.where(verified, accepted_counts, self._accepted_counts)
         self._tried_counts = np.where(verified, tried_counts, self._tried_counts)
+
+
+_TRAJECTORIES: dict[tuple, dict[tuple, ChunkDrafting]] = {}
 
 
 def _split(rows: int, shares: tuple[float, ...]) -> list[int]:

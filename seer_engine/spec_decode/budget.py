@@ -97,12 +97,16 @@ class AdaptiveBudget(BudgetPolicy):
         a = np.clip(np.asarray(rates, dtype=float), 0.0, 0.999)
         gains = np.cumprod(np.repeat(a[:, None], max_nodes, axis=1), axis=1).ravel()
         rows = np.repeat(np.arange(n), max_nodes)
-        order = np.argsort(-gains, kind="stable")
+        # Tokens per second only rise while nodes are taken, so one worth no more than
+        # the step without drafts gives never pays: leave those out of the sort.
+        start = cost.per_token_s * n / (cost.fixed_s + cost.per_token_s * n)
+        worth = np.flatnonzero(gains > start)
+        order = worth[np.argsort(-gains[worth], kind="stable")]
         g = gains[order]
         taken = np.arange(g.size)  # nodes already in the step when each is considered
         tokens = n + np.concatenate(([0.0], np.cumsum(g)[:-1]))  # every row emits its bonus token
         seconds = cost.fixed_s + cost.per_token_s * (n + taken)
-        pays = (g > 0.0) & (g * seconds > cost.per_token_s * tokens)
+        pays = g * seconds > cost.per_token_s * tokens
         stop = g.size if pays.all() else int(np.argmin(pays))
         return np.bincount(rows[order[:stop]], minlength=n).tolist()
 
