@@ -105,3 +105,20 @@ def test_a_segment_of_steady_drafting_ends_where_the_rates_change():
     assert spec.rates(4, 0.5, (1.0, 0.0), step, rates.steady_tokens)[:2] != rates[:2]
     # A batch too large for any draft to pay at the prior never drafts, so never learns.
     assert spec.rates(64, 0.5, (1.0, 0.0), step, 0.0) == (0.0, 0.0, float("inf"))
+
+
+def test_what_a_chunk_drafts_does_not_depend_on_what_was_asked_before(monkeypatch):
+    """Trajectories are shared by every run in the process: the rates read at a point of
+    a chunk are the same whether or not later points were computed first."""
+    from seer_engine.sim import speculation
+
+    step = StepCostModel(7e-4, 1e-4)
+    points = (0.0, 3.0, 17.5, 40.0)
+    answers = []
+    for first in (None, 500.0):
+        monkeypatch.setattr(speculation, "_TRAJECTORIES", {})
+        spec = SimSpeculation(_model(0.45, 0.9), "adaptive", 16)
+        if first is not None:
+            spec.rates(4, 0.5, (0.5, 0.5), step, first)
+        answers.append([spec.rates(4, 0.5, (0.5, 0.5), step, t) for t in points])
+    assert answers[0] == answers[1]

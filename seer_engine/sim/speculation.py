@@ -149,7 +149,7 @@ class ChunkDrafting:
             ):
                 break
             j += 1
-        return DraftRates(drafted, accepted, self._progress[min(j, len(self._progress) - 1)] - chunk_tokens)
+        return DraftRates(drafted, accepted, self._progress[min(j, i + LOOKAHEAD_ROUNDS)] - chunk_tokens)
 
     def _round_at(self, chunk_tokens: float) -> int | None:
         """The round a row is in after writing ``chunk_tokens`` (None: past the settled ones)."""
