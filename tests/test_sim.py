@@ -161,14 +161,17 @@ def test_the_simulator_schedules_with_the_engines_own_classes():
 
 
 def test_the_modeled_engines_use_the_engines_scheduling_and_budget_policies(monkeypatch):
+    from seer_engine.sim import speculation
+
     seen = []
-    real_allocate = AdaptiveBudget.allocate
+    real_allocate = AdaptiveBudget.allocate_rates
 
-    def allocate(self, requests, acceptance, max_nodes):
-        seen.append(len(requests))
-        return real_allocate(self, requests, acceptance, max_nodes)
+    def allocate_rates(self, rates, max_nodes):
+        seen.append(len(rates))
+        return real_allocate(self, rates, max_nodes)
 
-    monkeypatch.setattr(AdaptiveBudget, "allocate", allocate)
+    monkeypatch.setattr(AdaptiveBudget, "allocate_rates", allocate_rates)
+    monkeypatch.setattr(speculation, "_TRAJECTORIES", {})  # none computed by earlier tests
     _run("seer", _groups(3))
     assert seen, "seer's draft budgets come from the engine's AdaptiveBudget"
     inst = SimInstance(0, _profile(), None, engine_policies.make_policy("fcfs"))
