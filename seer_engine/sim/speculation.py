@@ -80,7 +80,8 @@ class SimSpeculation:
         # to the per-token cost decide the budget just as well and keep the cache small.
         ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
         shape = rows if rows <= EXACT_ROWS else int(float(f"{rows:.2g}"))
-        counts = tuple(_split(shape, tuple(round(SHARE_STEPS * c / sum(coverage)) for c in coverage)))
+        total = sum(coverage)
+        counts = tuple(_split(shape, tuple(round(SHARE_STEPS * c / total) for c in coverage)))
         key = (counts, ratio, self.acceptance.stage_bin(stage))
         chunk = self._chunks.get(key)
         if chunk is None:
@@ -102,9 +103,7 @@ class ChunkDrafting:
     def __init__(self, spec: SimSpeculation, counts: tuple[int, ...], ratio: float, stage: float) -> None:
         model, cap, edges = spec.acceptance, spec.max_nodes, spec.acceptance.coverage_edges
         rows = sum(counts)
-        modeled = (
-            _split(rows * (PARTICLES // rows), counts) if rows <= PARTICLES else _split(PARTICLES, counts)
-        )
+        modeled = _split(rows * (PARTICLES // rows) if rows <= PARTICLES else PARTICLES, counts)
         # Each row stands for sum(modeled) / rows modeled responses; the fixed cost is
         # scaled alike, so the nodes that pay are those that would in the batch itself.
         self._policy = make_budget(spec.budget, StepCostModel(ratio * sum(modeled) / rows, 1.0))
