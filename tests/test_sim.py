@@ -96,12 +96,12 @@ def test_seer_drafts_from_the_acceptance_model_and_beats_context():
 
 def test_coverage_is_how_far_siblings_wrote_past_a_response():
     world = SimWorld({"g/0": 100, "g/1": 100, "g/2": 100}, 100, {"g": 3}, {"g": ["g/0", "g/1", "g/2"]})
-    assert world.coverage("g", "g/0", 16) == 0.0
+    assert world.lead_share("g", "g/0", 16) == 0.0
     world.on_chunk_end("g", "g/1", 8)
     world.on_chunk_end("g", "g/2", 40)
-    assert world.coverage("g", "g/0", 16) == pytest.approx((8 / 16 + 1.0) / 2)
-    assert world.coverage("g", "g/1", 16) == pytest.approx((0 + 1.0) / 2)
-    assert world.coverage("g", "g/2", 16) == 0.0
+    assert world.lead_share("g", "g/0", 16) == pytest.approx((8 / 16 + 1.0) / 2)
+    assert world.lead_share("g", "g/1", 16) == pytest.approx((0 + 1.0) / 2)
+    assert world.lead_share("g", "g/2", 16) == 0.0
     version = world.versions["g"]
     world.on_chunk_end("g", "g/2", 40)  # nothing moved: the instances' cached sums stay valid
     assert world.versions["g"] == version

@@ -10,8 +10,19 @@ from dataclasses import dataclass, field
 import pytest
 
 from seer_engine.core.draft import DraftTree
-from seer_engine.sim.acceptance import DEFAULT_ACCEPTANCE_PATH, AcceptanceModel, default_acceptance
-from seer_engine.sim.acceptance_replay import accepted_len, fit_acceptance, replay_group
+from seer_engine.sim.acceptance import (
+    DEFAULT_ACCEPTANCE_PATH,
+    AcceptanceModel,
+    default_acceptance,
+    lead_share,
+)
+from seer_engine.sim.acceptance_replay import (
+    ReplayStep,
+    accepted_len,
+    fit_acceptance,
+    probe_starts,
+    replay_group,
+)
 
 PROMPT = list(range(1000, 1020))
 X = list(range(3000, 3200))  # 200 distinct tokens
@@ -30,9 +41,9 @@ def late_copy() -> Group:
     return Group("late", [list(X), list(range(5000, 5250)) + X])
 
 
-def totals(records: list[tuple[float, float, int, int]], lo: float = 0.0, hi: float = 1.0) -> tuple[int, int]:
+def totals(records: list[ReplayStep], lo: float = 0.0, hi: float = 1.0) -> tuple[int, int]:
     """(steps, accepted tokens) over the records with lo <= stage < hi."""
-    inside = [a for s, _, a, _ in records if lo <= s < hi]
+    inside = [r.accepted for r in records if lo <= r.stage < hi]
     return len(inside), sum(inside)
 
 
@@ -57,7 +68,7 @@ def test_catching_up_with_a_sibling_ahead(multi_path):
     for budget in (1, 16):
         records = replay_group(group, budget, multi_path)
         assert totals(records) == (400, 60)
-        assert {s for s, *_ in records} == {0.0}
+        assert {r.stage for r in records} == {0.0}
 
 
 def test_a_late_start_drafts_from_the_sibling_ahead_and_coverage_says_so():
@@ -66,11 +77,11 @@ def test_a_late_start_drafts_from_the_sibling_ahead_and_coverage_says_so():
     tokens of the gap; sibling 0, never behind, has coverage 0 and accepts nothing."""
     group = Group("late start", [list(X), list(X)])
     records = replay_group(group, 16, starts=[0, 50])
-    assert sum(a for *_, a, _ in records) == 50
-    assert all(c > 0 for _, c, a, _ in records if a)
-    assert sum(1 for _, c, _, _ in records if c == 1.0) >= 50 // 17  # drafts of 16 + 1 bonus close the gap
+    assert sum(r.accepted for r in records) == 50
+    assert all(r.coverage > 0 for r in records if r.accepted)
+    assert sum(1 for r in records if r.coverage == 1.0) >= 50 // 17  # drafts of 16 + 1 bonus close the gap
     lone = records[:50]  # sibling 0 alone before sibling 1 starts
-    assert all(c == 0.0 and a == 0 for _, c, a, _ in lone)
+    assert all(r.coverage == 0.0 and r.accepted == 0 and r.response == 0 for r in lone)
     assert replay_group(group, 16) == replay_group(group, 16, starts=[0, 0])
     with pytest.raises(ValueError, match="1 starts for 2 responses"):
         replay_group(group, 16, starts=[0])
@@ -96,6 +107,48 @@ def test_staggered_fit_has_coverage_bins_and_sees_the_gain():
     assert again.accepted == model.accepted, "the staggered starts are seeded"
     with pytest.raises(ValueError, match="spreads must be >= 0"):
         fit_acceptance([group], spreads=(-1.0,), progress=False)
+
+
+def test_lead_share_counts_each_sibling_up_to_a_whole_draft():
+    assert lead_share(10, [10, 18, 40]) == pytest.approx((0 + 8 / 16 + 1) / 3)
+    assert lead_share(10, [0, 5]) == 0.0
+    assert lead_share(10, []) == 0.0
+    assert lead_share(0, [4], window=4) == 1.0
+
+
+def test_followers_of_a_probe_get_a_coverage_bin_of_their_own():
+    """Seer's start pattern: one of eight identical responses starts half a response
+    ahead, the seven others together. A follower has one sibling in seven a whole draft
+    ahead (lead share 1/7) and copies it; under the plain mean that bins with rows that
+    have nothing ahead, under the root mean (the default) it does not."""
+    group = Group("probe", [list(X) for _ in range(8)])
+    assert probe_starts(group, 0.5) == [0] + [100] * 7
+    fits = {
+        statistic: fit_acceptance(
+            [group], budgets=(16,), stage_edges=(0.0, 1.0), coverage_edges=(0.0, 0.2, 1.0),
+            spreads=(0.0,), probe_leads=(0.5,), coverage_statistic=statistic, progress=False,
+        )  # fmt: skip
+        for statistic in ("mean", "root_mean")
+    }
+    nothing_ahead, probe_ahead = fits["root_mean"].accepted[0]
+    assert probe_ahead[0] > 10 and nothing_ahead[0] < 0.5
+    assert fits["root_mean"].coverage(1 / 7) == pytest.approx((1 / 7) ** 0.5)
+    assert fits["root_mean"].measured["probe_leads"] == [0.5]
+    mean_bins = fits["mean"].measured["steps"][0]
+    assert mean_bins[1] == [0], "no follower reaches the mean's second bin"
+    blended = fits["mean"].accepted[0][0][0]  # followers and rows with nothing ahead, averaged
+    assert nothing_ahead[0] + 0.1 < blended < probe_ahead[0] / 10
+    with pytest.raises(ValueError, match="probe leads must be > 0"):
+        fit_acceptance([group], probe_leads=(0.0,), progress=False)
+
+
+def test_a_model_says_which_coverage_statistic_it_was_fitted_with():
+    data = json.loads(table().to_json())
+    assert data["coverage_statistic"] == "mean"
+    del data["coverage_statistic"]  # files from before the field was written
+    assert AcceptanceModel.from_dict(data).coverage(0.25) == 0.25
+    with pytest.raises(ValueError, match="coverage_statistic must be one of"):
+        AcceptanceModel.from_dict({**data, "coverage_statistic": "max"})
 
 
 def test_distinct_random_responses_accept_almost_nothing():

@@ -416,3 +416,26 @@ def test_a_preempted_response_keeps_the_start_of_its_context_as_the_engine_does(
     assert any(0 < n < victim.lost for n in kept), (victim.lost, kept)  # trimmed, not dropped whole
     assert stats.preemptions < stats.recomputed_tokens < sum(v.lost for v in inst.victims)
     assert sorted(len(o.outputs[0].token_ids) for o in done) == [600, 900, 900]
+
+
+@pytest.mark.parametrize("block_size, preempts", [(16, True), (1, False)])
+def test_rows_hold_whole_kv_blocks_as_the_engine_allocates_them(block_size, preempts):
+    """Ten rows of 25 tokens need 250 KV tokens but two 16-token blocks each (320): an
+    engine with 288 tokens of KV preempts; counted in single tokens it would not. The
+    model charges each row its last block's mean unused half."""
+    lengths = {f"r{i}/0": 15 for i in range(10)}
+    world = SimWorld(lengths, 15, {k.split("/")[0]: 1 for k in lengths})
+    profile = _profile(kv_tokens=288)
+    profile = InstanceProfile(
+        "test", profile.step, kv_capacity_tokens=288, max_num_seqs=64, max_num_batched_tokens=4096,
+        pool_bytes_per_s=1e10, kv_bytes_per_token=1000, block_size=block_size,
+    )  # fmt: skip
+    inst = SimInstance(0, profile, world, make_policy("fcfs"), max_model_len=288)
+    for key in lengths:
+        inst.submit(_chunk(key, 10, 15))
+    done = []
+    while inst.decoding or inst.prefilling or inst.waiting:
+        done += inst.step().outputs
+    assert (inst._stats.preemptions > 0) is preempts
+    assert inst.peak_kv_tokens <= 288
+    assert sorted(len(o.outputs[0].token_ids) for o in done) == [15] * 10

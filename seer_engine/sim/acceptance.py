@@ -10,7 +10,12 @@ decide that, so the table has two axes besides the budget:
   position, each counting fully once it is a whole draft (``COVERAGE_WINDOW`` tokens)
   ahead. Siblings rarely run in lock-step in a rollout: chunks, the dispatch order and
   full instances stagger them, and a response that starts late drafts from siblings
-  that already wrote the passage it is about to write.
+  that already wrote the passage it is about to write. The table's axis is the square
+  root of the siblings' mean lead share (``coverage_statistic`` "root_mean"): the first
+  sibling ahead gives a draft most of what it can get, more add less. Seer's scheduler
+  runs one probe per group a chunk ahead of its siblings; under the plain mean those
+  seven rows read as one sibling in seven ahead, the same bin as lock-step rows with
+  nothing to draft from, though they accept about three times as much.
 
 The table is fitted by replaying real trace groups through the engine's own C++ group
 suffix tree with exact-match acceptance (:func:`replay_group`), so it carries the
@@ -37,7 +42,7 @@ import json
 import math
 import os
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
@@ -54,6 +59,15 @@ __all__ = [
 DEFAULT_ACCEPTANCE_PATH = Path(__file__).parent / "profiles" / "acceptance_qwen3.json"
 DEFAULT_STAGE_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 COVERAGE_WINDOW = 16  # tokens a sibling must be ahead to cover a whole draft (the default budget)
+# What the coverage axis reads, from the mean over siblings of min(lead, window) / window.
+COVERAGE_STATISTICS = {"mean": lambda share: share, "root_mean": math.sqrt}
+
+
+def lead_share(position: float, siblings: Iterable[float], window: int = COVERAGE_WINDOW) -> float:
+    """The mean over ``siblings`` (their output lengths) of how far each has written past
+    ``position``, a whole ``window`` or more counting 1 (0 without siblings)."""
+    leads = [min(window, max(0.0, q - position)) for q in siblings]
+    return sum(leads) / (window * len(leads)) if leads else 0.0
 
 
 # The drafter's defaults: the fit must see the tree the engine uses.
@@ -112,6 +126,7 @@ class AcceptanceModel(SavedAsJson):
     derivation: str = ""  # how the table was fitted (command, groups, samples, multi_path)
     measured: dict = field(default_factory=dict)  # trace, steps per bin, fit seconds, date
     coverage_edges: tuple[float, ...] = (0.0, 1.0)
+    coverage_statistic: str = "mean"  # a key of COVERAGE_STATISTICS; files from before it say nothing
 
     def __post_init__(self) -> None:
         try:
@@ -134,6 +149,11 @@ class AcceptanceModel(SavedAsJson):
                 raise ValueError(
                     f"acceptance model: {name} must increase from 0.0 to 1.0 (>= 2 edges), got {list(bins)}"
                 )
+        if self.coverage_statistic not in COVERAGE_STATISTICS:
+            raise ValueError(
+                f"acceptance model: coverage_statistic must be one of {list(COVERAGE_STATISTICS)}, "
+                f"got {self.coverage_statistic!r}"
+            )
         table = _table(self.accepted, "accepted", len(edges) - 1, len(cover) - 1, len(budgets))
         if any(not math.isfinite(v) or v < 0 for v in _values(table)):
             raise ValueError("acceptance model: accepted values must be finite and >= 0")
@@ -150,6 +170,11 @@ class AcceptanceModel(SavedAsJson):
 
     def stage_bin(self, stage: float) -> int:
         return bin_index(self.stage_edges, stage)
+
+    def coverage(self, share: float) -> float:
+        """The coverage axis's value for a row whose siblings' mean lead share is ``share``
+        (``lead_share``)."""
+        return COVERAGE_STATISTICS[self.coverage_statistic](min(1.0, max(0.0, share)))
 
     def coverage_bin(self, coverage: float) -> int:
         return bin_index(self.coverage_edges, coverage)

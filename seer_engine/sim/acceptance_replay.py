@@ -16,15 +16,17 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from seer_engine.core.draft import DraftTree
 from seer_engine.sim.acceptance import (
+    COVERAGE_STATISTICS,
     COVERAGE_WINDOW,
     DEFAULT_ACCEPTANCE_PATH,
     DEFAULT_STAGE_EDGES,
     AcceptanceModel,
     bin_index,
+    lead_share,
 )
 from seer_engine.spec_decode.config import SpeculativeConfig
 from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTrees
@@ -32,6 +34,10 @@ from seer_engine.spec_decode.suffix_tree import PROMPT_KEY, GroupSuffixTrees
 DEFAULT_BUDGETS = (1, 2, 4, 8, 16)
 DEFAULT_COVERAGE_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 DEFAULT_SPREADS = (0.0, 0.5, 2.0)  # lock-step, and starts staggered over half / twice a mean response
+# One sibling starts this many mean response lengths ahead of the others, which start
+# together: Seer's probe, dispatched a chunk before the rest of its group.
+DEFAULT_PROBE_LEADS = (0.5,)
+DEFAULT_COVERAGE_STATISTIC = "root_mean"
 DEFAULT_MAX_DEPTH = SpeculativeConfig.max_depth
 DEFAULT_MIN_PROB = SpeculativeConfig.min_prob
 HISTORY_KEY_BASE = 1 << 20  # tree keys of history responses (siblings use their index)
@@ -48,6 +54,16 @@ class ReplayGroup(Protocol):
 
     @property
     def response_token_ids(self) -> list[list[int]]: ...
+
+
+class ReplayStep(NamedTuple):
+    """One live sibling's step in a replay."""
+
+    stage: float  # share of the group's responses finished at the step's start
+    coverage: float  # its siblings' mean lead share (``acceptance.lead_share``)
+    accepted: int  # draft tokens accepted
+    drafted: int  # draft nodes verified
+    response: int  # which sibling
 
 
 def accepted_len(draft: DraftTree, truth: Sequence[int]) -> int:
@@ -73,9 +89,9 @@ def replay_group(
     min_prob: float = DEFAULT_MIN_PROB,
     history: Sequence[Sequence[int]] = (),
     starts: Sequence[int] | None = None,
-) -> list[tuple[float, float, int, int]]:
-    """Speculative decoding of one group in engine steps; ``(stage, coverage, accepted,
-    drafted nodes)`` per live sibling and step.
+) -> list[ReplayStep]:
+    """Speculative decoding of one group in engine steps: one ``ReplayStep`` per live
+    sibling and step.
 
     Each step every live sibling drafts from the tree as it stands at the step's start
     (as ``SuffixProposer.propose`` does: a context tail while its output is short, its
@@ -83,7 +99,8 @@ def replay_group(
     continuation, and advances by that plus the bonus token; then the new tokens go
     into the tree. ``stage`` is the fraction of the group's siblings finished at the
     step's start, ``coverage`` the mean over the other siblings of how far each has
-    written past this one (``COVERAGE_WINDOW`` tokens or more counts 1). ``starts``:
+    written past this one (``COVERAGE_WINDOW`` tokens or more counts 1; the model's
+    coverage axis reads it through its statistic). ``starts``:
     the step at which each sibling starts (default: all at once, lock-step).
     ``history``: responses of the same prompt from an earlier iteration, in the tree
     from the start (a history-seeded drafter).
@@ -104,7 +121,7 @@ def replay_group(
     pos = [0] * size
     waiting = [k for k, r in enumerate(responses) if r]
     live: list[int] = []
-    records: list[tuple[float, float, int, int]] = []
+    records: list[ReplayStep] = []
     step = 0
     while live or waiting:
         live += [k for k in waiting if starts[k] <= step]
@@ -118,27 +135,28 @@ def replay_group(
             else:
                 tail = (prompt_tail + responses[k][:p])[-cap:]
                 drafts.append(trees.speculate(gid, tail, budget, multi_path))
-        coverage = [_coverage(pos, k) for k in live]
+        coverage = [lead_share(pos[k], (q for j, q in enumerate(pos) if j != k)) for k in live]
         for k, draft, cover in zip(live, drafts, coverage):
             r, p = responses[k], pos[k]
             accepted = accepted_len(draft, r[p : p + len(draft)])
             new = min(len(r), p + accepted + 1)
             trees.append(gid, k, r[p:new])
             pos[k] = new
-            records.append((stage, cover, accepted, len(draft)))
+            records.append(ReplayStep(stage, cover, accepted, len(draft), k))
         live = [k for k in live if pos[k] < len(responses[k])]
         step += 1
     trees.free(gid)
     return records
 
 
-def _coverage(pos: Sequence[int], k: int) -> float:
-    """Mean over the siblings of ``k`` of how far each has written past it, in drafts."""
-    if len(pos) < 2:
-        return 0.0
-    p = pos[k]
-    ahead = sum(min(COVERAGE_WINDOW, max(0, q - p)) for j, q in enumerate(pos) if j != k)
-    return ahead / (COVERAGE_WINDOW * (len(pos) - 1))
+def probe_starts(group: ReplayGroup, lead: float) -> list[int]:
+    """The first response starts at step 0, the others together ``lead`` times the
+    group's mean response length later."""
+    responses = group.response_token_ids
+    if not responses:
+        return []
+    later = int(lead * sum(map(len, responses)) / len(responses))
+    return [0] + [later] * (len(responses) - 1)
 
 
 def staggered_starts(group: ReplayGroup, spread: float, rng: random.Random) -> list[int]:
@@ -163,16 +181,21 @@ def fit_acceptance(
     coverage_edges: Sequence[float] = (0.0, 1.0),
     spreads: Sequence[float] = (0.0,),
     seed: int = 0,
+    probe_leads: Sequence[float] = (),
+    coverage_statistic: str = DEFAULT_COVERAGE_STATISTIC,
 ) -> AcceptanceModel:
-    """Replay every group at every budget and start spread (a fresh tree each) and average
-    accepted tokens per request-step by stage and coverage bin. A spread's starts are the
-    same at every budget (drawn from ``seed``). Cells no step fell into copy the nearest
-    cell with data (``measured["filled_bins"]`` says which). ``history``: per group,
-    earlier responses that seed its tree (see ``replay_group``)."""
+    """Replay every group at every budget and start pattern (a fresh tree each) and average
+    accepted tokens per request-step by stage and coverage bin. The patterns: each of
+    ``spreads`` (``staggered_starts``; the same starts at every budget, drawn from
+    ``seed``), then each of ``probe_leads`` (``probe_starts``). Cells no step fell into
+    copy the nearest cell with data (``measured["filled_bins"]`` says which).
+    ``history``: per group, earlier responses that seed its tree (see ``replay_group``)."""
     if not groups:
         raise ValueError("fit_acceptance: no groups to replay")
     if not spreads or any(not math.isfinite(x) or x < 0 for x in spreads):
         raise ValueError(f"fit_acceptance: spreads must be >= 0, got {list(spreads)}")
+    if any(not math.isfinite(x) or x <= 0 for x in probe_leads):
+        raise ValueError(f"fit_acceptance: probe leads must be > 0, got {list(probe_leads)}")
     budgets, edges = tuple(budgets), tuple(float(e) for e in stage_edges)
     cover = tuple(float(e) for e in coverage_edges)
     nb, ns, nc = len(budgets), len(edges) - 1, len(cover) - 1
@@ -181,7 +204,8 @@ def fit_acceptance(
         if nc == 1
         else tuple(tuple((0.0,) * nb for _ in range(nc)) for _ in range(ns))
     )
-    AcceptanceModel(budgets, edges, empty, coverage_edges=cover)  # validate early
+    # validate early
+    axis = AcceptanceModel(budgets, edges, empty, coverage_edges=cover, coverage_statistic=coverage_statistic)
     cells = [(s, c) for s in range(ns) for c in range(nc)]
     sums = {cell: [0] * nb for cell in cells}
     nodes = {cell: [0] * nb for cell in cells}
@@ -190,13 +214,13 @@ def fit_acceptance(
     every = max(1, len(groups) // 10)
     for gi, group in enumerate(groups, 1):
         seeded = history[gi - 1] if history is not None else ()
-        for spread in spreads:
-            starts = staggered_starts(group, spread, random.Random(f"{seed}:{gi}:{spread}"))
+        patterns = [staggered_starts(group, x, random.Random(f"{seed}:{gi}:{x}")) for x in spreads]
+        for starts in patterns + [probe_starts(group, lead) for lead in probe_leads]:
             for bi, budget in enumerate(budgets):
-                for stage, coverage, accepted, drafted in replay_group(
+                for stage, coverage, accepted, drafted, _ in replay_group(
                     group, budget, multi_path, max_depth, min_prob, seeded, starts
                 ):
-                    cell = (bin_index(edges, stage), bin_index(cover, coverage))
+                    cell = (bin_index(edges, stage), axis.coverage_bin(axis.coverage(coverage)))
                     sums[cell][bi] += accepted
                     nodes[cell][bi] += drafted
                     steps[cell][bi] += 1
@@ -229,6 +253,7 @@ def fit_acceptance(
         "max_depth": max_depth,
         "min_prob": min_prob,
         "spreads": list(spreads),
+        "probe_leads": list(probe_leads),
         "coverage_window": COVERAGE_WINDOW,
         "steps": _shaped({cell: v for cell, v in steps.items()}, ns, nc),
         "overall_accepted_per_step": [sum(sums[cell][i] for cell in cells) / totals[i] for i in range(nb)],
@@ -243,6 +268,7 @@ def fit_acceptance(
         _shaped(drafted_table, ns, nc),
         measured=measured,
         coverage_edges=cover,
+        coverage_statistic=coverage_statistic,
     )
 
 
@@ -287,6 +313,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="replay each group once per spread: siblings start at random steps over this many mean "
         "response lengths (0: lock-step)",
     )  # fmt: skip
+    parser.add_argument(
+        "--probe-leads", default=",".join(map(str, DEFAULT_PROBE_LEADS)),
+        help="replay each group once more per lead: one response starts this many mean response lengths "
+        "ahead of the others, which start together ('': none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--coverage-statistic", default=DEFAULT_COVERAGE_STATISTIC, choices=sorted(COVERAGE_STATISTICS),
+        help="what the coverage axis reads of the siblings' mean lead share",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the staggered starts' seed")
     parser.add_argument("--single-path", action="store_true", help="drafts are single paths, not trees")
     parser.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
@@ -316,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         coverage_edges=_numbers(args.coverage_edges, float),
         spreads=_numbers(args.spreads, float),
         seed=args.seed,
+        probe_leads=_numbers(args.probe_leads, float),
+        coverage_statistic=args.coverage_statistic,
     )
     command = " ".join(["python -m seer_engine.sim.acceptance_replay", *argv])
     derivation = (
@@ -330,11 +367,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             else ""
         )
         + f"; replayed once per start spread {list(model.measured['spreads'])} (siblings start at random "
-        "steps over that many mean response lengths; 0 is lock-step); every step each live response drafts "
+        "steps over that many mean response lengths; 0 is lock-step) and once per probe lead "
+        f"{list(model.measured['probe_leads'])} (one response starts that many mean response lengths ahead "
+        "of the others, which start together); every step each live response drafts "
         "(context tail, or its stored sequence once it has max_depth // 2 tokens), accepts the longest "
         "draft path matching its real continuation and advances by that + 1 bonus token. Stage = fraction "
-        "of the group's responses finished at the step's start; coverage = mean over its siblings of how far "
-        f"each has written past it ({COVERAGE_WINDOW} tokens or more counts 1); values are mean accepted "
+        "of the group's responses finished at the step's start; coverage = "
+        f"{model.coverage_statistic} over its siblings of how far each has written past it "
+        f"({COVERAGE_WINDOW} tokens or more counts 1); values are mean accepted "
         "draft tokens (accepted) and draft nodes (drafted) per request-step."
     )
     model = AcceptanceModel(
@@ -345,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         derivation,
         {"trace": Path(args.trace).name, "command": command, **model.measured},
         model.coverage_edges,
+        model.coverage_statistic,
     )
     out = model.save(args.output)
     print(f"wrote {out} in {model.measured['fit_seconds']}s")

@@ -52,7 +52,7 @@ class RunningGroups:
             if cached is None or cached[0] != version or cached[1] != members:
                 bins = [0] * speculation.coverage_bins
                 for k in keys:
-                    bins[speculation.coverage_bin(world.coverage(g, k, speculation.coverage_window))] += 1
+                    bins[speculation.coverage_bin(world.lead_share(g, k, speculation.coverage_window))] += 1
                 cached = (version, members, bins)
                 self._coverage[g] = cached
             for b, n in enumerate(cached[2]):

@@ -57,8 +57,9 @@ class SimSpeculation:
         """Whether the acceptance model reads how far siblings have written past a row."""
         return self.coverage_bins > 1
 
-    def coverage_bin(self, coverage: float) -> int:
-        return self.acceptance.coverage_bin(coverage)
+    def coverage_bin(self, share: float) -> int:
+        """The coverage bin of a row whose siblings' mean lead share is ``share``."""
+        return self.acceptance.coverage_bin(self.acceptance.coverage(share))
 
     def rates(
         self,

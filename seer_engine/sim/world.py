@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from seer_engine.sim.acceptance import lead_share
+
 
 class TokenCount(Sequence[int]):
     """Token ids the simulator counts but never holds: ``len`` works, reading one does not
@@ -65,12 +67,8 @@ class SimWorld:
             self.written[key] = written
             self.versions[group_id] = self.versions.get(group_id, 0) + 1
 
-    def coverage(self, group_id: str, key: str, window: int) -> float:
+    def lead_share(self, group_id: str, key: str, window: int) -> float:
         """How far the siblings of ``key`` have written past it, as of their last chunk
-        ends: the mean over siblings of ``min(window, ahead) / window``."""
-        siblings = self.members.get(group_id, ())
-        if len(siblings) < 2:
-            return 0.0
-        p = self.written.get(key, 0)
-        ahead = sum(min(window, max(0, self.written.get(j, 0) - p)) for j in siblings if j != key)
-        return ahead / (window * (len(siblings) - 1))
+        ends (``sim.acceptance.lead_share``)."""
+        others = (self.written.get(j, 0) for j in self.members.get(group_id, ()) if j != key)
+        return lead_share(self.written.get(key, 0), others, window)
