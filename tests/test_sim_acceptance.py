@@ -125,8 +125,14 @@ def test_followers_of_a_probe_get_a_coverage_bin_of_their_own():
     assert probe_starts(group, 0.5) == [0] + [100] * 7
     fits = {
         statistic: fit_acceptance(
-            [group], budgets=(16,), stage_edges=(0.0, 1.0), coverage_edges=(0.0, 0.2, 1.0),
-            spreads=(0.0,), probe_leads=(0.5,), coverage_statistic=statistic, progress=False,
+            [group],
+            budgets=(16,),
+            stage_edges=(0.0, 1.0),
+            coverage_edges=(0.0, 0.2, 1.0),
+            spreads=(0.0,),
+            probe_leads=(0.5,),
+            coverage_statistic=statistic,
+            progress=False,
         )  # fmt: skip
         for statistic in ("mean", "root_mean")
     }

@@ -60,7 +60,6 @@ class SimInstance(InstanceHandle):
         self.scheduling = scheduling
         self.speculation = speculation
         self.capacity = profile.num_blocks * profile.block_size
-        self._partial_block = (profile.block_size - 1) / 2  # a row's mean unused tokens in its last block
         self.progress = 0.0
         self.decoding: dict[str, SimRequest] = {}
         self._ends: list[tuple[float, int, str]] = []  # (progress_end, order, request id), lazily pruned
@@ -100,8 +99,7 @@ class SimInstance(InstanceHandle):
         generated = len(chunk.prior_output_token_ids)
         context = len(chunk.prompt_token_ids) + generated
         true_len = self.world.lengths[chunk.sequence_id]
-        limit = chunk.params.max_tokens
-        end = min(limit, true_len)
+        end = min(chunk.params.max_tokens, true_len)
         reason = "stop" if end == true_len and true_len < self.world.max_tokens else "length"
         if chunk.load_kv:
             hit = context
@@ -476,11 +474,8 @@ class SimInstance(InstanceHandle):
         return self._context_base + len(self.decoding) * self.progress
 
     def _running_kv(self) -> float:
-        """KV the running rows hold. The engine allocates whole blocks, so each row's last
-        block is on average half empty (``_partial_block``)."""
-        rows = len(self.decoding) + len(self.prefilling)
-        context = self._decoding_context() + sum(r.computed for r in self.prefilling)
-        return context + rows * self._partial_block - self.groups.shared_prompt
+        held = self._decoding_context() + sum(r.computed for r in self.prefilling)
+        return held + self.groups.rows * self.profile.partial_block_tokens - self.groups.shared_prompt
 
     def _cache(self, key: str, tokens: int) -> None:
         self.cache[key] = tokens

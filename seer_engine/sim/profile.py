@@ -120,6 +120,12 @@ class InstanceProfile(SavedAsJson):
     def num_blocks(self) -> int:
         return self.kv_capacity_tokens // self.block_size
 
+    @property
+    def partial_block_tokens(self) -> float:
+        """KV tokens a running row holds past its context: the engine allocates whole
+        blocks, so a row's last block is on average half empty."""
+        return (self.block_size - 1) / 2
+
     def pool_load_s(self, tokens: int) -> float:
         """Seconds to pull ``tokens`` of KV from the pool (0 without a pool model)."""
         if not self.pool_bytes_per_s or not self.kv_bytes_per_token:

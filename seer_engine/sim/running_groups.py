@@ -15,6 +15,7 @@ class RunningGroups:
 
     def __init__(self) -> None:
         self.keys: dict[str, list[str]] = {}  # group -> the responses of its rows here
+        self.rows = 0
         self.shared_prompt = 0
         # group -> (world version, keys, rows per coverage bin): recomputed only when the
         # group's chunks or this instance's rows of it change
@@ -27,10 +28,12 @@ class RunningGroups:
         keys = self.keys.setdefault(req.group_id, [])
         self.shared_prompt += req.prompt_len if keys else 0
         keys.append(req.key)
+        self.rows += 1
 
     def leave(self, req: SimRequest) -> None:
         keys = self.keys[req.group_id]
         keys.remove(req.key)
+        self.rows -= 1
         if keys:
             self.shared_prompt -= req.prompt_len
         else:
