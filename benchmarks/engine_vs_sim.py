@@ -1,7 +1,8 @@
 """The real engine's policy order against the simulator's on the same workload: per
 iteration and policy, tokens/s (x baseline), engine / simulator, accepted draft tokens
-per step, the order of policies by throughput, and for the policies that draft, draft
-nodes per row and step and the share of them accepted. Reads `report.json` files written
+per step, the order of policies by throughput and the pairs of policies the simulator
+orders differently (with each side's gap), and for the policies that draft, draft nodes
+per row and step and the share of them accepted. Reads `report.json` files written
 by `seer_engine bench rollout --report` and `seer_engine simulate --report`.
 
     python benchmarks/engine_vs_sim.py ENGINE_REPORT SIM_REPORT [SIM_REPORT ...] [--within 0.15]
@@ -55,6 +56,25 @@ def compare(engine: list[dict], sims: list[list[dict]], within: float) -> tuple[
     return lines, orders
 
 
+def swaps(engine: list[dict], sims: list[list[dict]]) -> list[str]:
+    """Markdown lines: per iteration and simulator run, each pair of policies it orders
+    unlike the engine, with how far apart each puts them (how close a call it was)."""
+    lines = []
+    for k, sim in enumerate(sims, 1):
+        for i, (eng, run) in enumerate(zip(engine, sim), 1):
+            names = [n for n in eng if n in run]
+            tps = {n: (eng[n]["throughput_tokens_per_s"], run[n]["throughput_tokens_per_s"]) for n in names}
+            for a in names:
+                for b in names:
+                    (ea, sa), (eb, sb) = tps[a], tps[b]
+                    if ea > eb and sa < sb:
+                        lines.append(
+                            f"- sim {k}, iteration {i}: engine {a} > {b} by {ea / eb - 1:.1%}, "
+                            f"simulator {b} > {a} by {sb / sa - 1:.1%}"
+                        )
+    return lines or ["- none: every simulator run orders the policies as the engine does"]
+
+
 def _drafts(m: dict) -> str:
     """Draft nodes verified per row and step, and the share accepted (rows' steps are
     accepted tokens over accepted per step)."""
@@ -97,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, orders = compare(engine, sims, args.within)
     print("\n".join(f"sim {k + 1}: `{p}`" for k, p in enumerate(args.sims)) + "\n")
     print("\n".join(lines) + "\n\nOrder by throughput:\n\n" + "\n".join(orders))
+    print("\nPairs ordered differently:\n\n" + "\n".join(swaps(engine, sims)))
     print("\nDrafts:\n\n" + "\n".join(drafts(engine, sims)))
     return 0
 
