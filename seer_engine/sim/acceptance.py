@@ -179,6 +179,10 @@ class AcceptanceModel(SavedAsJson):
     def coverage_bin(self, coverage: float) -> int:
         return bin_index(self.coverage_edges, coverage)
 
+    def lead_bin(self, share: float) -> int:
+        """The coverage bin of a row whose siblings' mean lead share is ``share``."""
+        return self.coverage_bin(self.coverage(share))
+
     def accepted_per_step(self, budget: float, stage: float, coverage: float = 0.0) -> float:
         """Piecewise linear in budget through (0, 0) and the table points, flat past the last."""
         return self._interpolate(self._row(self.accepted, stage, coverage), budget)

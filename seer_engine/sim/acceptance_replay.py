@@ -204,7 +204,7 @@ def fit_acceptance(
         if nc == 1
         else tuple(tuple((0.0,) * nb for _ in range(nc)) for _ in range(ns))
     )
-    # validate early
+    # Validated early; bins the replayed steps' coverage as the fitted model will read it.
     axis = AcceptanceModel(budgets, edges, empty, coverage_edges=cover, coverage_statistic=coverage_statistic)
     cells = [(s, c) for s in range(ns) for c in range(nc)]
     sums = {cell: [0] * nb for cell in cells}
@@ -220,7 +220,7 @@ def fit_acceptance(
                 for stage, coverage, accepted, drafted, _ in replay_group(
                     group, budget, multi_path, max_depth, min_prob, seeded, starts
                 ):
-                    cell = (bin_index(edges, stage), axis.coverage_bin(axis.coverage(coverage)))
+                    cell = (bin_index(edges, stage), axis.lead_bin(coverage))
                     sums[cell][bi] += accepted
                     nodes[cell][bi] += drafted
                     steps[cell][bi] += 1

@@ -228,9 +228,8 @@ class SimInstance(InstanceHandle):
         """Steps until a row ends, the KV fills or the rows' drafting changes."""
         first_end = min(self._first_end(), self.progress + steady_tokens)
         steps = max(1, math.ceil((first_end - self.progress) / gain - EPS))
-        growth = rows * gain
         room = self.capacity - self._running_kv()
-        steps = max(1, min(steps, int(room // growth)))
+        steps = max(1, min(steps, int(room // (rows * gain))))
         seg = Segment(steps, 0.0, 0.0, rows, gain, drafted)
         seg.seconds = self._decode_seconds(seg, steps) + self._carried_s
         seg.end = self.clock + seg.seconds
@@ -474,8 +473,9 @@ class SimInstance(InstanceHandle):
         return self._context_base + len(self.decoding) * self.progress
 
     def _running_kv(self) -> float:
+        rows = len(self.decoding) + len(self.prefilling)
         held = self._decoding_context() + sum(r.computed for r in self.prefilling)
-        return held + self.groups.rows * self.profile.partial_block_tokens - self.groups.shared_prompt
+        return held + rows * self.profile.partial_block_tokens - self.groups.shared_prompt
 
     def _cache(self, key: str, tokens: int) -> None:
         self.cache[key] = tokens

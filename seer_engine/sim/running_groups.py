@@ -15,7 +15,6 @@ class RunningGroups:
 
     def __init__(self) -> None:
         self.keys: dict[str, list[str]] = {}  # group -> the responses of its rows here
-        self.rows = 0
         self.shared_prompt = 0
         # group -> (world version, keys, rows per coverage bin): recomputed only when the
         # group's chunks or this instance's rows of it change
@@ -28,12 +27,10 @@ class RunningGroups:
         keys = self.keys.setdefault(req.group_id, [])
         self.shared_prompt += req.prompt_len if keys else 0
         keys.append(req.key)
-        self.rows += 1
 
     def leave(self, req: SimRequest) -> None:
         keys = self.keys[req.group_id]
         keys.remove(req.key)
-        self.rows -= 1
         if keys:
             self.shared_prompt -= req.prompt_len
         else:
@@ -55,7 +52,7 @@ class RunningGroups:
             if cached is None or cached[0] != version or cached[1] != members:
                 bins = [0] * speculation.coverage_bins
                 for k in keys:
-                    bins[speculation.coverage_bin(world.lead_share(g, k, speculation.coverage_window))] += 1
+                    bins[speculation.lead_bin(world.lead_share(g, k, speculation.coverage_window))] += 1
                 cached = (version, members, bins)
                 self._coverage[g] = cached
             for b, n in enumerate(cached[2]):

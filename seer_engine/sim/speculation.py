@@ -57,9 +57,9 @@ class SimSpeculation:
         """Whether the acceptance model reads how far siblings have written past a row."""
         return self.coverage_bins > 1
 
-    def coverage_bin(self, share: float) -> int:
+    def lead_bin(self, share: float) -> int:
         """The coverage bin of a row whose siblings' mean lead share is ``share``."""
-        return self.acceptance.coverage_bin(self.acceptance.coverage(share))
+        return self.acceptance.lead_bin(share)
 
     def rates(
         self,

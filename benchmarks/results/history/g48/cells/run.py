@@ -52,7 +52,7 @@ def engine(fit: str, out: str, argv: list[str]) -> None:
             # Siblings not seen yet have written nothing.
             leads = [before.get(j, 0) for j in siblings if j != sid] + [0] * (size - len(siblings))
             stage = model.stage_bin(sum(1 for j in siblings if j in stopped) / size)
-            cell = cells[f"{stage}/{model.coverage_bin(model.coverage(lead_share(p, leads)))}"]
+            cell = cells[f"{stage}/{model.lead_bin(lead_share(p, leads))}"]
             cell[0] += 1
             cell[1] += len(verdict.nodes)
         for req in updated:
@@ -80,7 +80,7 @@ def simulate(out: str, argv: list[str]) -> None:
             for g, keys in self.groups.keys.items():
                 stage = spec.acceptance.stage_bin(self.world.stage(g))
                 for k in keys:
-                    here[f"{stage}/{spec.coverage_bin(self.world.lead_share(g, k, COVERAGE_WINDOW))}"] += 1
+                    here[f"{stage}/{spec.lead_bin(self.world.lead_share(g, k, COVERAGE_WINDOW))}"] += 1
         self._recorded = here
         return gain, drafted, steady
 
