@@ -23,6 +23,7 @@ from seer_engine.sim.acceptance_replay import (
     probe_starts,
     replay_group,
 )
+from seer_engine.sim.acceptance_replay import main as replay_main
 
 PROMPT = list(range(1000, 1020))
 X = list(range(3000, 3200))  # 200 distinct tokens
@@ -146,6 +147,24 @@ def test_followers_of_a_probe_get_a_coverage_bin_of_their_own():
     assert nothing_ahead[0] + 0.1 < blended < probe_ahead[0] / 10
     with pytest.raises(ValueError, match="probe leads must be > 0"):
         fit_acceptance([group], probe_leads=(0.0,), progress=False)
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--probe-leads", "-1", "probe leads must be > 0"),
+        ("--probe-leads", "x", "'x' is not a comma-separated"),
+        ("--spreads", "-2", "spreads must be >= 0"),
+        ("--coverage-statistic", "max", "invalid choice: 'max'"),
+    ],
+)
+def test_the_fit_cli_names_bad_start_patterns(game24_trace, tmp_path, capsys, flag, value, message):
+    out = tmp_path / "fit.json"
+    with pytest.raises(SystemExit) as exit_info:
+        replay_main(["--trace", str(game24_trace), "--groups", "1", flag, value, "--output", str(out)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_a_model_says_which_coverage_statistic_it_was_fitted_with():

@@ -288,7 +288,10 @@ def _shaped(values: dict[tuple[int, int], list], stages: int, coverages: int) ->
 
 
 def _numbers(text: str, kind: type) -> tuple:
-    return tuple(kind(v) for v in text.split(",") if v.strip())
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of {kind.__name__} numbers") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,20 +343,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = None
     if args.history_samples:
         history = [g.response_token_ids[args.samples :] for g in full]
-    model = fit_acceptance(
-        groups,
-        _numbers(args.budgets, int),
-        _numbers(args.stage_edges, float),
-        multi_path=not args.single_path,
-        max_depth=args.max_depth,
-        min_prob=args.min_prob,
-        history=history,
-        coverage_edges=_numbers(args.coverage_edges, float),
-        spreads=_numbers(args.spreads, float),
-        seed=args.seed,
-        probe_leads=_numbers(args.probe_leads, float),
-        coverage_statistic=args.coverage_statistic,
-    )
+    try:  # number lists that do not parse, or that the fit refuses, are the caller's error
+        model = fit_acceptance(
+            groups,
+            _numbers(args.budgets, int),
+            _numbers(args.stage_edges, float),
+            multi_path=not args.single_path,
+            max_depth=args.max_depth,
+            min_prob=args.min_prob,
+            history=history,
+            coverage_edges=_numbers(args.coverage_edges, float),
+            spreads=_numbers(args.spreads, float),
+            seed=args.seed,
+            probe_leads=_numbers(args.probe_leads, float),
+            coverage_statistic=args.coverage_statistic,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     command = " ".join(["python -m seer_engine.sim.acceptance_replay", *argv])
     derivation = (
         f"`{command}`: exact-match replay of {len(groups)} groups (--groups {args.groups}) x "
