@@ -106,6 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--min-prob", type=float, default=SpeculativeConfig.min_prob, help="drop draft nodes below this"
     )
+    parser.add_argument(
+        "--backoff",
+        type=float,
+        default=SpeculativeConfig.backoff,
+        help="pseudo-counts each context length takes from the next shorter one (0: longest match alone)",
+    )
     parser.add_argument("--history-weight", type=float, default=SpeculativeConfig.history_weight)
     parser.add_argument(
         "--history-sequences", type=int, default=SpeculativeConfig.history_sequences, help="seeds per group"
@@ -119,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = select_groups(load_trace(args.trace), args.groups)
     config = SpeculativeConfig(
         method="group_suffix", history_weight=args.history_weight, history_sequences=args.history_sequences,
-        min_prob=args.min_prob,
+        min_prob=args.min_prob, backoff=args.backoff,
     )  # fmt: skip
     store = HistoryStore(max_sequences=args.history_sequences, max_sequence_tokens=args.max_sequence_tokens)
     proposer = SuffixProposer(config, grouped=True)
@@ -172,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": machine_info(),
             "trace": Path(args.trace).name, "groups": len(groups), "samples": args.samples,
-            "budget": args.budget, "min_prob": args.min_prob, "history_weight": args.history_weight,
+            "budget": args.budget, "min_prob": args.min_prob, "backoff": args.backoff,
+            "history_weight": args.history_weight,
             "history": not args.no_history,
             "history_sequences": args.history_sequences, "max_sequence_tokens": args.max_sequence_tokens,
         }  # fmt: skip

@@ -209,25 +209,35 @@ class GroupSuffixTree {
 
   // Builds a draft continuing `context`.  See the class docstring for the semantics.
   Draft speculate(const std::vector<int32_t>& context, int budget, bool multi_path,
-                  double min_prob, double max_spec_factor, int max_match_len) const {
+                  double min_prob, double max_spec_factor, int max_match_len,
+                  double backoff) const {
     const size_t n = context.size();
-    const int match_len = longest_match(match_cap(max_match_len, n), [&](int len) {
-      return walk(context.data() + n - len, static_cast<size_t>(len));
-    });
-    const int32_t start = walk(context.data() + n - match_len, static_cast<size_t>(match_len));
-    return draft(start, match_len, budget, multi_path, min_prob, max_spec_factor);
+    auto node_of = [&](int len) { return walk(context.data() + n - len, static_cast<size_t>(len)); };
+    const int match_len = longest_match(match_cap(max_match_len, n), node_of);
+    if (backoff > 0.0) {
+      std::vector<int32_t> orders(match_len + 1);
+      for (int k = 0; k <= match_len; ++k) orders[k] = node_of(k);
+      return draft_backed_off(std::move(orders), budget, multi_path, min_prob, max_spec_factor,
+                              backoff);
+    }
+    return draft(node_of(match_len), match_len, budget, multi_path, min_prob, max_spec_factor);
   }
 
   // Same result as speculate(<tokens of sequence `key`>, ...), without walking from
   // the root: the sequence's own suffix nodes are already known.  The fast path for a
   // request whose output is stored in the tree it drafts from.
   Draft speculate_sequence(int64_t key, int budget, bool multi_path, double min_prob,
-                           double max_spec_factor, int max_match_len) const {
+                           double max_spec_factor, int max_match_len, double backoff) const {
     auto it = seqs_.find(key);
     if (it == seqs_.end()) throw py::key_error("no sequence " + std::to_string(key));
     const std::vector<int32_t>& active = it->second.active;
     const int match_len = longest_match(match_cap(max_match_len, active.size() - 1),
                                         [&](int len) { return active[len]; });
+    if (backoff > 0.0) {
+      std::vector<int32_t> orders(active.begin(), active.begin() + match_len + 1);
+      return draft_backed_off(std::move(orders), budget, multi_path, min_prob, max_spec_factor,
+                              backoff);
+    }
     return draft(active[match_len], match_len, budget, multi_path, min_prob, max_spec_factor);
   }
 
@@ -456,6 +466,23 @@ class GroupSuffixTree {
     });
   }
 
+  // The `keep` most frequent children of v as (count, tok, node), in sorted_children's
+  // order.
+  void top_children(int32_t v, size_t keep,
+                      std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
+    out.clear();
+    for_each_child(v, [&](int32_t t, int32_t c) { out.emplace_back(nodes_[c].count, t, c); });
+    auto before = [](const auto& a, const auto& b) {
+      if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) > std::get<0>(b);
+      return std::get<1>(a) < std::get<1>(b);
+    };
+    if (out.size() > keep) {
+      std::nth_element(out.begin(), out.begin() + keep, out.end(), before);
+      out.resize(keep);
+    }
+    std::sort(out.begin(), out.end(), before);
+  }
+
   void draft_path(int32_t v, int budget, double min_prob, Draft& out) const {
     auto& toks = std::get<0>(out);
     auto& parents = std::get<1>(out);
@@ -541,6 +568,136 @@ class GroupSuffixTree {
     }
   }
 
+  // Backed-off drafts (backoff > 0): the next token's distribution mixes every matched
+  // context length, not just the longest.  orders[k] is the node of the context's last
+  // k tokens (orders[0] the root).  Each context's distribution has a Dirichlet prior
+  // centred on the next shorter context's, `backoff` pseudo-counts strong:
+  //   p_k(t) = (count_k(t) + backoff * p_{k-1}(t)) / (child_total_k + backoff),
+  // from k = 1 (the root's unigram counts are left out: p_0 = 0) to the longest match.
+  // A deep match seen once or twice no longer claims certainty, so the tree spends its
+  // nodes on the likeliest alternatives of every length instead of one long path.
+  // Only the `keep` likeliest tokens of each context are mixed (no draft needs more).
+  // Extending a draft by token t moves every context one token on: the new orders are
+  // the root and the t-children of the old ones, as deep as they exist.
+  void backed_off_next(const std::vector<int32_t>& orders, double backoff, size_t keep,
+                       std::vector<std::pair<int32_t, double>>& out) const {
+    out.clear();
+    std::vector<std::tuple<int32_t, int32_t, int32_t>> kids;
+    for (size_t k = 1; k < orders.size(); ++k) {
+      const Node& v = nodes_[orders[k]];
+      if (v.child_total == 0) continue;
+      top_children(orders[k], keep, kids);
+      const double denom = v.child_total + backoff;
+      const double scale = backoff / denom;
+      for (auto& tp : out) tp.second *= scale;
+      for (size_t i = 0; i < kids.size(); ++i) {
+        const int32_t tok = std::get<1>(kids[i]);
+        const double add = std::get<0>(kids[i]) / denom;
+        auto it = std::find_if(out.begin(), out.end(),
+                               [&](const auto& tp) { return tp.first == tok; });
+        if (it == out.end()) {
+          out.emplace_back(tok, add);
+        } else {
+          it->second += add;
+        }
+      }
+    }
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      if (a.second != b.second) return a.second > b.second;
+      return a.first < b.first;
+    });
+    if (out.size() > keep) out.resize(keep);
+  }
+
+  std::vector<int32_t> advance(const std::vector<int32_t>& orders, int32_t tok) const {
+    std::vector<int32_t> next{kRoot};
+    for (size_t k = 0; k < orders.size(); ++k) {
+      const int32_t c = find_child(orders[k], tok);
+      if (c < 0) break;  // no longer context with tok exists either
+      next.push_back(c);
+    }
+    return next;
+  }
+
+  Draft draft_backed_off(std::vector<int32_t> orders, int budget, bool multi_path,
+                         double min_prob, double max_spec_factor, double backoff) const {
+    Draft out;
+    const int match_len = static_cast<int>(orders.size()) - 1;
+    std::get<3>(out) = match_len;
+    if (match_len == 0) return out;
+    if (max_spec_factor > 0.0) {
+      const double spec_cap = max_spec_factor * match_len;
+      if (spec_cap < budget) budget = static_cast<int>(spec_cap);
+    }
+    if (budget <= 0) return out;
+    auto& toks = std::get<0>(out);
+    auto& parents = std::get<1>(out);
+    auto& probs = std::get<2>(out);
+    std::vector<std::pair<int32_t, double>> next;
+    if (!multi_path) {
+      double p = 1.0;
+      while (static_cast<int>(toks.size()) < budget) {
+        backed_off_next(orders, backoff, static_cast<size_t>(budget), next);
+        if (next.empty()) break;
+        const double q = p * next[0].second;
+        if (q < min_prob) break;
+        parents.push_back(static_cast<int32_t>(toks.size()) - 1);
+        toks.push_back(next[0].first);
+        probs.push_back(q);
+        p = q;
+        orders = advance(orders, next[0].first);
+      }
+      return out;
+    }
+    auto path_less = [&](int32_t pa, int32_t ta, int32_t pb, int32_t tb) {
+      while (pa != pb) {
+        ta = toks[pa];
+        tb = toks[pb];
+        pa = parents[pa];
+        pb = parents[pb];
+      }
+      return ta < tb;
+    };
+    struct BCand {
+      double p;
+      int32_t depth;
+      int32_t from;    // orders_of index of the parent's contexts
+      int32_t parent;  // index in the output, -1 under the context
+      int32_t tok;
+    };
+    auto ranks_after = [&](const BCand& a, const BCand& b) {
+      if (a.p != b.p) return a.p < b.p;
+      if (a.depth != b.depth) return a.depth > b.depth;
+      return path_less(b.parent, b.tok, a.parent, a.tok);
+    };
+    std::priority_queue<BCand, std::vector<BCand>, decltype(ranks_after)> heap(ranks_after);
+    std::vector<std::vector<int32_t>> orders_of{std::move(orders)};
+    auto push_children = [&](int32_t from, double p, int32_t depth, int32_t parent) {
+      backed_off_next(orders_of[from], backoff, static_cast<size_t>(budget), next);
+      // Only the best `remaining` siblings can ever be taken: each outranks the next.
+      const size_t remaining = static_cast<size_t>(budget) - toks.size();
+      for (size_t i = 0; i < next.size() && i < remaining; ++i) {
+        const auto& [tok, prob] = next[i];
+        const double q = p * prob;
+        if (q < min_prob) break;
+        heap.push(BCand{q, depth + 1, from, parent, tok});
+      }
+    };
+    push_children(0, 1.0, 0, -1);
+    while (!heap.empty() && static_cast<int>(toks.size()) < budget) {
+      const BCand c = heap.top();
+      heap.pop();
+      const int32_t idx = static_cast<int32_t>(toks.size());
+      toks.push_back(c.tok);
+      parents.push_back(c.parent);
+      probs.push_back(c.p);
+      if (static_cast<int>(toks.size()) == budget) break;
+      orders_of.push_back(advance(orders_of[c.from], c.tok));
+      push_children(static_cast<int32_t>(orders_of.size()) - 1, c.p, c.depth, idx);
+    }
+    return out;
+  }
+
   void dump_rec(int32_t v, std::vector<int32_t>& path,
                 std::vector<std::pair<std::vector<int32_t>, int64_t>>& out) const {
     for_each_child(v, [&](int32_t t, int32_t c) {
@@ -581,6 +738,11 @@ speculate(context, budget, multi_path, min_prob, max_spec_factor, max_match_len)
   prob >= min_prob.
   Single path: follow the most frequent child (ties: smaller token).
   Multi-path: the `budget` best nodes ranked by (prob desc, depth asc, token path asc).
+  backoff > 0: a token's probability mixes every matched context length, from 1 to
+  match_len: p_k(t) = (count_k(t) + backoff * p_(k-1)(t)) / (child_total_k + backoff)
+  with p_0 = 0, only the `budget` likeliest tokens of each context mixed; a draft
+  node's context is the context plus its path (each length as deep as it occurs).
+  Ranking and output order as above, on these probabilities.
   Returns (tokens, parents, probs, match_len); parents[i] is the index of node i's
   parent, -1 for children of the last context token; parents precede children.
 )doc")
@@ -608,9 +770,11 @@ speculate(context, budget, multi_path, min_prob, max_spec_factor, max_match_len)
       .def("clear", &seer::GroupSuffixTree::clear)
       .def("speculate", &seer::GroupSuffixTree::speculate, py::arg("context"),
            py::arg("budget"), py::arg("multi_path") = false, py::arg("min_prob") = 0.1,
-           py::arg("max_spec_factor") = 0.0, py::arg("max_match_len") = -1)
+           py::arg("max_spec_factor") = 0.0, py::arg("max_match_len") = -1,
+           py::arg("backoff") = 0.0)
       .def("speculate_sequence", &seer::GroupSuffixTree::speculate_sequence, py::arg("key"),
            py::arg("budget"), py::arg("multi_path") = false, py::arg("min_prob") = 0.1,
            py::arg("max_spec_factor") = 0.0, py::arg("max_match_len") = -1,
+           py::arg("backoff") = 0.0,
            "speculate() with the stored sequence `key` as the context (KeyError if absent).");
 }

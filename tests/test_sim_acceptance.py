@@ -50,7 +50,8 @@ def totals(records: list[ReplayStep], lo: float = 0.0, hi: float = 1.0) -> tuple
 
 @pytest.mark.parametrize("budget, x_steps", [(1, 101), (4, 41), (16, 13)])
 def test_late_sibling_accepts_what_a_finished_sibling_wrote(budget, x_steps):
-    records = replay_group(late_copy(), budget, multi_path=True)
+    # Longest-match drafts (no backoff): a copied passage is drafted budget-deep at once.
+    records = replay_group(late_copy(), budget, multi_path=True, backoff=0.0)
     # Both siblings alone: 400 steps at stage 0, nothing in common, nothing accepted.
     assert totals(records, 0.0, 0.5) == (400, 0)
     # Sibling 1 after sibling 0 finished: 50 more unrelated tokens, then X: its first token
@@ -134,6 +135,7 @@ def test_followers_of_a_probe_get_a_coverage_bin_of_their_own():
             probe_leads=(0.5,),
             coverage_statistic=statistic,
             progress=False,
+            backoff=0.0,  # longest-match drafts: a follower copies the probe budget-deep
         )  # fmt: skip
         for statistic in ("mean", "root_mean")
     }

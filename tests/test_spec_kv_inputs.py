@@ -27,6 +27,9 @@ from seer_engine.spec_decode.config import SpeculativeConfig
         ('{"min_prob": "x"}', "min_prob must be a number"),
         ('{"min_prob": null}', "min_prob must be a number"),
         ('{"min_prob": NaN}', "min_prob must be a number"),
+        ('{"backoff": -1}', r"backoff must be a number in \[0, 1e\+06\]"),
+        ('{"backoff": "16"}', "backoff must be a number"),
+        ('{"backoff": NaN}', "backoff must be a number"),
         ('{"max_depth": 1099511627776}', r"max_depth must be an integer in 2\.\.4096"),
         ('{"max_depth": 5000}', r"max_depth must be an integer in 2\.\.4096"),
         ('{"prompt_lookup_min": "2"}', "need integers 1 <= prompt_lookup_min"),
@@ -46,8 +49,8 @@ def test_speculative_config_wrong_types_are_clear_errors(bad, needle):
 
 
 def test_speculative_config_accepts_integral_numbers():
-    spec = SpeculativeConfig.parse('{"min_prob": 0, "history_weight": 1, "max_depth": 4096}')
-    assert (spec.min_prob, spec.history_weight, spec.max_depth) == (0, 1, 4096)
+    spec = SpeculativeConfig.parse('{"min_prob": 0, "history_weight": 1, "max_depth": 4096, "backoff": 0}')
+    assert (spec.min_prob, spec.history_weight, spec.max_depth, spec.backoff) == (0, 1, 4096, 0)
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300])

@@ -105,6 +105,27 @@ def test_speculate_matches_reference(data: st.DataObject) -> None:
         assert tree.speculate_sequence(key, *args) == ref.speculate_sequence(key, *args)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_backed_off_drafts_match_reference(data: st.DataObject) -> None:
+    max_depth, vocab, seqs = data.draw(groups())
+    weights = {key: data.draw(st.integers(1, 3)) for key in seqs}
+    tree = build_weighted(GroupSuffixTree, max_depth, seqs, weights)
+    ref = build_weighted(RefGroupSuffixTree, max_depth, seqs, weights)
+    for _ in range(3):
+        ctx = data.draw(contexts(vocab, seqs))
+        args = (*data.draw(spec_args), data.draw(st.sampled_from([0.5, 2.0, 16.0])))
+        got = tree.speculate(ctx, *args)
+        assert got == ref.speculate(ctx, *args)
+        key = data.draw(st.sampled_from(list(seqs)))
+        assert tree.speculate_sequence(key, *args) == ref.speculate_sequence(key, *args)
+        tokens, parents, probs, _ = got
+        assert len(tokens) <= max(args[0], 0)
+        for i, (par, p) in enumerate(zip(parents, probs, strict=True)):
+            assert -1 <= par < i and args[2] <= p <= 1.0
+            assert par < 0 or p <= probs[par]
+
+
 @SETTINGS
 @given(st.data())
 def test_incremental_extend_equals_building_at_once(data: st.DataObject) -> None:
@@ -174,6 +195,25 @@ def test_single_and_multi_path_on_a_branch() -> None:
     # Equal probabilities: the smaller token wins.
     tree.add_sequence(3, [5, 6, 9, 9])
     assert tree.speculate([5, 6], 1, False, 0.0)[0] == [7]
+
+
+def test_backoff_doubts_a_deep_match_seen_once() -> None:
+    tree = GroupSuffixTree(16)
+    tree.add_sequence(0, [1, 2, 3, 7])  # [1, 2, 3] went on with 7 once
+    for key in range(1, 5):
+        tree.add_sequence(key, [9, 3, 8])  # [3] went on with 8 four times
+    # The longest match alone: [1, 2, 3] -> 7 is certain, and 8 is never drafted.
+    assert tree.speculate([1, 2, 3], 2, True, 0.0) == ([7], [-1], [1.0], 3)
+    # Backed off (b = 4): p_1 = {8: 4/9, 7: 1/9}; p_2 = p_3 = (count + 4 p_1) / (1 + 4).
+    tokens, parents, probs, match = tree.speculate([1, 2, 3], 2, True, 0.0, 0.0, -1, 4.0)
+    p1_7, p1_8 = 1 / 9, 4 / 9
+    p2_7, p2_8 = (1 + 4 * p1_7) / 5, 4 * p1_8 / 5
+    assert (tokens, parents, match) == ([7, 8], [-1, -1], 3)
+    assert probs == pytest.approx([(1 + 4 * p2_7) / 5, 4 * p2_8 / 5])
+    # Nothing ever follows 7 or 8, so a larger budget adds no node.
+    assert tree.speculate([1, 2, 3], 5, True, 0.0, 0.0, -1, 4.0)[0] == [7, 8]
+    # A heavy backoff lets the well-attested 8 outrank the deep match.
+    assert tree.speculate([1, 2, 3], 1, False, 0.0, 0.0, -1, 1000.0)[0] == [8]
 
 
 def test_match_is_longest_suffix_with_a_continuation() -> None:

@@ -40,6 +40,7 @@ DEFAULT_PROBE_LEADS = (0.5,)
 DEFAULT_COVERAGE_STATISTIC = "root_mean"
 DEFAULT_MAX_DEPTH = SpeculativeConfig.max_depth
 DEFAULT_MIN_PROB = SpeculativeConfig.min_prob
+DEFAULT_BACKOFF = SpeculativeConfig.backoff
 HISTORY_KEY_BASE = 1 << 20  # tree keys of history responses (siblings use their index)
 
 
@@ -89,6 +90,8 @@ def replay_group(
     min_prob: float = DEFAULT_MIN_PROB,
     history: Sequence[Sequence[int]] = (),
     starts: Sequence[int] | None = None,
+    *,
+    backoff: float = DEFAULT_BACKOFF,
 ) -> list[ReplayStep]:
     """Speculative decoding of one group in engine steps: one ``ReplayStep`` per live
     sibling and step.
@@ -105,7 +108,7 @@ def replay_group(
     ``history``: responses of the same prompt from an earlier iteration, in the tree
     from the start (a history-seeded drafter).
     """
-    trees = GroupSuffixTrees(max_depth=max_depth, min_prob=min_prob)
+    trees = GroupSuffixTrees(max_depth=max_depth, min_prob=min_prob, backoff=backoff)
     gid = group.group_id
     prompt = list(group.prompt_token_ids)
     responses = group.response_token_ids
@@ -183,6 +186,7 @@ def fit_acceptance(
     seed: int = 0,
     probe_leads: Sequence[float] = (),
     coverage_statistic: str = DEFAULT_COVERAGE_STATISTIC,
+    backoff: float = DEFAULT_BACKOFF,
 ) -> AcceptanceModel:
     """Replay every group at every budget and start pattern (a fresh tree each) and average
     accepted tokens per request-step by stage and coverage bin. The patterns: each of
@@ -218,7 +222,7 @@ def fit_acceptance(
         for starts in patterns + [probe_starts(group, lead) for lead in probe_leads]:
             for bi, budget in enumerate(budgets):
                 for stage, coverage, accepted, drafted, _ in replay_group(
-                    group, budget, multi_path, max_depth, min_prob, seeded, starts
+                    group, budget, multi_path, max_depth, min_prob, seeded, starts, backoff=backoff
                 ):
                     cell = (bin_index(edges, stage), axis.lead_bin(coverage))
                     sums[cell][bi] += accepted
@@ -252,6 +256,7 @@ def fit_acceptance(
         "multi_path": multi_path,
         "max_depth": max_depth,
         "min_prob": min_prob,
+        "backoff": backoff,
         "spreads": list(spreads),
         "probe_leads": list(probe_leads),
         "coverage_window": COVERAGE_WINDOW,
@@ -330,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
     parser.add_argument("--min-prob", type=float, default=DEFAULT_MIN_PROB)
     parser.add_argument(
+        "--backoff", type=float, default=DEFAULT_BACKOFF,
+        help="the drafter's backoff pseudo-counts (0: the longest match alone)",
+    )  # fmt: skip
+    parser.add_argument(
         "--history-samples", type=int, default=0,
         help="seed each group's tree with this many other responses of its trace group (those after "
         "--samples), as a drafter seeded from an earlier iteration would be",
@@ -357,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             probe_leads=_numbers(args.probe_leads, float),
             coverage_statistic=args.coverage_statistic,
+            backoff=args.backoff,
         )
     except ValueError as e:
         parser.error(str(e))
@@ -364,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     derivation = (
         f"`{command}`: exact-match replay of {len(groups)} groups (--groups {args.groups}) x "
         f"{args.samples} responses of {Path(args.trace).name} through the engine's C++ GroupSuffixTrees "
-        f"(max_depth {args.max_depth}, min_prob {args.min_prob}, multi_path {not args.single_path}); "
+        f"(max_depth {args.max_depth}, min_prob {args.min_prob}, backoff {args.backoff}, "
+        f"multi_path {not args.single_path}); "
         "per group and budget a fresh tree holding the prompt"
         + (
             f" and {args.history_samples} other responses of the trace group (a drafter seeded from an "

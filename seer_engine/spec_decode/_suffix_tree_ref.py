@@ -8,6 +8,7 @@ against.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 
 
@@ -92,6 +93,7 @@ class RefGroupSuffixTree:
         min_prob: float = 0.1,
         max_spec_factor: float = 0.0,
         max_match_len: int = -1,
+        backoff: float = 0.0,
     ) -> tuple[list[int], list[int], list[float], int]:
         children = self._children()
         cap = self.max_depth // 2 if max_match_len < 0 else max_match_len
@@ -107,6 +109,8 @@ class RefGroupSuffixTree:
             budget = min(budget, int(max_spec_factor * match_len))
         if budget <= 0:
             return [], [], [], match_len
+        if backoff > 0:
+            return self._backed_off(children, list(context), match_len, budget, multi_path, min_prob, backoff)
         start = tuple(context[len(context) - match_len :])
 
         def prob(parent_p: float, node: tuple[int, ...], tok: int) -> float:
@@ -148,3 +152,79 @@ class RefGroupSuffixTree:
             tokens.append(rel[-1])
             probs.append(q)
         return tokens, parents, probs, match_len
+
+    def _backed_off(
+        self,
+        children: dict[tuple[int, ...], dict[int, int]],
+        context: list[int],
+        match_len: int,
+        budget: int,
+        multi_path: bool,
+        min_prob: float,
+        backoff: float,
+    ) -> tuple[list[int], list[int], list[float], int]:
+        """Drafts whose next-token distributions mix every matched context length (see the
+        C++ docstring); a draft node's context is the context plus its path."""
+
+        def deepest(ctx: tuple[int, ...], longest: int) -> int:
+            """Longest suffix of ``ctx``, at most ``longest`` tokens, that occurs."""
+            for n in range(min(longest, len(ctx), self.max_depth), 0, -1):
+                if self._occurs(children, ctx[len(ctx) - n :]):
+                    return n
+            return 0
+
+        def next_tokens(ctx: tuple[int, ...], orders: int) -> list[tuple[int, float]]:
+            dist: dict[int, float] = {}
+            for k in range(1, orders + 1):
+                kids = children.get(ctx[len(ctx) - k :], {})
+                total = sum(kids.values())
+                if not total:
+                    continue
+                denom = total + backoff
+                scale = backoff / denom
+                for tok in dist:
+                    dist[tok] *= scale
+                for tok in sorted(kids, key=lambda t: (-kids[t], t))[:budget]:
+                    dist[tok] = dist.get(tok, 0.0) + kids[tok] / denom
+            return sorted(dist.items(), key=lambda tp: (-tp[1], tp[0]))[:budget]
+
+        ctx0 = tuple(context)
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        if not multi_path:
+            ctx, orders, p = ctx0, match_len, 1.0
+            while len(tokens) < budget:
+                best = next_tokens(ctx, orders)
+                if not best or p * best[0][1] < min_prob:
+                    break
+                tok, q = best[0][0], p * best[0][1]
+                parents.append(len(tokens) - 1)
+                tokens.append(tok)
+                probs.append(q)
+                ctx, p = ctx + (tok,), q
+                orders = deepest(ctx, orders + 1)
+            return tokens, parents, probs, match_len
+
+        # Best-first by (prob desc, depth asc, token path asc); children rank after parents.
+        heap: list[tuple[float, int, tuple[int, ...], int, int]] = []  # (-q, depth, path, parent, orders)
+
+        def push(path: tuple[int, ...], p: float, orders: int, parent: int) -> None:
+            for tok, prob in next_tokens(ctx0 + path, orders):
+                if p * prob >= min_prob:
+                    heapq.heappush(heap, (-(p * prob), len(path) + 1, path + (tok,), parent, orders))
+
+        push((), 1.0, match_len, -1)
+        while heap and len(tokens) < budget:
+            neg_q, _, path, parent, orders = heapq.heappop(heap)
+            index = len(tokens)
+            tokens.append(path[-1])
+            parents.append(parent)
+            probs.append(-neg_q)
+            push(path, -neg_q, deepest(ctx0 + path, orders + 1), index)
+        return tokens, parents, probs, match_len
+
+    @staticmethod
+    def _occurs(children: dict[tuple[int, ...], dict[int, int]], path: tuple[int, ...]) -> bool:
+        """``path`` occurs in some sequence (it is a child of its prefix)."""
+        return path[-1] in children.get(path[:-1], {})

@@ -13,6 +13,7 @@ METHODS = ("group_suffix", "suffix", "ngram")
 BUDGETS = ("adaptive", "fixed")
 MAX_DRAFT_NODES = 63  # the tree mask gives each verification row 64 visibility bits
 MAX_TREE_DEPTH = 4096  # the C++ suffix tree's limit on max_depth
+MAX_BACKOFF = 1e6  # pseudo-counts; far past any tree's counts, so a larger one means nothing more
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 16
     budget: str = "adaptive"
     multi_path: bool = True
-    min_prob: float = 0.1  # suffix trees: drop branches the tree gives less than this
+    min_prob: float = 0.01  # suffix trees: drop draft nodes whose path probability is lower
     max_depth: int = 64  # suffix trees: deepest suffix kept
+    # suffix trees: each matched context length's next-token counts get a prior of this
+    # many pseudo-counts from the next shorter context's distribution (0: the longest
+    # match alone decides, as SuffixDecoding drafts)
+    backoff: float = 16.0
     prompt_lookup_min: int = 2  # ngram: shortest suffix to match
     prompt_lookup_max: int = 5  # ngram: longest suffix to match
     # group_suffix with a history store: a seed (an earlier iteration's response) counts
@@ -54,6 +59,8 @@ class SpeculativeConfig:
             raise ValueError(f"multi_path must be true or false, got {self.multi_path!r}")
         if not (is_real(self.min_prob) and 0.0 <= self.min_prob <= 1.0):
             raise ValueError(f"min_prob must be a number in [0, 1], got {self.min_prob!r}")
+        if not (is_real(self.backoff) and 0.0 <= self.backoff <= MAX_BACKOFF):
+            raise ValueError(f"backoff must be a number in [0, {MAX_BACKOFF:g}], got {self.backoff!r}")
         if not (is_int(self.max_depth) and 2 <= self.max_depth <= MAX_TREE_DEPTH):
             raise ValueError(f"max_depth must be an integer in 2..{MAX_TREE_DEPTH}, got {self.max_depth!r}")
         if not (is_real(self.history_weight) and 0.0 < self.history_weight <= 1.0):

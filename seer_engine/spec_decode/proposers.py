@@ -50,7 +50,10 @@ class SuffixProposer(Proposer):
         self.name = "group_suffix" if grouped else "suffix"
         self.grouped = grouped
         self.trees = GroupSuffixTrees(
-            max_depth=config.max_depth, min_prob=config.min_prob, live_weight=config.live_weight
+            max_depth=config.max_depth,
+            min_prob=config.min_prob,
+            live_weight=config.live_weight,
+            backoff=config.backoff,
         )
         self.match_cap = config.max_depth // 2
         self.history_sequences = config.history_sequences

@@ -43,9 +43,9 @@ def _as_list(tokens: Sequence[int]) -> Sequence[int]:
 class GroupSuffixTrees:
     """One ``GroupSuffixTree`` per group id, created on first append.
 
-    Drafting defaults (``min_prob``, ``max_spec_factor``, ``max_match_len``) are set
-    here and can be overridden per ``speculate`` call; see the C++ class docstring for
-    their exact meaning.  ``max_match_len=None`` caps matches at ``max_depth // 2``:
+    Drafting defaults (``min_prob``, ``max_spec_factor``, ``max_match_len``,
+    ``backoff``) are set here and can be overridden per ``speculate`` call; see the C++
+    class docstring for their exact meaning.  ``max_match_len=None`` caps matches at ``max_depth // 2``:
     the trie is only ``max_depth`` deep, so a longer match would leave too little
     depth for the draft.
     """
@@ -57,6 +57,7 @@ class GroupSuffixTrees:
         max_spec_factor: float = 0.0,
         max_match_len: int | None = None,
         live_weight: int = 1,
+        backoff: float = 0.0,
     ) -> None:
         GroupSuffixTree(max_depth)  # validate max_depth now rather than on first append
         if not isinstance(live_weight, int) or live_weight < 1:
@@ -66,6 +67,7 @@ class GroupSuffixTrees:
         self.min_prob = min_prob
         self.max_spec_factor = max_spec_factor
         self.max_match_len = max_match_len
+        self.backoff = backoff
         self._trees: dict[Hashable, GroupSuffixTree] = {}
 
     def append(
@@ -117,6 +119,7 @@ class GroupSuffixTrees:
         min_prob: float | None = None,
         max_spec_factor: float | None = None,
         max_match_len: int | None = None,
+        backoff: float | None = None,
     ) -> DraftTree:
         """Draft up to ``budget`` tokens continuing ``context_tail`` from the group's tree.
 
@@ -126,7 +129,7 @@ class GroupSuffixTrees:
         tree = self._trees.get(group_id)
         if tree is None:
             return DraftTree()
-        opts = self._options(min_prob, max_spec_factor, max_match_len)
+        opts = self._options(min_prob, max_spec_factor, max_match_len, backoff)
         tail = _as_list(context_tail)
         if len(tail) > opts[2]:
             tail = tail[len(tail) - opts[2] :]
@@ -142,6 +145,7 @@ class GroupSuffixTrees:
         min_prob: float | None = None,
         max_spec_factor: float | None = None,
         max_match_len: int | None = None,
+        backoff: float | None = None,
     ) -> DraftTree:
         """``speculate`` with the stored sequence ``seq_key`` as the context.
 
@@ -153,12 +157,16 @@ class GroupSuffixTrees:
         tree = self._trees.get(group_id)
         if tree is None or seq_key not in tree:
             return DraftTree()
-        opts = self._options(min_prob, max_spec_factor, max_match_len)
+        opts = self._options(min_prob, max_spec_factor, max_match_len, backoff)
         return DraftTree(*tree.speculate_sequence(seq_key, budget, multi_path, *opts))
 
     def _options(
-        self, min_prob: float | None, max_spec_factor: float | None, max_match_len: int | None
-    ) -> tuple[float, float, int]:
+        self,
+        min_prob: float | None,
+        max_spec_factor: float | None,
+        max_match_len: int | None,
+        backoff: float | None,
+    ) -> tuple[float, float, int, float]:
         """Per-call overrides over the defaults; a negative match cap means max_depth // 2."""
         cap = self.max_match_len if max_match_len is None else max_match_len
         if cap is None or cap < 0:
@@ -167,6 +175,7 @@ class GroupSuffixTrees:
             self.min_prob if min_prob is None else min_prob,
             self.max_spec_factor if max_spec_factor is None else max_spec_factor,
             cap,
+            self.backoff if backoff is None else backoff,
         )
 
     def remove_sequence(self, group_id: Hashable, seq_key: int) -> None:
