@@ -230,9 +230,10 @@ def tree_pass(
 class RefAdapter:
     """The reference tree behind the ``GroupSuffixTrees`` calls the tree pass makes."""
 
-    def __init__(self, max_depth: int, min_prob: float = 0.1) -> None:
+    def __init__(self, max_depth: int, min_prob: float = 0.1, backoff: float = 0.0) -> None:
         self.max_depth = max_depth
         self.min_prob = min_prob
+        self.backoff = backoff
         self._trees: dict[str, RefGroupSuffixTree] = {}
 
     def append(self, group_id: str, seq_key: int, tokens: list[int]) -> None:
@@ -240,13 +241,13 @@ class RefAdapter:
 
     def speculate(self, group_id: str, tail: list[int], budget: int, multi_path: bool) -> DraftTree:
         tree = self._trees[group_id]
-        return DraftTree(*tree.speculate(tail, budget, multi_path, self.min_prob, 0.0, self.max_depth // 2))
+        opts = (self.min_prob, 0.0, self.max_depth // 2, self.backoff)
+        return DraftTree(*tree.speculate(tail, budget, multi_path, *opts))
 
     def speculate_sequence(self, group_id: str, key: int, budget: int, multi_path: bool) -> DraftTree:
         tree = self._trees[group_id]
-        return DraftTree(
-            *tree.speculate_sequence(key, budget, multi_path, self.min_prob, 0.0, self.max_depth // 2)
-        )
+        opts = (self.min_prob, 0.0, self.max_depth // 2, self.backoff)
+        return DraftTree(*tree.speculate_sequence(key, budget, multi_path, *opts))
 
     def tree(self, group_id: str) -> RefGroupSuffixTree:
         return self._trees[group_id]
@@ -255,12 +256,15 @@ class RefAdapter:
         self._trees.pop(group_id, None)
 
 
-def proposer_pass(groups: Sequence[TraceGroup], budget: int, max_depth: int) -> Samples:
+def proposer_pass(
+    groups: Sequence[TraceGroup], budget: int, max_depth: int, min_prob: float, backoff: float
+) -> Samples:
     """The engine-facing path: ``Request`` objects fed token by token to both proposers."""
     samples = Samples()
     clock = time.perf_counter_ns
     ngram = NgramProposer(SpeculativeConfig(method="ngram"))
-    suffix = SuffixProposer(SpeculativeConfig(method="group_suffix", max_depth=max_depth), grouped=True)
+    config = SpeculativeConfig(method="group_suffix", max_depth=max_depth, min_prob=min_prob, backoff=backoff)
+    suffix = SuffixProposer(config, grouped=True)
     params = SamplingParams(temperature=0.0, max_tokens=None)
     for gi, group in enumerate(groups):
         t0 = time.perf_counter()
@@ -424,7 +428,9 @@ def write_markdown(path: Path, res: dict[str, Any]) -> None:
         f"{host['loadavg_1m_at_end']:.2f} at the end",
         f"- workload: {len(mem)} groups of `{Path(cfg['trace']).name}` (`--groups {cfg['groups']}`), "
         f"{cfg['samples']} responses each in lock-step, {sum(m['tokens'] for m in mem):,} tokens in the "
-        f"trees; budget {cfg['budget']}, `max_depth` {cfg['max_depth']}, `min_prob` 0.1, context tail "
+        f"trees; budget {cfg['budget']}, `max_depth` {cfg['max_depth']}, "
+        f"`min_prob` {cfg.get('min_prob', 0.1)}, "
+        f"`backoff` {cfg.get('backoff', 0.0)}, context tail "
         f"{cfg['max_depth'] // 2} tokens",
         f"- timer pair (included in every figure): {res['timer_overhead_ns']:.0f} ns; C++ passes: "
         f"{cfg['repeats']}, each figure from the repeat with the lowest mean",
@@ -566,6 +572,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-depth", type=int, default=64, help="suffix tree depth (the engine's default: 64)"
     )
+    parser.add_argument(
+        "--min-prob", type=float, default=0.1, help="drop draft nodes below this path probability"
+    )
+    parser.add_argument(
+        "--backoff", type=float, default=0.0, help="backoff pseudo-counts (0: the longest match alone)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="C++ passes; each figure keeps its best")
     parser.add_argument("--ref-groups", type=int, default=1, help="groups for the pure-Python reference")
     parser.add_argument("--ref-steps", type=int, default=12, help="lock-step steps for the Python reference")
@@ -593,10 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     overhead = timer_overhead_ns()
 
     def cpp_trees() -> GroupSuffixTrees:
-        return GroupSuffixTrees(max_depth=args.max_depth)
+        return GroupSuffixTrees(max_depth=args.max_depth, min_prob=args.min_prob, backoff=args.backoff)
 
     def ref_trees() -> RefAdapter:
-        return RefAdapter(args.max_depth)
+        return RefAdapter(args.max_depth, args.min_prob, args.backoff)
 
     cpp_runs, memory = [], []
     for r in range(args.repeats):
@@ -612,7 +624,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ref_cpp, _ = tree_pass(
         ref_groups, cpp_trees, args.budget, args.max_depth, args.ref_steps, "C++ same prefix"
     )
-    prop = Samples() if args.no_proposers else proposer_pass(groups, args.budget, args.max_depth)
+    prop = (
+        Samples()
+        if args.no_proposers
+        else proposer_pass(groups, args.budget, args.max_depth, args.min_prob, args.backoff)
+    )
     sweep = depth_sweep(groups[0], [int(d) for d in args.depths.split(",")])
 
     res: dict[str, Any] = {
@@ -625,6 +641,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "samples": args.samples,
             "budget": args.budget,
             "max_depth": args.max_depth,
+            "min_prob": args.min_prob,
+            "backoff": args.backoff,
             "repeats": args.repeats,
             "ref_groups": args.ref_groups,
             "ref_steps": args.ref_steps,

@@ -161,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "drafted_per_step": round(drafted / steps, 2),
             "drafted_per_step_last_third": round(last_drafted / max(1, last_steps), 2),
             "steps": steps,
+            "seconds": round(time.perf_counter() - start, 1),  # since the first iteration began
         }
         per_iteration.append(row)
         print(json.dumps(row), f"({time.perf_counter() - start:.0f}s)", flush=True)

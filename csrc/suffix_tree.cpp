@@ -469,7 +469,7 @@ class GroupSuffixTree {
   // The `keep` most frequent children of v as (count, tok, node), in sorted_children's
   // order.
   void top_children(int32_t v, size_t keep,
-                      std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
+                    std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
     out.clear();
     for_each_child(v, [&](int32_t t, int32_t c) { out.emplace_back(nodes_[c].count, t, c); });
     auto before = [](const auto& a, const auto& b) {
@@ -579,20 +579,26 @@ class GroupSuffixTree {
   // Only the `keep` likeliest tokens of each context are mixed (no draft needs more).
   // Extending a draft by token t moves every context one token on: the new orders are
   // the root and the t-children of the old ones, as deep as they exist.
-  void backed_off_next(const std::vector<int32_t>& orders, double backoff, size_t keep,
+  using Kids = std::vector<std::tuple<int32_t, int32_t, int32_t>>;
+
+  // orders[0..n): see above.  `kids` is scratch space.
+  void backed_off_next(const int32_t* orders, size_t n, double backoff, size_t keep, Kids& kids,
                        std::vector<std::pair<int32_t, double>>& out) const {
     out.clear();
-    std::vector<std::tuple<int32_t, int32_t, int32_t>> kids;
-    for (size_t k = 1; k < orders.size(); ++k) {
+    int32_t kids_total = -1;
+    for (size_t k = 1; k < n; ++k) {
       const Node& v = nodes_[orders[k]];
       if (v.child_total == 0) continue;
-      top_children(orders[k], keep, kids);
+      // A longer context continued as often as the shorter one continued exactly as it
+      // did (its counts are bounded by the shorter one's, token by token): same children.
+      if (v.child_total != kids_total) top_children(orders[k], keep, kids);
+      kids_total = v.child_total;
       const double denom = v.child_total + backoff;
       const double scale = backoff / denom;
       for (auto& tp : out) tp.second *= scale;
-      for (size_t i = 0; i < kids.size(); ++i) {
-        const int32_t tok = std::get<1>(kids[i]);
-        const double add = std::get<0>(kids[i]) / denom;
+      for (const auto& kid : kids) {
+        const int32_t tok = std::get<1>(kid);
+        const double add = std::get<0>(kid) / denom;
         auto it = std::find_if(out.begin(), out.end(),
                                [&](const auto& tp) { return tp.first == tok; });
         if (it == out.end()) {
@@ -609,14 +615,14 @@ class GroupSuffixTree {
     if (out.size() > keep) out.resize(keep);
   }
 
-  std::vector<int32_t> advance(const std::vector<int32_t>& orders, int32_t tok) const {
-    std::vector<int32_t> next{kRoot};
-    for (size_t k = 0; k < orders.size(); ++k) {
-      const int32_t c = find_child(orders[k], tok);
+  // Appends to `flat` the orders of context flat[start .. start + n) extended by `tok`.
+  void advance(std::vector<int32_t>& flat, size_t start, size_t n, int32_t tok) const {
+    flat.push_back(kRoot);
+    for (size_t k = 0; k < n; ++k) {
+      const int32_t c = find_child(flat[start + k], tok);  // by index: flat may reallocate
       if (c < 0) break;  // no longer context with tok exists either
-      next.push_back(c);
+      flat.push_back(c);
     }
-    return next;
   }
 
   Draft draft_backed_off(std::vector<int32_t> orders, int budget, bool multi_path,
@@ -633,11 +639,21 @@ class GroupSuffixTree {
     auto& toks = std::get<0>(out);
     auto& parents = std::get<1>(out);
     auto& probs = std::get<2>(out);
+    const size_t keep = static_cast<size_t>(budget);
     std::vector<std::pair<int32_t, double>> next;
+    Kids kids;
+    // The orders of every context drafted from, back to back: context i is
+    // flat[starts[i] .. starts[i + 1]).
+    std::vector<int32_t> flat = std::move(orders);
+    std::vector<size_t> starts{0, flat.size()};
+    auto context = [&](size_t i) {
+      return std::make_pair(flat.data() + starts[i], starts[i + 1] - starts[i]);
+    };
     if (!multi_path) {
       double p = 1.0;
-      while (static_cast<int>(toks.size()) < budget) {
-        backed_off_next(orders, backoff, static_cast<size_t>(budget), next);
+      for (size_t i = 0; static_cast<int>(toks.size()) < budget; ++i) {
+        const auto [ctx, n] = context(i);
+        backed_off_next(ctx, n, backoff, keep, kids, next);
         if (next.empty()) break;
         const double q = p * next[0].second;
         if (q < min_prob) break;
@@ -645,7 +661,8 @@ class GroupSuffixTree {
         toks.push_back(next[0].first);
         probs.push_back(q);
         p = q;
-        orders = advance(orders, next[0].first);
+        advance(flat, starts[i], n, next[0].first);
+        starts.push_back(flat.size());
       }
       return out;
     }
@@ -661,7 +678,7 @@ class GroupSuffixTree {
     struct BCand {
       double p;
       int32_t depth;
-      int32_t from;    // orders_of index of the parent's contexts
+      int32_t from;    // the context of the parent (an index into starts)
       int32_t parent;  // index in the output, -1 under the context
       int32_t tok;
     };
@@ -671,16 +688,15 @@ class GroupSuffixTree {
       return path_less(b.parent, b.tok, a.parent, a.tok);
     };
     std::priority_queue<BCand, std::vector<BCand>, decltype(ranks_after)> heap(ranks_after);
-    std::vector<std::vector<int32_t>> orders_of{std::move(orders)};
     auto push_children = [&](int32_t from, double p, int32_t depth, int32_t parent) {
-      backed_off_next(orders_of[from], backoff, static_cast<size_t>(budget), next);
+      const auto [ctx, n] = context(static_cast<size_t>(from));
+      backed_off_next(ctx, n, backoff, keep, kids, next);
       // Only the best `remaining` siblings can ever be taken: each outranks the next.
-      const size_t remaining = static_cast<size_t>(budget) - toks.size();
+      const size_t remaining = keep - toks.size();
       for (size_t i = 0; i < next.size() && i < remaining; ++i) {
-        const auto& [tok, prob] = next[i];
-        const double q = p * prob;
+        const double q = p * next[i].second;
         if (q < min_prob) break;
-        heap.push(BCand{q, depth + 1, from, parent, tok});
+        heap.push(BCand{q, depth + 1, from, parent, next[i].first});
       }
     };
     push_children(0, 1.0, 0, -1);
@@ -692,8 +708,9 @@ class GroupSuffixTree {
       parents.push_back(c.parent);
       probs.push_back(c.p);
       if (static_cast<int>(toks.size()) == budget) break;
-      orders_of.push_back(advance(orders_of[c.from], c.tok));
-      push_children(static_cast<int32_t>(orders_of.size()) - 1, c.p, c.depth, idx);
+      advance(flat, starts[c.from], starts[c.from + 1] - starts[c.from], c.tok);
+      starts.push_back(flat.size());
+      push_children(static_cast<int32_t>(starts.size()) - 2, c.p, c.depth, idx);
     }
     return out;
   }

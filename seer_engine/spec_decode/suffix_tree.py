@@ -9,6 +9,12 @@ The per-request baseline (SuffixDecoding-style, where a request drafts only from
 own prompt and output) uses the same class: give every request its own tree id and
 append only that request's prompt and output to it, i.e. a "group" of one request.
 
+Backoff (beyond Seer and SuffixDecoding, which draft from the longest match alone):
+with ``backoff > 0`` a token's probability mixes what every matched context length
+says, each length's counts getting ``backoff`` pseudo-counts from the next shorter
+one's distribution. A long match seen once or twice then no longer claims certainty,
+and a draft tree spends its nodes on the likeliest alternatives of every length.
+
 History seeds (beyond Seer): a group's tree may start with responses to the same
 prompt from earlier iterations (``seed``), so drafts work from a group's first
 token. They weigh 1 against ``live_weight`` for the prompt and live siblings, so a
