@@ -86,12 +86,35 @@ def targets(setup: str, roots: list[Path]) -> list[str]:
     return lines
 
 
+USAGE = __doc__.strip().splitlines()[-2:]
+
+
+def usage(problem: str) -> int:
+    print(f"sim_tables.py: {problem}\nusage:\n" + "\n".join(USAGE), file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--targets":
+    if not argv or argv[0] in ("-h", "--help"):
+        print("\n".join(USAGE))
+        return 0 if argv else 2
+    if argv[0] == "--targets":
+        if len(argv) < 3:
+            return usage("--targets needs a setup and at least one report directory")
+        if argv[1] not in FIRST_ITERATION:
+            return usage(f"unknown setup {argv[1]!r}; choose from {sorted(FIRST_ITERATION)}")
+        missing = [a for a in argv[2:] if not (Path(a) / argv[1] / "report.json").is_file()]
+        if missing:
+            return usage(f"no {argv[1]}/report.json under {', '.join(missing)}")
         print("\n".join(targets(argv[1], [Path(a) for a in argv[2:]])))
         return 0
     root = Path(argv[0])
+    if not root.is_dir():
+        return usage(f"{str(root)!r} is not a directory of simulate reports")
     setups = argv[1:] or sorted(p.name for p in root.iterdir() if (p / "report.json").exists())
+    missing = [s for s in setups if not (root / s / "report.json").is_file()]
+    if missing:
+        return usage(f"no report.json for {', '.join(missing)} under {root}")
     for setup in setups:
         report = json.loads((root / setup / "report.json").read_text())
         print(f"#### {setup}\n\n`{report['meta']['command']}`\n")
