@@ -512,9 +512,29 @@ class GroupSuffixTree {
   struct Cand {
     double p;
     int32_t depth;
-    int32_t node;
+    int32_t node;    // what it expands from: its trie node (backed off: its parent's context)
     int32_t parent;  // index in the output, -1 under the matched node
     int32_t tok;
+  };
+
+  // Heap order of draft candidates (true if a ranks after b): path probability desc,
+  // depth asc, token path lexicographically asc.  Two same-depth paths are compared by
+  // climbing the output (`toks`, `parents`) until both hang off the same node.
+  struct RanksAfter {
+    const std::vector<int32_t>& toks;
+    const std::vector<int32_t>& parents;
+    bool operator()(const Cand& a, const Cand& b) const {
+      if (a.p != b.p) return a.p < b.p;
+      if (a.depth != b.depth) return a.depth > b.depth;
+      int32_t pa = b.parent, ta = b.tok, pb = a.parent, tb = a.tok;
+      while (pa != pb) {
+        ta = toks[pa];
+        tb = toks[pb];
+        pa = parents[pa];
+        pb = parents[pb];
+      }
+      return ta < tb;  // b's path before a's
+    }
   };
 
   // Best-first expansion.  Candidates are ranked by (path probability desc, depth asc,
@@ -522,26 +542,8 @@ class GroupSuffixTree {
   // output is exactly the `budget` best-ranked nodes with p >= min_prob, in rank order
   // (hence parents before children).
   void draft_tree(int32_t start, int budget, double min_prob, Draft& out) const {
-    auto& toks = std::get<0>(out);
-    auto& parents = std::get<1>(out);
-    auto& probs = std::get<2>(out);
-    // Lexicographic order of two same-depth token paths, each given as (parent output
-    // index, last token): climb until both hang off the same node, then compare there.
-    auto path_less = [&](int32_t pa, int32_t ta, int32_t pb, int32_t tb) {
-      while (pa != pb) {
-        ta = toks[pa];
-        tb = toks[pb];
-        pa = parents[pa];
-        pb = parents[pb];
-      }
-      return ta < tb;
-    };
-    auto ranks_after = [&](const Cand& a, const Cand& b) {  // heap order: true if a after b
-      if (a.p != b.p) return a.p < b.p;
-      if (a.depth != b.depth) return a.depth > b.depth;
-      return path_less(b.parent, b.tok, a.parent, a.tok);
-    };
-    std::priority_queue<Cand, std::vector<Cand>, decltype(ranks_after)> heap(ranks_after);
+    const auto& toks = std::get<0>(out);
+    CandHeap heap(RanksAfter{toks, std::get<1>(out)});
     std::vector<std::tuple<int32_t, int32_t, int32_t>> kids;
 
     auto push_children = [&](int32_t v, double p, int32_t depth, int32_t parent) {
@@ -557,14 +559,26 @@ class GroupSuffixTree {
     };
 
     push_children(start, 1.0, 0, -1);
+    take_best(budget, heap, out, [&](const Cand& c, int32_t idx) {
+      push_children(c.node, c.p, c.depth, idx);
+    });
+  }
+
+  using CandHeap = std::priority_queue<Cand, std::vector<Cand>, RanksAfter>;
+
+  // Moves the best candidate into the output until it holds `budget` nodes or none is
+  // left; `expand(candidate, its output index)` pushes the candidate's children.
+  template <class Expand>
+  static void take_best(int budget, CandHeap& heap, Draft& out, Expand&& expand) {
+    auto& toks = std::get<0>(out);
     while (!heap.empty() && static_cast<int>(toks.size()) < budget) {
       const Cand c = heap.top();
       heap.pop();
       const int32_t idx = static_cast<int32_t>(toks.size());
       toks.push_back(c.tok);
-      parents.push_back(c.parent);
-      probs.push_back(c.p);
-      push_children(c.node, c.p, c.depth, idx);
+      std::get<1>(out).push_back(c.parent);
+      std::get<2>(out).push_back(c.p);
+      if (static_cast<int>(toks.size()) < budget) expand(c, idx);
     }
   }
 
@@ -666,28 +680,7 @@ class GroupSuffixTree {
       }
       return out;
     }
-    auto path_less = [&](int32_t pa, int32_t ta, int32_t pb, int32_t tb) {
-      while (pa != pb) {
-        ta = toks[pa];
-        tb = toks[pb];
-        pa = parents[pa];
-        pb = parents[pb];
-      }
-      return ta < tb;
-    };
-    struct BCand {
-      double p;
-      int32_t depth;
-      int32_t from;    // the context of the parent (an index into starts)
-      int32_t parent;  // index in the output, -1 under the context
-      int32_t tok;
-    };
-    auto ranks_after = [&](const BCand& a, const BCand& b) {
-      if (a.p != b.p) return a.p < b.p;
-      if (a.depth != b.depth) return a.depth > b.depth;
-      return path_less(b.parent, b.tok, a.parent, a.tok);
-    };
-    std::priority_queue<BCand, std::vector<BCand>, decltype(ranks_after)> heap(ranks_after);
+    CandHeap heap(RanksAfter{toks, parents});
     auto push_children = [&](int32_t from, double p, int32_t depth, int32_t parent) {
       const auto [ctx, n] = context(static_cast<size_t>(from));
       backed_off_next(ctx, n, backoff, keep, kids, next);
@@ -696,22 +689,15 @@ class GroupSuffixTree {
       for (size_t i = 0; i < next.size() && i < remaining; ++i) {
         const double q = p * next[i].second;
         if (q < min_prob) break;
-        heap.push(BCand{q, depth + 1, from, parent, next[i].first});
+        heap.push(Cand{q, depth + 1, from, parent, next[i].first});
       }
     };
     push_children(0, 1.0, 0, -1);
-    while (!heap.empty() && static_cast<int>(toks.size()) < budget) {
-      const BCand c = heap.top();
-      heap.pop();
-      const int32_t idx = static_cast<int32_t>(toks.size());
-      toks.push_back(c.tok);
-      parents.push_back(c.parent);
-      probs.push_back(c.p);
-      if (static_cast<int>(toks.size()) == budget) break;
-      advance(flat, starts[c.from], starts[c.from + 1] - starts[c.from], c.tok);
+    take_best(budget, heap, out, [&](const Cand& c, int32_t idx) {
+      advance(flat, starts[c.node], starts[c.node + 1] - starts[c.node], c.tok);
       starts.push_back(flat.size());
       push_children(static_cast<int32_t>(starts.size()) - 2, c.p, c.depth, idx);
-    }
+    });
     return out;
   }
 
