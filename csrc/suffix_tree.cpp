@@ -204,6 +204,7 @@ class GroupSuffixTree {
     edge_lists_.clear();
     free_lists_.clear();
     seqs_.clear();
+    leaders_.clear();
     num_tokens_ = 0;
   }
 
@@ -350,6 +351,7 @@ class GroupSuffixTree {
   }
 
   void free_node(int32_t v) {
+    leaders_.erase(v);
     Node& n = nodes_[v];
     if (n.tok == kMany) {
       std::vector<Edge>().swap(edge_lists_[n.link]);
@@ -467,9 +469,31 @@ class GroupSuffixTree {
   }
 
   // The `keep` most frequent children of v as (count, tok, node), in sorted_children's
-  // order.
+  // order.  Nodes with many children (a common token's continuations) keep their
+  // leaders in `leaders_`, valid while the node's child_total is what it was: counts
+  // only grow on append and shrink on remove, so any change moves the total, and a
+  // freed node drops its entry.
   void top_children(int32_t v, size_t keep,
                     std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
+    const Node& n = nodes_[v];
+    const bool many = n.tok == kMany && edge_lists_[n.link].size() > kManyChildren;
+    if (many && keep <= kLeaders) {
+      auto it = leaders_.find(v);
+      if (it == leaders_.end() || it->second.total != n.child_total) {
+        Leaders& entry = leaders_[v];
+        rank_children(v, kLeaders, entry.kids);
+        entry.total = n.child_total;
+        it = leaders_.find(v);
+      }
+      const auto& kids = it->second.kids;
+      out.assign(kids.begin(), kids.begin() + std::min(keep, kids.size()));
+      return;
+    }
+    rank_children(v, keep, out);
+  }
+
+  void rank_children(int32_t v, size_t keep,
+                     std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
     out.clear();
     for_each_child(v, [&](int32_t t, int32_t c) { out.emplace_back(nodes_[c].count, t, c); });
     auto before = [](const auto& a, const auto& b) {
@@ -717,6 +741,14 @@ class GroupSuffixTree {
   std::vector<std::vector<Edge>> edge_lists_;
   std::vector<int32_t> free_lists_;
   std::unordered_map<int64_t, Sequence> seqs_;
+  // Nodes with more than kManyChildren children: their kLeaders most frequent, as of a total.
+  static constexpr size_t kManyChildren = 8;
+  static constexpr size_t kLeaders = 64;
+  struct Leaders {
+    int32_t total = -1;
+    std::vector<std::tuple<int32_t, int32_t, int32_t>> kids;
+  };
+  mutable std::unordered_map<int32_t, Leaders> leaders_;  // a cache: speculate stays const
   int64_t num_tokens_ = 0;  // tokens stored (unweighted)
 };
 

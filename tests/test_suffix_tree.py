@@ -126,6 +126,37 @@ def test_backed_off_drafts_match_reference(data: st.DataObject) -> None:
             assert par < 0 or p <= probs[par]
 
 
+def test_backed_off_drafts_follow_a_growing_and_shrinking_tree() -> None:
+    """Nodes with many children keep their leaders between drafts (a cache keyed by the
+    node's child total): drafts after appends and removals still equal a fresh reference."""
+    rng = random.Random(7)
+    tree, ref = GroupSuffixTree(12), RefGroupSuffixTree(12)
+    live: list[int] = []
+    for round_ in range(60):
+        key = rng.randrange(6)
+        tokens = [
+            rng.randrange(3) if rng.random() < 0.5 else rng.randrange(40) for _ in range(rng.randint(1, 30))
+        ]
+        if key in live and rng.random() < 0.25:
+            tree.remove_sequence(key)
+            ref.remove_sequence(key)
+            live.remove(key)
+        elif key in live:
+            tree.extend(key, tokens)
+            ref.extend(key, tokens)
+        else:
+            weight = rng.randint(1, 3)
+            tree.add_sequence(key, tokens, weight)
+            ref.add_sequence(key, tokens, weight)
+            live.append(key)
+        for _ in range(4):
+            ctx = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+            args = (rng.choice([4, 16, 40, 70]), rng.random() < 0.8, rng.choice([0.0, 0.01]), 0.0, -1, 16.0)
+            assert tree.speculate(ctx, *args) == ref.speculate(ctx, *args), (round_, ctx, args)
+    # Token 0 follows itself and 1 and 2 with dozens of successors: the cached path ran.
+    assert len({path[1] for path, _ in tree.dump() if len(path) == 2 and path[0] == 0}) > 8
+
+
 @SETTINGS
 @given(st.data())
 def test_incremental_extend_equals_building_at_once(data: st.DataObject) -> None:
