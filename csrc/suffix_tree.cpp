@@ -622,21 +622,28 @@ class GroupSuffixTree {
   // orders[0..n): see above.  `kids` is scratch space.
   void backed_off_next(const int32_t* orders, size_t n, double backoff, size_t keep, Kids& kids,
                        std::vector<std::pair<int32_t, double>>& out) const {
+    // Unrolled from the longest context down, p_K(t) = sum over k of
+    // weight_k * count_k(t) / (child_total_k + backoff), where weight_k is the product of
+    // backoff / (child_total_j + backoff) over the longer contexts j.  A run of contexts
+    // with one child total has the same children (a longer context's counts are bounded
+    // by the shorter one's, token by token), so each run adds its children once.
     out.clear();
-    int32_t kids_total = -1;
-    for (size_t k = 1; k < n; ++k) {
-      const Node& v = nodes_[orders[k]];
-      if (v.child_total == 0) continue;
-      // A longer context continued as often as the shorter one continued exactly as it
-      // did (its counts are bounded by the shorter one's, token by token): same children.
-      if (v.child_total != kids_total) top_children(orders[k], keep, kids);
-      kids_total = v.child_total;
-      const double denom = v.child_total + backoff;
-      const double scale = backoff / denom;
-      for (auto& tp : out) tp.second *= scale;
+    double weight = 1.0;
+    size_t k = n;
+    while (k > 1) {
+      const int32_t total = nodes_[orders[k - 1]].child_total;
+      const double denom = total + backoff;
+      double share = 0.0;  // the run's summed weight_k / denom
+      const int32_t node = orders[k - 1];
+      for (; k > 1 && nodes_[orders[k - 1]].child_total == total; --k) {
+        share += weight / denom;
+        weight *= backoff / denom;
+      }
+      if (total == 0) continue;
+      top_children(node, keep, kids);
       for (const auto& kid : kids) {
         const int32_t tok = std::get<1>(kid);
-        const double add = std::get<0>(kid) / denom;
+        const double add = share * std::get<0>(kid);
         auto it = std::find_if(out.begin(), out.end(),
                                [&](const auto& tp) { return tp.first == tok; });
         if (it == out.end()) {

@@ -174,18 +174,20 @@ class RefGroupSuffixTree:
             return 0
 
         def next_tokens(ctx: tuple[int, ...], orders: int) -> list[tuple[int, float]]:
+            """Longest context first: each adds its counts at the weight the longer ones
+            left it (runs of equal child totals, whose children are the same, at once)."""
+            totals = {k: sum(children.get(ctx[len(ctx) - k :], {}).values()) for k in range(1, orders + 1)}
             dist: dict[int, float] = {}
-            for k in range(1, orders + 1):
-                kids = children.get(ctx[len(ctx) - k :], {})
-                total = sum(kids.values())
-                if not total:
-                    continue
-                denom = total + backoff
-                scale = backoff / denom
-                for tok in dist:
-                    dist[tok] *= scale
-                for tok in sorted(kids, key=lambda t: (-kids[t], t))[:budget]:
-                    dist[tok] = dist.get(tok, 0.0) + kids[tok] / denom
+            weight, k = 1.0, orders
+            while k >= 1:
+                total, kids = totals[k], children.get(ctx[len(ctx) - k :], {})
+                denom, share = total + backoff, 0.0
+                while k >= 1 and totals[k] == total:
+                    share += weight / denom
+                    weight *= backoff / denom
+                    k -= 1
+                for tok in sorted(kids, key=lambda t: (-kids[t], t))[:budget] if total else []:
+                    dist[tok] = dist.get(tok, 0.0) + share * kids[tok]
             return sorted(dist.items(), key=lambda tp: (-tp[1], tp[0]))[:budget]
 
         ctx0 = tuple(context)
