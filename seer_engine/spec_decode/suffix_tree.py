@@ -51,9 +51,9 @@ class GroupSuffixTrees:
 
     Drafting defaults (``min_prob``, ``max_spec_factor``, ``max_match_len``,
     ``backoff``) are set here and can be overridden per ``speculate`` call; see the C++
-    class docstring for their exact meaning.  ``max_match_len=None`` caps matches at ``max_depth // 2``:
-    the trie is only ``max_depth`` deep, so a longer match would leave too little
-    depth for the draft.
+    class docstring for their exact meaning.  ``max_match_len=None`` caps matches at
+    ``max_depth // 2``: the trie is only ``max_depth`` deep, so a longer match would
+    leave too little depth for the draft.
     """
 
     def __init__(
