@@ -186,6 +186,9 @@ class GroupSuffixTree {
       bytes += sizeof(kv) + kv.second.tokens.capacity() * sizeof(int32_t) +
                kv.second.active.capacity() * sizeof(int32_t);
     }
+    for (const auto& kv : leaders_) {
+      bytes += sizeof(kv) + kv.second.kids.capacity() * sizeof(kv.second.kids[0]);
+    }
     return static_cast<int64_t>(bytes);
   }
 
