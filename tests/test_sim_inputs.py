@@ -41,6 +41,13 @@ def _error(args: list[str], capsys) -> str:
         (["--across-sigma", "nan"], "--across-sigma must be >= 0, got nan"),
         (["--across-sigma", "inf"], "--across-sigma must be at most 4, got inf"),
         (["--across-sigma", "1e6"], "--across-sigma must be at most 4, got 1000000.0"),
+        (["--speculative-config", "{budget}"], "--speculative-config is not valid JSON"),
+        (["--speculative-config", "[1]"], "--speculative-config must be a JSON object, got [1]"),
+        (["--speculative-config", '{"drafts": 4}'], "unknown --speculative-config keys ['drafts']"),
+        (["--speculative-config", '{"budget": "greedy"}'], "budget must be one of ['adaptive', 'fixed']"),
+        (["--speculative-config", '{"num_speculative_tokens": 99}'], "num_speculative_tokens must be"),
+        (["--speculative-config", '{"method": "ngram"}'], "models grouped multi-path drafts (seer) only"),
+        (["--policy", "baseline,context", "--speculative-config", "{}"], "none of the policies"),
     ],
 )
 def test_simulate_names_bad_arguments(args, message, capsys):
@@ -193,3 +200,19 @@ def test_simulate_says_which_context_order_auto_chose(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "iter 1/2 context+history] context order" not in out, "nothing known in iteration 1"
     assert "iter 2/2 context+history] context order for known prompts: estimate" in out
+
+
+def test_speculative_config_reaches_the_modeled_drafters(tmp_path):
+    """A fixed budget drafts every decoding row the cap, so 16 nodes verify several
+    times what 1 does on the same workload."""
+    verified = {}
+    for nodes in (1, 16):
+        out = tmp_path / str(nodes)
+        config = json.dumps({"budget": "fixed", "num_speculative_tokens": nodes})
+        args = ["simulate", "--prompts", "4", "--samples", "4", "--instances", "2", "--max-tokens", "2000",
+                "--policy", "seer", "--speculative-config", config, "--report", str(out)]  # fmt: skip
+        assert main(args) == 0
+        report = json.loads((out / "moonlight" / "report.json").read_text())
+        seer = report["policies"]["seer"]
+        verified[nodes] = seer["draft_tokens_verified"]
+    assert verified[16] > 4 * verified[1] > 0

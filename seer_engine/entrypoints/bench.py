@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import shlex
 import sys
 import tempfile
 import time
@@ -330,7 +331,7 @@ def _run_policy(
 
 def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutConfig, **extra) -> dict:
     return {
-        "command": "seer_engine " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["seer_engine", *sys.argv[1:]]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine,
         "model": model, **extra, "samples": args.samples,

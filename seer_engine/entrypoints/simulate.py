@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -22,7 +23,12 @@ from seer_engine.rollout.context_manager import add_context_order_arg
 from seer_engine.rollout.dispatcher import add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.policies import HISTORY_SUFFIX, distinct_policies, rollout_policy_names
+from seer_engine.rollout.policies import (
+    HISTORY_SUFFIX,
+    ROLLOUT_POLICIES,
+    distinct_policies,
+    rollout_policy_names,
+)
 from seer_engine.rollout.report import Progress, format_table, policy_summary, writable_dir, write_report
 from seer_engine.sim.admission import KNOWN_ENDS
 from seer_engine.workloads.synthetic import MAX_ACROSS_SIGMA
@@ -72,6 +78,11 @@ def add_cli(subparsers) -> None:
         "--history-acceptance", default=None,
         help="the same for +history policies once the store holds an iteration (fit with "
         "--history-samples); default: the committed Qwen3 history fit",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-config", default=None,
+        help="JSON keys laid over the speculative policies' own config (seer: group_suffix, "
+        "adaptive budget, 16 nodes), e.g. '{\"budget\": \"fixed\"}'",
     )  # fmt: skip
     p.add_argument("--no-kv-pool", action="store_true", help="moved responses recompute (no global KV pool)")
     p.add_argument("--migration-spread", type=int, default=32)
@@ -158,6 +169,28 @@ def _acceptance_models(args: argparse.Namespace) -> dict:
     }
 
 
+def _speculative_overrides(value: str | None, policies: list[str]) -> dict:
+    """``--speculative-config``: keys checked against every speculative policy's config
+    now, not when its turn comes."""
+    if value is None:
+        return {}
+    from seer_engine.sim.simulator import simulated_speculation
+
+    try:
+        overrides = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {overrides!r}")
+    specs = [ROLLOUT_POLICIES[name.removesuffix(HISTORY_SUFFIX)].speculative for name in policies]
+    specs = [spec for spec in specs if spec is not None]
+    if not specs:
+        raise ValueError(f"--speculative-config: none of the policies {policies} speculates (seer does)")
+    for spec in specs:
+        simulated_speculation({**spec, **overrides})
+    return overrides
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from seer_engine.rollout.history import HistoryStore
     from seer_engine.sim.diagnostics import diagnostics, format_diagnostics
@@ -184,6 +217,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             args.trace = str(resolve_trace_path(args.trace))
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
+    spec_overrides = _speculative_overrides(args.speculative_config, policies)
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     acceptance = _acceptance_models(args)
     for setup in _setups(args):
@@ -210,6 +244,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                 policy = policy_for(
                     name, groups, setup.max_tokens, setup.starvation_s, store, args.context_order
                 )
+                if spec_overrides and policy.speculative is not None:
+                    policy.speculative = {**policy.speculative, **spec_overrides}
                 results[name] = simulate(
                     groups, policy, p, setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
                     acceptance=_acceptance(store, setup.samples, acceptance), pooled=not args.no_kv_pool,
@@ -286,7 +322,7 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
     from seer_engine.sim.diagnostics import PAPER_BASELINE, diagnostics
 
     meta = {
-        "command": "seer_engine " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["seer_engine", *sys.argv[1:]]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "setup": setup.name, "gpus": setup.gpus, "instances": setup.instances, "prompts": setup.prompts,
         "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,

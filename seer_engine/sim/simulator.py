@@ -162,15 +162,21 @@ def simulate(
     return result
 
 
-def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculation | None:
-    if policy.speculative is None:
-        return None
-    spec = SpeculativeConfig.parse(policy.speculative)
+def simulated_speculation(config: dict) -> SpeculativeConfig:
+    """A policy's speculative config, if the simulator can model it."""
+    spec = SpeculativeConfig.parse(config)
     if spec.method != "group_suffix" or not spec.trees:
         raise ValueError(
             f"the simulator models grouped multi-path drafts (seer) only, not {spec.method!r} "
             f"(multi_path={spec.multi_path})"
         )
+    return spec
+
+
+def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculation | None:
+    if policy.speculative is None:
+        return None
+    spec = simulated_speculation(policy.speculative)
     if acceptance is None:
         from seer_engine.sim.acceptance import default_acceptance
 
