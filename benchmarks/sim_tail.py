@@ -1,0 +1,107 @@
+"""Which responses make a simulated rollout's tail (from the 90th-percentile finish to
+the last), and when they started: late starters (an ordering problem) or long responses
+that ran the whole rollout (a per-response speed problem). First iteration, no history.
+
+    python benchmarks/sim_tail.py --setup kimi-k2 --policy seer,oracle \\
+        --out benchmarks/results/simulator/tail/kimi-k2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+from seer_engine.rollout.placement import SeerPlacement
+from seer_engine.rollout.policies import distinct_policies, rollout_policy_names
+from seer_engine.rollout.types import sample_key
+from seer_engine.sim.setups import get_setup
+from seer_engine.sim.simulator import policy_for, simulate, synthetic_groups
+
+
+def tail_rows(result, lengths: dict[str, int]) -> list[dict]:
+    """Every response: first start, last (re)start, finish, chunks and length."""
+    rows = []
+    for gid, samples in result.samples.items():
+        for s in samples:
+            key = sample_key(gid, s.sample_index)
+            rows.append({
+                "key": key, "start_s": result.started_at[key], "last_start_s": result.resumed_at[key],
+                "finish_s": s.finished_at, "chunks": s.chunks, "tokens": lengths[key],
+            })  # fmt: skip
+    return sorted(rows, key=lambda r: r["finish_s"])
+
+
+def summarize(rows: list[dict], max_tokens: int, last: int) -> dict:
+    makespan = rows[-1]["finish_s"]
+    p90 = rows[int(0.9 * len(rows))]["finish_s"]
+    tail = [r for r in rows if r["finish_s"] > p90]
+    return {
+        "makespan_s": makespan,
+        "tail_s": makespan - p90,
+        "tail_responses": len(tail),
+        "tail_median_start_share": statistics.median(r["start_s"] for r in tail) / makespan,
+        "tail_median_chunks": statistics.median(r["chunks"] for r in tail),
+        "tail_share_at_max_tokens": sum(r["tokens"] >= max_tokens for r in tail) / len(tail),
+        "last": [
+            {**r, "tokens_per_s": r["tokens"] / (r["finish_s"] - r["start_s"])} for r in rows[::-1][:last]
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--setup", default="kimi-k2")
+    p.add_argument("--policy", default="seer,oracle", help="comma-separated (no +history: one iteration)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--last", type=int, default=10, help="list this many of the last responses to finish")
+    p.add_argument("--out", default=None, help="write the figures here as JSON")
+    args = p.parse_args(argv)
+    try:
+        setup = get_setup(args.setup)
+        policies = distinct_policies(rollout_policy_names(args.policy))
+    except ValueError as e:
+        p.error(str(e))
+    if any(name.endswith("+history") for name in policies):
+        p.error("--policy: one iteration has no history; drop the +history policies")
+    groups = synthetic_groups(
+        setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, args.seed, setup.mean_tokens,
+        prompt_len_sigma=setup.prompt_len_sigma, prompt_len_corr=setup.prompt_len_corr,
+        across_sigma=setup.across_sigma,
+    )  # fmt: skip
+    lengths = {
+        sample_key(g.group_id, i): min(n, setup.max_tokens) for g in groups for i, n in enumerate(g.lengths)
+    }
+    out = {"command": shlex.join(["python", "benchmarks/sim_tail.py", *sys.argv[1:]]), "policies": {}}
+    for name in policies:
+        policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s)
+        result = simulate(
+            groups,
+            policy,
+            setup.profile,
+            setup.instances,
+            setup.max_tokens,
+            setup.chunk_tokens,
+            SeerPlacement(),
+        )
+        s = out["policies"][name] = summarize(tail_rows(result, lengths), setup.max_tokens, args.last)
+        print(f"{name}: makespan {s['makespan_s']:,.0f} s, tail {s['tail_s']:,.0f} s; the tail's "
+              f"{s['tail_responses']} responses started at a median {s['tail_median_start_share']:.0%} of "
+              f"the makespan, ran {s['tail_median_chunks']:g} chunks, {s['tail_share_at_max_tokens']:.0%} "
+              f"at max_tokens", flush=True)  # fmt: skip
+        for r in s["last"]:
+            print(f"  finish {r['finish_s']:7,.0f} s  start {r['start_s']:7,.0f} s  last chunk from "
+                  f"{r['last_start_s']:7,.0f} s  {r['chunks']:3d} chunks  {r['tokens']:7,} tokens  "
+                  f"{r['tokens_per_s']:6.1f} tokens/s")  # fmt: skip
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
