@@ -175,13 +175,9 @@ def _speculative_overrides(value: str | None, policies: list[str]) -> dict:
     if value is None:
         return {}
     from seer_engine.sim.simulator import simulated_speculation
+    from seer_engine.spec_decode.config import json_object
 
-    try:
-        overrides = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {overrides!r}")
+    overrides = json_object(value)
     specs = [ROLLOUT_POLICIES[name.removesuffix(HISTORY_SUFFIX)].speculative for name in policies]
     specs = [spec for spec in specs if spec is not None]
     if not specs:

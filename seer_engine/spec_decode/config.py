@@ -100,10 +100,7 @@ class SpeculativeConfig:
         if isinstance(value, str):
             if not value.strip():
                 return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+            value = json_object(value)
         if not isinstance(value, dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -111,3 +108,14 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown --speculative-config keys {unknown}; known: {sorted(known)}")
         return cls(**value)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A ``--speculative-config`` string's JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
+    return value
