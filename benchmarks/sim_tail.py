@@ -18,7 +18,7 @@ from pathlib import Path
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import distinct_policies, rollout_policy_names
 from seer_engine.rollout.types import sample_key
-from seer_engine.sim.setups import get_setup
+from seer_engine.sim.setups import SETUPS
 from seer_engine.sim.simulator import policy_for, simulate, synthetic_groups
 
 
@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--last", type=int, default=10, help="list this many of the last responses to finish")
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
+    if args.setup not in SETUPS:
+        p.error(f"unknown setup {args.setup!r}; choose from {sorted(SETUPS)}")
+    setup = SETUPS[args.setup]
     try:
-        setup = get_setup(args.setup)
         policies = distinct_policies(rollout_policy_names(args.policy))
     except ValueError as e:
         p.error(str(e))
