@@ -11,10 +11,11 @@ traces.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from seer_engine.rollout.context_manager import AUTO_SPREAD_RATIO, LengthSpread
 from seer_engine.sim.setups import SETUPS
-from seer_engine.sim.simulator import bench_groups, synthetic_groups
+from seer_engine.sim.simulator import bench_groups, setup_groups
 
 
 def ratio(groups) -> float:
@@ -34,12 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"auto takes 'estimate' above {AUTO_SPREAD_RATIO:g}")
     for name, s in SETUPS.items():
         across = s.across_sigma if args.across_sigma is None else args.across_sigma
-        workloads = [
-            synthetic_groups(s.prompts, s.samples, s.max_tokens, s.prompt_len, seed, s.mean_tokens,
-                             prompt_len_sigma=s.prompt_len_sigma, prompt_len_corr=s.prompt_len_corr,
-                             across_sigma=across)
-            for seed in seeds
-        ]  # fmt: skip
+        workloads = [setup_groups(dataclasses.replace(s, across_sigma=across), seed) for seed in seeds]
         ratios = [ratio(groups) for groups in workloads]
         print(f"{name} (spread {across:g}), seeds {args.seeds}: " + ", ".join(f"{r:.2f}" for r in ratios))
     for spec in args.trace:

@@ -19,7 +19,7 @@ from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import distinct_policies, rollout_policy_names
 from seer_engine.rollout.types import sample_key
 from seer_engine.sim.setups import SETUPS
-from seer_engine.sim.simulator import policy_for, simulate, synthetic_groups
+from seer_engine.sim.simulator import policy_for, setup_groups, simulate, true_lengths
 
 
 def tail_rows(result, lengths: dict[str, int]) -> list[dict]:
@@ -35,13 +35,14 @@ def tail_rows(result, lengths: dict[str, int]) -> list[dict]:
     return sorted(rows, key=lambda r: r["finish_s"])
 
 
-def summarize(rows: list[dict], max_tokens: int, last: int) -> dict:
-    makespan = rows[-1]["finish_s"]
-    p90 = rows[int(0.9 * len(rows))]["finish_s"]
-    tail = [r for r in rows if r["finish_s"] > p90]
+def summarize(result, lengths: dict[str, int], max_tokens: int, last: int) -> dict:
+    """The tail as the reports measure it (``metrics.tail_s``): responses finished after it began."""
+    rows, metrics = tail_rows(result, lengths), result.metrics
+    makespan = metrics.makespan_s
+    tail = [r for r in rows if r["finish_s"] > makespan - metrics.tail_s]
     return {
         "makespan_s": makespan,
-        "tail_s": makespan - p90,
+        "tail_s": metrics.tail_s,
         "tail_responses": len(tail),
         "tail_median_start_share": statistics.median(r["start_s"] for r in tail) / makespan,
         "tail_median_chunks": statistics.median(r["chunks"] for r in tail),
@@ -69,14 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if any(name.endswith("+history") for name in policies):
         p.error("--policy: one iteration has no history; drop the +history policies")
-    groups = synthetic_groups(
-        setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, args.seed, setup.mean_tokens,
-        prompt_len_sigma=setup.prompt_len_sigma, prompt_len_corr=setup.prompt_len_corr,
-        across_sigma=setup.across_sigma,
-    )  # fmt: skip
-    lengths = {
-        sample_key(g.group_id, i): min(n, setup.max_tokens) for g in groups for i, n in enumerate(g.lengths)
-    }
+    groups = setup_groups(setup, args.seed)
+    lengths = true_lengths(groups, setup.max_tokens)
     out = {"command": shlex.join(["python", "benchmarks/sim_tail.py", *sys.argv[1:]]), "policies": {}}
     for name in policies:
         policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s)
@@ -89,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             setup.chunk_tokens,
             SeerPlacement(),
         )
-        s = out["policies"][name] = summarize(tail_rows(result, lengths), setup.max_tokens, args.last)
+        s = out["policies"][name] = summarize(result, lengths, setup.max_tokens, args.last)
         print(f"{name}: makespan {s['makespan_s']:,.0f} s, tail {s['tail_s']:,.0f} s; the tail's "
               f"{s['tail_responses']} responses started at a median {s['tail_median_start_share']:.0%} of "
               f"the makespan, ran {s['tail_median_chunks']:g} chunks, {s['tail_share_at_max_tokens']:.0%} "

@@ -139,12 +139,9 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
             args.trace, setup.prompts, setup.samples, setup.max_tokens, seed,
             iteration=iteration if repeat else 0, iterations=args.iterations if repeat else 1,
         )  # fmt: skip
-    return simulator.synthetic_groups(
-        setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed, setup.mean_tokens,
-        iteration=iteration if repeat else 0, drift=args.drift if repeat else 0.0,
-        prompt_len_sigma=setup.prompt_len_sigma, prompt_len_corr=setup.prompt_len_corr,
-        across_sigma=setup.across_sigma,
-    )  # fmt: skip
+    return simulator.setup_groups(
+        setup, seed, iteration=iteration if repeat else 0, drift=args.drift if repeat else 0.0
+    )
 
 
 def _acceptance(history, samples: int, models: dict):

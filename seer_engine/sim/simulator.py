@@ -234,6 +234,16 @@ def synthetic_groups(
     return [SimGroup(f"s{k}", g.prompt_len, g.lengths, g.group_id) for k, g in enumerate(workload)]
 
 
+def setup_groups(setup, seed: int, iteration: int = 0, drift: float = 0.0) -> list[SimGroup]:
+    """A setup's calibrated synthetic workload (``synthetic_groups`` at its scale, prompt
+    lengths and spread of group lengths)."""
+    return synthetic_groups(
+        setup.prompts, setup.samples, setup.max_tokens, setup.prompt_len, seed, setup.mean_tokens,
+        iteration=iteration, drift=drift, prompt_len_sigma=setup.prompt_len_sigma,
+        prompt_len_corr=setup.prompt_len_corr, across_sigma=setup.across_sigma,
+    )  # fmt: skip
+
+
 def trace_groups(
     trace: str,
     prompts: int,
