@@ -144,6 +144,30 @@ def test_context_manager_order():
     assert [s.key for s in order] == ["g2/2", "g0/0", "g3/0", "g0/1", "g2/1", "g1/1"]
 
 
+def test_a_response_longer_than_half_the_finished_ones_is_long_tail(monkeypatch):
+    """Seer's high-priority requests: a response that has already written more than the
+    median finished response did in all. Nothing is, before anything has finished; the
+    median is over the latest finishes only."""
+    from seer_engine.rollout import context_manager
+
+    ctx = ContextManager()
+    groups = [_group(i) for i in range(3)]
+    for g in groups:
+        ctx.register(g, 1000)
+    runner = _sample(groups[0], 1, generated=900)
+    assert not ctx.long_tail(runner)
+    for length in (100, 200, 600):
+        ctx.on_finished(_sample(groups[1], length // 100, generated=length))
+    assert ctx.long_tail(_sample(groups[0], 2, generated=201))
+    assert not ctx.long_tail(_sample(groups[0], 2, generated=200))
+    policy = ContextAwarePolicy(ctx)
+    assert policy.high_priority(runner) and not DividedPolicy(ctx).high_priority(runner)
+    monkeypatch.setattr(context_manager, "RECENT_LENGTHS", 3)
+    for length in (950, 960, 970):  # the three latest finishes are all longer
+        ctx.on_finished(_sample(groups[2], length % 10, generated=length))
+    assert not ctx.long_tail(runner) and ctx.long_tail(_sample(groups[0], 3, generated=961))
+
+
 @pytest.mark.parametrize("order", ["wait", "estimate"])
 def test_groupmax_orders_known_prompts_by_estimate_only_when_asked(order):
     """``order="estimate"``: groups the history store knows go longest-estimate-first

@@ -166,9 +166,9 @@ def test_the_modeled_engines_use_the_engines_scheduling_and_budget_policies(monk
     seen = []
     real_allocate = AdaptiveBudget.allocate_rates
 
-    def allocate_rates(self, rates, max_nodes):
+    def allocate_rates(self, rates, max_nodes, weights=None):
         seen.append(len(rates))
-        return real_allocate(self, rates, max_nodes)
+        return real_allocate(self, rates, max_nodes, weights)
 
     monkeypatch.setattr(AdaptiveBudget, "allocate_rates", allocate_rates)
     monkeypatch.setattr(speculation, "_TRAJECTORIES", {})  # none computed by earlier tests
@@ -260,3 +260,45 @@ def test_the_context_managers_batch_order_is_its_one_by_one_order():
         if k % 5 == 0 and s.sample_index:
             policy.context.on_finished(s)
     assert policy.order(flat, now=0.0) == sorted(flat, key=lambda s: policy.priority(s, 0.0))
+
+
+@pytest.mark.parametrize("name", ["divided", "seer"])
+def test_seer_marks_the_long_responses_high_priority_and_they_draft_deeper(name, monkeypatch):
+    """The dispatcher asks the policy which chunks are long-tail (Seer's high-priority
+    requests); the modeled engines decode those in their own band (that it drafts deeper
+    is ``test_sim_speculation``'s)."""
+    submitted: list[tuple[bool, int]] = []
+    instances: list[SimInstance] = []
+    real_submit, real_init = SimInstance.submit, SimInstance.__init__
+
+    def submit(self, chunk):
+        submitted.append((chunk.high_priority, len(chunk.prior_output_token_ids)))
+        real_submit(self, chunk)
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        instances.append(self)
+
+    monkeypatch.setattr(SimInstance, "submit", submit)
+    monkeypatch.setattr(SimInstance, "__init__", init)
+    high_rows = []
+    real_rates = SimInstance._rates
+
+    def rates(self, rows):
+        out = real_rates(self, rows)
+        if rows[1]:
+            high_rows.append((rows, out))
+        return out
+
+    monkeypatch.setattr(SimInstance, "_rates", rates)
+    weighted = {"method": "group_suffix", "priority_weight": 2}
+    monkeypatch.setattr(rollout_policies.SeerPolicy, "speculative", weighted)
+    _run(name, _groups())
+    flagged = [generated for high, generated in submitted if high]
+    if name == "divided":
+        assert not flagged and not high_rows
+        return
+    assert flagged and min(flagged) > 0, "only responses that have written something are long"
+    assert len(flagged) < len(submitted)
+    assert high_rows, "the modeled engines decode high-priority chunks in their own band"
+    assert all(gain[1] > 1.0 for _, (gain, _, _) in high_rows[:5]), "and they draft"

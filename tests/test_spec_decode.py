@@ -109,12 +109,17 @@ def test_adaptive_budget_follows_marginal_benefit():
     assert FixedBudget().allocate(reqs, lambda r: 0.0, 5) == [5] * 4
 
 
-def _one_node_at_a_time(rates: list[float], cost: StepCostModel, max_nodes: int) -> list[int]:
-    """The marginal-benefit rule step by step: the best node left, while it pays."""
+def _one_node_at_a_time(
+    rates: list[float], cost: StepCostModel, max_nodes: int, weights: list[float] | None = None
+) -> list[int]:
+    """The marginal-benefit rule step by step: the best node left, while it pays (a
+    row's tokens count ``weights[i]`` times in the step's worth)."""
+    w = weights or [1.0] * len(rates)
     budgets = [0] * len(rates)
-    tokens, seconds = float(len(rates)), cost.fixed_s + cost.per_token_s * len(rates)
+    tokens, seconds = float(sum(w)), cost.fixed_s + cost.per_token_s * len(rates)
     while True:
-        left = [(r ** (budgets[i] + 1), -i) for i, r in enumerate(rates) if budgets[i] < max_nodes and r > 0]
+        open_rows = [i for i, r in enumerate(rates) if budgets[i] < max_nodes and r > 0]
+        left = [(w[i] * rates[i] ** (budgets[i] + 1), -i) for i in open_rows]
         if not left:
             return budgets
         gain, i = max(left)[0], -max(left)[1]
@@ -132,6 +137,37 @@ def test_adaptive_budget_takes_the_nodes_the_one_at_a_time_rule_takes(seed):
     cost = StepCostModel(fixed_s=rng.choice([7e-4, 0.015, 0.03]), per_token_s=rng.choice([1e-4, 1.5e-5]))
     cap = rng.choice([1, 8, 16])
     assert AdaptiveBudget(cost).allocate_rates(rates, cap) == _one_node_at_a_time(rates, cost, cap)
+    weights = [rng.choice([1.0, 1.0, 2.0, 5.0]) for _ in rates]
+    assert AdaptiveBudget(cost).allocate_rates(rates, cap, weights) == _one_node_at_a_time(
+        rates, cost, cap, weights
+    )
+
+
+def test_high_priority_requests_draft_deeper_and_take_nodes_from_the_rest():
+    """Seer's λ: the engine's drafter weighs a high-priority request's nodes by the
+    config's priority_weight, so at equal acceptance it drafts deeper, and the others,
+    whose nodes now buy less of the step's worth, draft no deeper than before."""
+    from seer_engine.core.request import Request
+    from seer_engine.spec_decode.drafter import Drafter
+
+    cost = StepCostModel(fixed_s=0.004, per_token_s=2e-5)
+    drafter = Drafter(SpeculativeConfig(priority_weight=2.0), proposer=None, budget=AdaptiveBudget(cost))
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(), 8, seed=i, high_priority=i == 0) for i in range(40)]
+    assert drafter.weight(reqs[0]) == 2.0 and drafter.weight(reqs[1]) == 1.0
+    weighted = drafter.budget.allocate(reqs, lambda r: 0.6, 16, drafter.weight)
+    alike = drafter.budget.allocate(reqs, lambda r: 0.6, 16)
+    assert weighted[0] > alike[0] == alike[1] >= weighted[1]
+    assert len(set(weighted[1:])) == 1
+
+
+def test_the_engine_keeps_a_chunks_priority_for_its_drafter(model):
+    from seer_engine.engine.input_processor import CheckedRequest
+
+    engine = _engine(model, SPECS["group-adaptive"])
+    params = SamplingParams(max_tokens=4)
+    for rid, high in (("a", True), ("b", False)):
+        engine.add_checked(rid, CheckedRequest(None, [3, 4, 5], params, 4, []), high_priority=high)
+    assert engine.scheduler.requests["a"].high_priority and not engine.scheduler.requests["b"].high_priority
 
 
 @pytest.mark.parametrize("name", list(SPECS))

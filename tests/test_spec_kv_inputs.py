@@ -41,6 +41,9 @@ from seer_engine.spec_decode.config import SpeculativeConfig
         ('{"num_speculative_tokens": 1e9}', r"1\.\.63"),
         ('{"num_speculative_tokens": "8"}', r"1\.\.63"),
         ('{"step_cost": [Infinity, 0]}', "step_cost must be"),
+        ('{"priority_weight": 0.5}', r"priority_weight must be a number in \[1, 1000\]"),
+        ('{"priority_weight": NaN}', "priority_weight must be a number"),
+        ('{"priority_weight": "2"}', "priority_weight must be a number"),
     ],
 )
 def test_speculative_config_wrong_types_are_clear_errors(bad, needle):

@@ -63,6 +63,9 @@ class Request:
     # "length", its KV left in the prefix cache) instead of preempting it, once it has more
     # output tokens than this (the tokens it started from). None: never cut.
     cut_after: int | None = None
+    # A long-tail response (Seer's high-priority requests): the draft budget weighs its
+    # nodes priority_weight times, so it drafts deeper than the rest of the batch.
+    high_priority: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 

@@ -209,6 +209,7 @@ class LLMEngine:
         stream: bool = False,
         sequence_id: str | None = None,
         cuttable: bool = False,
+        high_priority: bool = False,
     ) -> list[Request]:
         """Queue a request that passed the input processor.
 
@@ -219,7 +220,8 @@ class LLMEngine:
         tokens. ``sequence_id`` names the response the request continues (drafters keep
         their per-response state under it); it defaults to the request's own id.
         ``cuttable``: a rollout chunk the scheduler may end early, once it has new tokens,
-        when KV runs out (instead of preempting it).
+        when KV runs out (instead of preempting it). ``high_priority``: its draft nodes
+        weigh the speculative config's ``priority_weight`` in the draft budget.
         """
         if self._sleeping:
             # Its KV cache is gone: the model would run without attention, silently.
@@ -249,6 +251,7 @@ class LLMEngine:
                 sample_index=i,
                 output_token_ids=list(checked.prior_output_token_ids),
                 cut_after=len(checked.prior_output_token_ids) if cuttable else None,
+                high_priority=high_priority,
                 sequence_id=None
                 if sequence_id is None
                 else (sequence_id if params.n == 1 else f"{sequence_id}-{i}"),

@@ -38,7 +38,9 @@ budgets can hold requests back).
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from seer_engine.rollout.group_estimator import GroupMaxEstimator
@@ -58,6 +60,7 @@ ORDERS = ("auto", "wait", "estimate")
 # estimate order loses 13-15%) and ~5 (qwen2vl-72b: it cuts the tail by 96%).
 AUTO_SPREAD_RATIO = 2.0
 AUTO_MIN_PROMPTS = 8
+RECENT_LENGTHS = 4096  # finished lengths the long-tail test takes its median over
 
 
 class LengthSpread:
@@ -138,6 +141,8 @@ class ContextManager:
         self.spread = LengthSpread()  # of the prompts the history store knows ("auto")
         self._by_estimate = order == "estimate"  # known prompts ranked across waits
         self._reorder = False  # "auto" switched: every known prompt's key changed
+        self._recent: deque[int] = deque()  # the latest finished lengths, in finishing order
+        self._recent_sorted: list[int] = []  # the same, sorted
 
     def register(self, group: Group, max_tokens: int) -> None:
         gid = group.group_id
@@ -203,10 +208,25 @@ class ContextManager:
         gid = sample.group.group_id
         self._groups[gid].finished_lengths.append(sample.num_generated)
         self._changed.add(gid)
+        self._note_length(sample.num_generated)
         if self.history is not None:
             self.history.record(sample.group.prompt_token_ids, sample.num_generated)
         if self.rule == "groupmax":
             self.estimator.observe_finished(gid, sample.sample_index, sample.num_generated)
+
+    def _note_length(self, length: int) -> None:
+        self._recent.append(length)
+        bisect.insort(self._recent_sorted, length)
+        if len(self._recent) > RECENT_LENGTHS:
+            old = self._recent.popleft()
+            del self._recent_sorted[bisect.bisect_left(self._recent_sorted, old)]
+
+    def long_tail(self, sample: RolloutSample) -> bool:
+        """Whether the response has already written more than half of the latest finished
+        responses did in all: the long responses that decide when a rollout ends (Seer's
+        high-priority requests, which draft deeper). False until one has finished."""
+        done = self._recent_sorted
+        return bool(done) and sample.num_generated > done[(len(done) - 1) // 2]
 
     def estimate(self, group_id: str) -> int:
         """The group's expected longest response (``seer``: longest finished, else max_tokens)."""

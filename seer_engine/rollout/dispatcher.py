@@ -388,6 +388,7 @@ class Dispatcher:
                 load_kv=load,
                 save_kv=self.pooled and limit < sample.max_tokens,
                 cuttable=reserve and self.admission.may_overflow,
+                high_priority=self.policy.high_priority(sample),
             )
         )
 

@@ -58,6 +58,10 @@ class RolloutPolicy:
         engine's priority policy the largest is cut or preempted first)."""
         return sample.group.order
 
+    def high_priority(self, sample: RolloutSample) -> bool:
+        """Whether the chunk's drafts weigh more in its engine's draft budget."""
+        return False
+
 
 class BaselinePolicy(RolloutPolicy):
     """veRL-style: whole groups to instances up front, FCFS, no chunks, preempt by recompute."""
@@ -96,6 +100,9 @@ class ContextAwarePolicy(RolloutPolicy):
 
     def engine_priority(self, sample: RolloutSample) -> int:
         return -self.context.estimate(sample.group.group_id)
+
+    def high_priority(self, sample: RolloutSample) -> bool:
+        return self.context.long_tail(sample)
 
 
 class SeerPolicy(ContextAwarePolicy):

@@ -99,6 +99,7 @@ class ChunkRequest:
     load_kv: bool = False  # pull the context's KV from the pool before admitting it
     save_kv: bool = False  # push the context's KV to the pool if the chunk ends by length
     cuttable: bool = False  # out of KV, the engine may end the chunk early (KV kept) instead of preempting
+    high_priority: bool = False  # a long response: its drafts weigh the config's priority_weight
 
     @property
     def context(self) -> list[int]:

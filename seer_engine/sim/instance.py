@@ -11,13 +11,13 @@ is left of its context in the prefix cache (freed blocks go least recently freed
 first) or pulls it from the KV pool, paying the transfer.
 
 Between two events (a chunk ends or arrives, KV runs out, the rows' drafting changes)
-every decoding row gains the same tokens per step, so a run of decode steps has a closed
-form: ``progress`` grows by each row's gain per step; a row ends at its ``progress_end``.
+every decoding row of a band (``DecodeBand``: rows whose drafts weigh alike in the draft
+budget, normal or high priority) gains the same tokens per step, so a run of decode
+steps has a closed form: each band's ``progress`` grows by its rows' gain per step.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict
 from dataclasses import asdict
@@ -30,14 +30,16 @@ from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
+from seer_engine.sim.decode_band import DecodeBand
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.requests import Segment, SimRequest
 from seer_engine.sim.running_groups import RunningGroups
-from seer_engine.sim.speculation import SimSpeculation
+from seer_engine.sim.speculation import BandShape, SimSpeculation
 from seer_engine.sim.world import SimWorld
 from seer_engine.spec_decode.budget import StepCostModel
 
 EPS = 1e-9
+BANDS = 2  # decoding rows of normal and of high draft priority
 
 
 class SimInstance(InstanceHandle):
@@ -60,17 +62,14 @@ class SimInstance(InstanceHandle):
         self.scheduling = scheduling
         self.speculation = speculation
         self.capacity = profile.num_blocks * profile.block_size
-        self.progress = 0.0
-        self.decoding: dict[str, SimRequest] = {}
-        self._ends: list[tuple[float, int, str]] = []  # (progress_end, order, request id), lazily pruned
-        self._context_base = 0.0  # sum of (context - progress_start) over decoding rows
-        self._start_sum = 0.0  # sum of progress_start over decoding rows
+        self.bands = tuple(DecodeBand() for _ in range(BANDS))
+        self.decoding: dict[str, SimRequest] = {}  # the rows of every band
         self.prefilling: list[SimRequest] = []
         self.waiting: list[SimRequest] = []
         self.cache: OrderedDict[str, int] = OrderedDict()  # response key -> context tokens, LRU first
         self.cached_tokens = 0
         self.prompt_groups: set[str] = set()  # groups whose prompt is in the prefix cache
-        self.groups = RunningGroups()
+        self.groups = RunningGroups(BANDS)
         self._stats = SchedulerStats()
         self._connector = ConnectorStats()
         self._loads: list[tuple[str, int, LoadResult]] = []
@@ -116,7 +115,8 @@ class SimInstance(InstanceHandle):
         self.waiting.append(
             SimRequest(chunk.request_id, chunk.sequence_id, chunk.group_id, len(chunk.prompt_token_ids),
                        generated, end, reason, self._arrivals, hit=min(hit, context - 1),
-                       cuttable=chunk.cuttable)
+                       cuttable=chunk.cuttable,
+                       band=self.speculation.band(chunk.high_priority) if self.speculation else 0)
         )  # fmt: skip
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -173,7 +173,7 @@ class SimInstance(InstanceHandle):
                 break
         loads, self._loads = self._loads, []
         # Rows still prefilling are where they were dispatched (the admission rule's default).
-        done = {rid: int(r.generated + self.progress - r.progress_start) for rid, r in self.decoding.items()}
+        done = {rid: int(self.bands[r.band].written(r)) for rid, r in self.decoding.items()}
         return StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads,
                          progress=done)  # fmt: skip
 
@@ -195,9 +195,10 @@ class SimInstance(InstanceHandle):
 
     def _next_segment(self) -> Segment | None:
         stopped = self._preempt_until_growth_fits()
-        rows = len(self.decoding)
+        rows = tuple(len(band) for band in self.bands)
         gain, drafted, steady_tokens = self._rates(rows)
-        budget = self.profile.max_num_batched_tokens - rows * (1 + drafted)
+        decode = Segment(0, 0.0, 0.0, rows, gain, drafted)
+        budget = self.profile.max_num_batched_tokens - decode.decode_tokens
         prefill = []
         for req in self.prefilling:
             n = min(req.context - req.computed, max(budget, 0))
@@ -205,12 +206,12 @@ class SimInstance(InstanceHandle):
                 prefill.append((req, n))
                 budget -= n
         # As the engine's scheduler: a step that preempted or cut admits nobody new.
-        admit = [] if stopped else self._admissible(budget, rows * gain)
+        admit = [] if stopped else self._admissible(budget, decode.growth)
         if not prefill and not admit:
-            if not rows:
+            if not decode.decoding_rows:
                 return None
-            return self._decode_segment(rows, gain, drafted, steady_tokens)
-        tokens = rows * (1 + drafted) + sum(n for _, n in prefill)
+            return self._decode_segment(decode, steady_tokens)
+        tokens = decode.decode_tokens + sum(n for _, n in prefill)
         m = self.profile.step
         kv_read = self._decode_kv(drafted) + sum(m.kv_read(r.computed, n) for r, n in prefill)
         for req in admit:
@@ -221,36 +222,46 @@ class SimInstance(InstanceHandle):
             budget -= n
         ending = sum(r.computed + n >= r.context - EPS for r, n in prefill if r not in admit)
         ending += sum(r.hit + n >= r.context - EPS for r, n in prefill if r in admit)
-        seconds = m.step_s(tokens, kv_read, rows * (1 + drafted) + ending) + self._carried_s
+        seconds = m.step_s(tokens, kv_read, decode.decode_tokens + ending) + self._carried_s
         return Segment(1, seconds, self.clock + seconds, rows, gain, drafted, prefill, admit)
 
-    def _decode_segment(self, rows: int, gain: float, drafted: float, steady_tokens: float) -> Segment:
-        """Steps until a row ends, the KV fills or the rows' drafting changes."""
-        first_end = min(self._first_end(), self.progress + steady_tokens)
-        steps = max(1, math.ceil((first_end - self.progress) / gain - EPS))
+    def _decode_segment(self, seg: Segment, steady_tokens: float) -> Segment:
+        """Steps until a row ends, the KV fills or the rows' drafting changes (``seg``: the
+        rows and their rates)."""
+        steps = math.inf
+        for band, gain in zip(self.bands, seg.gain):
+            if len(band):
+                steps = min(steps, math.ceil((band.first_end() - band.progress) / gain - EPS))
+        if steady_tokens < math.inf:  # the rows' mean chunk tokens grow by growth / rows a step
+            steps = min(steps, math.ceil(steady_tokens * seg.decoding_rows / seg.growth - EPS))
         room = self.capacity - self._running_kv()
-        steps = max(1, min(steps, int(room // (rows * gain))))
-        seg = Segment(steps, 0.0, 0.0, rows, gain, drafted)
-        seg.seconds = self._decode_seconds(seg, steps) + self._carried_s
+        seg.steps = max(1, min(max(1, steps), int(room // seg.growth)))
+        seg.seconds = self._decode_seconds(seg, seg.steps) + self._carried_s
         seg.end = self.clock + seg.seconds
         return seg
 
     def _decode_seconds(self, seg: Segment, steps: int) -> float:
         m = self.profile.step
-        rows, new = seg.rows, 1 + seg.drafted
         # KV read by the decoding rows: linear in their total context, which grows by
-        # rows * gain per step; per query token it is read (1 + drafted) times.
-        per_context = new if m.kv_per_query else 1.0
-        first = m.step_s(rows * new, self._decode_kv(seg.drafted), rows * new)
-        return steps * first + m.c_s_per_kv_token * per_context * rows * seg.gain * steps * (steps - 1) / 2
+        # rows * gain per step in each band; per query token it is read (1 + drafted) times.
+        growth = sum(
+            (1 + d if m.kv_per_query else 1.0) * n * g for n, g, d in zip(seg.rows, seg.gain, seg.drafted)
+        )
+        first = m.step_s(seg.decode_tokens, self._decode_kv(seg.drafted), seg.decode_tokens)
+        return steps * first + m.c_s_per_kv_token * growth * steps * (steps - 1) / 2
 
-    def _decode_kv(self, drafted: float) -> float:
-        """KV tokens the decoding rows read in one step (each schedules 1 + drafted tokens)."""
+    def _decode_kv(self, drafted: tuple[float, ...]) -> float:
+        """KV tokens the decoding rows read in one step (each of band b schedules
+        1 + drafted[b] tokens)."""
         m = self.profile.step
-        rows, new = len(self.decoding), 1 + drafted
-        if m.kv_per_query:
-            return new * self._decoding_context() + rows * new * (new + 1) / 2
-        return self._decoding_context() + rows * new
+        total = 0.0
+        for band, d in zip(self.bands, drafted):
+            rows, new = len(band), 1 + d
+            if m.kv_per_query:
+                total += new * band.context() + rows * new * (new + 1) / 2
+            else:
+                total += band.context() + rows * new
+        return total
 
     def _steps_within(self, seg: Segment, seconds: float) -> int:
         """Whole steps of a decode segment that end within ``seconds``."""
@@ -263,24 +274,29 @@ class SimInstance(InstanceHandle):
                 hi = mid - 1
         return lo
 
-    def _rates(self, rows: int) -> tuple[float, float, float]:
-        """(tokens gained, draft nodes) per decoding row and step, and for how many tokens."""
-        if self.speculation is None or not rows:
-            return 1.0, 0.0, math.inf
-        stage = self.groups.mean_stage(self.world)
-        coverage = (1.0,)
+    def _rates(self, rows: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+        """Per band, (tokens gained, draft nodes) per decoding row and step, and for how
+        many tokens of the rows' mean chunk they hold."""
+        total = sum(rows)
+        if self.speculation is None or not total:
+            return (1.0,) * BANDS, (0.0,) * BANDS, math.inf
+        stages = self.groups.mean_stages(self.world)
+        coverage = ((1.0,),) * BANDS
         if self.speculation.uses_coverage:
             coverage = self.groups.coverage_shares(self.world, self.speculation)
         m = self.profile.step
         # The budget's line: what one more scheduled token costs (on a CPU it also
         # attends its row's context), on top of the step without drafts.
         per_token = m.b_s_per_token + (
-            m.c_s_per_kv_token * self._decoding_context() / rows if m.kv_per_query else 0
+            m.c_s_per_kv_token * self._decoding_context() / total if m.kv_per_query else 0
         )
-        cost = StepCostModel(m.step_s(rows, self._decode_kv(0.0), rows) - m.b_s_per_token * rows, per_token)
-        chunk_tokens = self.progress - self._start_sum / rows  # the rows' mean, on this instance
-        drafted, accepted, steady_tokens = self.speculation.rates(rows, stage, coverage, cost, chunk_tokens)
-        return 1.0 + accepted, drafted, steady_tokens
+        kv = self._decode_kv((0.0,) * BANDS)
+        cost = StepCostModel(m.step_s(total, kv, total) - m.b_s_per_token * total, per_token)
+        chunk_tokens = sum(band.chunk_tokens() for band in self.bands) / total  # the rows' mean, here
+        shapes = tuple(BandShape(*shape) for shape in zip(rows, stages, coverage))
+        rates = self.speculation.band_rates(shapes, cost, chunk_tokens)
+        steady = min(r.steady_tokens for r, n in zip(rates, rows) if n)
+        return tuple(1.0 + r.accepted for r in rates), tuple(r.drafted for r in rates), steady
 
     def _admissible(self, budget: float, growth: float) -> list[SimRequest]:
         """Waiting chunks the engine would admit this step, in its policy's order."""
@@ -315,9 +331,9 @@ class SimInstance(InstanceHandle):
         (True if it stopped a row: preempted or cut)."""
         stopped = False
         while self.decoding or self.prefilling:
-            rows = len(self.decoding)
-            gain = 1.0 if self.speculation is None else self._rates(rows)[0]
-            if self._running_kv() + rows * gain <= self.capacity:
+            rows = tuple(len(band) for band in self.bands)
+            growth = sum(n * g for n, g in zip(rows, self._rates(rows)[0]))
+            if self._running_kv() + growth <= self.capacity:
                 return stopped
             stopped = True
             running = list(self.decoding.values()) + self.prefilling
@@ -356,7 +372,7 @@ class SimInstance(InstanceHandle):
         outputs = self._advance_decoding(seg, 1)
         st = self._stats
         st.steps += 1
-        st.scheduled_tokens += seg.rows * (1 + seg.drafted) + sum(n for _, n in seg.prefill)
+        st.scheduled_tokens += seg.decode_tokens + sum(n for _, n in seg.prefill)
         for req in seg.admit:
             self.started_at.setdefault(req.key, seg.end - seg.seconds)
             self.resumed_at[req.key] = seg.end - seg.seconds
@@ -393,24 +409,25 @@ class SimInstance(InstanceHandle):
         return self._advance_decoding(seg, steps)
 
     def _advance_decoding(self, seg: Segment, steps: int) -> list[RequestOutput]:
-        if not steps or not seg.rows:
+        if not steps or not seg.decoding_rows:
             return []
         st = self._stats
         if not seg.mixed:
             st.steps += steps
-            st.scheduled_tokens += steps * seg.rows * (1 + seg.drafted)
-        st.sampled_rows += steps * seg.rows
-        st.generated_tokens += steps * seg.rows * seg.gain
-        st.draft_tokens_verified += steps * seg.rows * seg.drafted
-        st.draft_tokens_accepted += steps * seg.rows * (seg.gain - 1)
-        self.progress += steps * seg.gain
+            st.scheduled_tokens += steps * seg.decode_tokens
+        st.sampled_rows += steps * seg.decoding_rows
+        st.generated_tokens += steps * seg.growth
+        st.draft_tokens_verified += steps * sum(n * d for n, d in zip(seg.rows, seg.drafted))
+        st.draft_tokens_accepted += steps * sum(n * (g - 1) for n, g in zip(seg.rows, seg.gain))
+        for band, gain in zip(self.bands, seg.gain):
+            band.advance(steps * gain)
         self._note_kv()
         self._evict()  # the rows grew into cached blocks before any of them ended
         outputs = []
-        while self._ends and self._ends[0][0] <= self.progress + EPS:
-            entry = heapq.heappop(self._ends)
-            if self._is_current(entry):
-                outputs.append(self._end_chunk(self._stop_decoding(entry[2])))
+        for band in self.bands:
+            for req in band.take_ended():
+                del self.decoding[req.request_id]
+                outputs.append(self._end_chunk(req))
         return outputs
 
     def _end_chunk(self, req: SimRequest) -> RequestOutput:
@@ -442,35 +459,16 @@ class SimInstance(InstanceHandle):
 
     # -- decoding rows and KV ------------------------------------------------------------
 
-    def _progress_end(self, req: SimRequest) -> float:
-        return req.progress_start + (req.end - req.generated)
-
-    def _first_end(self) -> float:
-        while not self._is_current(self._ends[0]):
-            heapq.heappop(self._ends)
-        return self._ends[0][0]
-
-    def _is_current(self, entry: tuple[float, int, str]) -> bool:
-        """Entries of rows that stopped (or stopped and restarted) stay in the heap until seen."""
-        req = self.decoding.get(entry[2])
-        return req is not None and abs(self._progress_end(req) - entry[0]) < EPS
-
     def _start_decoding(self, req: SimRequest) -> None:
-        req.progress_start = self.progress
         self.decoding[req.request_id] = req
-        self._context_base += req.context - self.progress
-        self._start_sum += self.progress
-        heapq.heappush(self._ends, (self._progress_end(req), req.arrival_order, req.request_id))
+        self.bands[req.band].start(req)
 
     def _stop_decoding(self, rid: str) -> SimRequest:
         req = self.decoding.pop(rid)
-        self._context_base -= req.context - req.progress_start
-        self._start_sum -= req.progress_start
-        req.generated = min(req.end, req.generated + self.progress - req.progress_start)
-        return req
+        return self.bands[req.band].stop(rid)
 
     def _decoding_context(self) -> float:
-        return self._context_base + len(self.decoding) * self.progress
+        return sum(band.context() for band in self.bands)
 
     def _running_kv(self) -> float:
         rows = len(self.decoding) + len(self.prefilling)

@@ -26,6 +26,7 @@ class SimRequest:
     progress_start: float = 0.0
     priority: int = 0  # the engine's scheduling policies read this and arrival_order
     cuttable: bool = False  # out of KV, the engine ends the chunk where it is (KV kept), not preempts it
+    band: int = 0  # its decoding band: 1 if its drafts weigh the priority weight (a long response)
 
     @property
     def context(self) -> float:
@@ -45,12 +46,26 @@ class Segment:
     steps: int
     seconds: float
     end: float
-    rows: int = 0  # decoding rows
-    gain: float = 1.0  # tokens each decoding row gains per step
-    drafted: float = 0.0  # draft nodes per decoding row and step
+    rows: tuple[int, ...] = ()  # decoding rows per band
+    gain: tuple[float, ...] = ()  # tokens each decoding row of a band gains per step
+    drafted: tuple[float, ...] = ()  # draft nodes per decoding row of a band and step
     prefill: list[tuple[SimRequest, float]] = field(default_factory=list)  # (request, new tokens): one step
     admit: list[SimRequest] = field(default_factory=list)
 
     @property
     def mixed(self) -> bool:
         return bool(self.prefill or self.admit)
+
+    @property
+    def decoding_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def decode_tokens(self) -> float:
+        """Tokens the decoding rows schedule each step (their own and their drafts)."""
+        return sum(n * (1 + d) for n, d in zip(self.rows, self.drafted))
+
+    @property
+    def growth(self) -> float:
+        """Tokens the decoding rows gain each step, all together."""
+        return sum(n * g for n, g in zip(self.rows, self.gain))

@@ -182,7 +182,7 @@ def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculat
 
         acceptance = default_acceptance(samples)
     pinned = StepCostModel(*spec.step_cost) if spec.step_cost else None
-    return SimSpeculation(acceptance, spec.budget, spec.num_speculative_tokens, pinned)
+    return SimSpeculation(acceptance, spec.budget, spec.num_speculative_tokens, pinned, spec.priority_weight)
 
 
 def true_lengths(groups: Sequence[SimGroup], max_tokens: int) -> dict[str, int]:

@@ -31,22 +31,47 @@ class DraftRates(NamedTuple):
     steady_tokens: float = math.inf
 
 
+class BandShape(NamedTuple):
+    """One band of an instance's decoding rows (those whose drafts weigh alike): how many,
+    their mean stage, and their shares in the acceptance model's coverage bins."""
+
+    rows: int
+    stage: float
+    coverage: tuple[float, ...]
+
+
+IDLE = DraftRates(0.0, 0.0)
+
+
 class SimSpeculation:
     """Grouped speculative decoding as the engine's budget policy sizes it and the
     acceptance model (fitted by trace replay) rewards it."""
 
-    def __init__(self, acceptance, budget: str, max_nodes: int, pinned: StepCostModel | None = None) -> None:
+    def __init__(
+        self,
+        acceptance,
+        budget: str,
+        max_nodes: int,
+        pinned: StepCostModel | None = None,
+        priority_weight: float = 1.0,
+    ) -> None:
         """``pinned``: the budget's step cost when the speculative config pins one
-        (``step_cost``), as the engine then uses; else the modeled step's own."""
+        (``step_cost``), as the engine then uses; else the modeled step's own.
+        ``priority_weight``: what a high-priority row's tokens are worth (band 1)."""
         self.acceptance = acceptance
         self.budget = budget
         self.max_nodes = max_nodes
         self.pinned = pinned
+        self.weights = (1.0, float(priority_weight))  # per band: normal, high priority
         self.coverage_window = COVERAGE_WINDOW
         a = acceptance
         model = (a.budgets, a.stage_edges, a.coverage_edges, a.accepted, a.drafted)
         # Trajectories repeat; every run in the process with these drafters shares them.
-        self._chunks = _TRAJECTORIES.setdefault((model, budget, max_nodes), {})
+        self._chunks = _TRAJECTORIES.setdefault((model, budget, max_nodes, self.weights), {})
+
+    def band(self, high_priority: bool) -> int:
+        """The band a chunk decodes in: 1 if it is high-priority and that weighs more."""
+        return int(high_priority and self.weights[1] > self.weights[0])
 
     @property
     def coverage_bins(self) -> int:
@@ -69,9 +94,18 @@ class SimSpeculation:
         step: StepCostModel,
         chunk_tokens: float = 0.0,
     ) -> DraftRates:
-        """Draft nodes and accepted tokens per row and step for ``rows`` decoding rows at the
-        rows' mean stage, ``coverage[b]`` of them in coverage bin ``b`` (``sim/acceptance.py``),
-        that have written ``chunk_tokens`` of their current chunk on average.
+        """Draft nodes and accepted tokens per row and step for ``rows`` decoding rows of
+        one band (normal priority), as ``band_rates``."""
+        return self.band_rates((BandShape(rows, stage, coverage),), step, chunk_tokens)[0]
+
+    def band_rates(
+        self, bands: tuple[BandShape, ...], step: StepCostModel, chunk_tokens: float = 0.0
+    ) -> tuple[DraftRates, ...]:
+        """Draft nodes and accepted tokens per row and step in each band (``bands[b]``:
+        normal priority, then high), for rows that have written ``chunk_tokens`` of their
+        current chunk on average. Within a band, ``coverage[i]`` of the rows are in the
+        acceptance model's coverage bin ``i`` (``sim/acceptance.py``). ``steady_tokens``
+        is the same for every band: any band's change ends a stretch.
 
         Each response sizes its drafts from what its own verdicts taught it since its
         chunk began (``ChunkDrafting``), so a batch drafts as its rows' estimates spread:
@@ -80,45 +114,70 @@ class SimSpeculation:
         # The fixed cost moves with the batch's KV; two significant digits of its ratio
         # to the per-token cost decide the budget just as well and keep the cache small.
         ratio = float(f"{step.fixed_s / max(step.per_token_s, 1e-15):.2g}")
-        shape = rows if rows <= EXACT_ROWS else int(float(f"{rows:.2g}"))
-        total = sum(coverage)
-        counts = tuple(_split(shape, tuple(round(SHARE_STEPS * c / total) for c in coverage)))
-        key = (counts, ratio, self.acceptance.stage_bin(stage))
+        total = sum(b.rows for b in bands)
+        shape = total if total <= EXACT_ROWS else int(float(f"{total:.2g}"))
+        band_rows = _split(shape, tuple(b.rows for b in bands))
+        counts, stages = [], []
+        for band, n in zip(bands, band_rows):
+            if n:
+                share = sum(band.coverage)
+                steps = tuple(round(SHARE_STEPS * c / share) for c in band.coverage)
+                counts.append(tuple(_split(n, steps)))
+                stages.append(self.acceptance.stage_bin(band.stage))
+            else:
+                counts.append(None)
+                stages.append(None)
+        key = (tuple(counts), ratio, tuple(stages))
         chunk = self._chunks.get(key)
         if chunk is None:
-            chunk = self._chunks[key] = ChunkDrafting(self, counts, ratio, stage)
-        return chunk.at(chunk_tokens)
+            live = [(c, band.stage, w) for c, band, w in zip(counts, bands, self.weights) if c is not None]
+            chunk = self._chunks[key] = ChunkDrafting(self, tuple(live), ratio)
+        live_rates = iter(chunk.at(chunk_tokens))
+        return tuple(IDLE if c is None else next(live_rates) for c in counts)
 
 
 class ChunkDrafting:
     """A batch's drafting through one chunk, step by step: ``PARTICLES`` modeled responses,
-    spread over the coverage classes as the batch's rows are, each with the decayed
-    counts the engine's drafter keeps (``drafter.learn``), start at the prior. Every step
-    the engine's budget policy sizes their drafts from their estimates, over copies of
-    the batch (its fixed cost scaled alike, so the same nodes pay), and each draft
-    accepts a random share drawn from the acceptance model (a fixed seed: runs repeat).
+    spread over the bands and coverage classes as the batch's rows are, each with the
+    decayed counts the engine's drafter keeps (``drafter.learn``), start at the prior.
+    Every step the engine's budget policy sizes their drafts from their estimates (and
+    their band's weight), over copies of the batch (its fixed cost scaled alike, so the
+    same nodes pay), and each draft accepts a random share drawn from the acceptance
+    model (a fixed seed: runs repeat).
 
     The outcome of a draft of k nodes: it exists with the model's budget-1 drafted rate,
     and accepts at least j nodes with the model's increment from budget j - 1 to j."""
 
-    def __init__(self, spec: SimSpeculation, counts: tuple[int, ...], ratio: float, stage: float) -> None:
+    def __init__(
+        self, spec: SimSpeculation, bands: tuple[tuple[tuple[int, ...], float, float], ...], ratio: float
+    ) -> None:
+        """``bands``: (rows per coverage bin, mean stage, weight) of each band with rows."""
         model, cap, edges = spec.acceptance, spec.max_nodes, spec.acceptance.coverage_edges
+        counts = [n for band_counts, _, _ in bands for n in band_counts]  # classes: (band, bin)
         rows = sum(counts)
-        modeled = _split(rows * (PARTICLES // rows) if rows <= PARTICLES else PARTICLES, counts)
+        modeled = _split(rows * (PARTICLES // rows) if rows <= PARTICLES else PARTICLES, tuple(counts))
+        first = 0
+        for band_counts, _, _ in bands:  # every band drafts: a few rows among many get a particle
+            mine = slice(first, first + len(band_counts))
+            if not sum(modeled[mine]):
+                modeled[first + int(np.argmax(band_counts))] = 1
+            first += len(band_counts)
         # Each row stands for sum(modeled) / rows modeled responses; the fixed cost is
         # scaled alike, so the nodes that pay are those that would in the batch itself.
         self._policy = make_budget(spec.budget, StepCostModel(ratio * sum(modeled) / rows, 1.0))
         self._cap = cap
         self._classes = np.repeat(np.arange(len(counts)), modeled)
+        band_of_class = np.repeat(np.arange(len(bands)), [len(c) for c, _, _ in bands])
+        self._band = band_of_class[self._classes]
+        self._bands = len(bands)
+        weights = np.array([w for _, _, w in bands])
+        self._weights = None if np.all(weights == 1.0) else weights[self._band]
         self._accepted_counts = np.zeros(len(self._classes))  # each response's decayed counts
         self._tried_counts = np.zeros(len(self._classes))
         budgets = range(cap + 1)
-        accepted = np.array(
-            [[model.accepted_per_step(k, stage, edges[b]) for k in budgets] for b in range(len(counts))]
-        )
-        self._drafted = np.array(
-            [[model.drafted_per_step(k, stage, edges[b]) for k in budgets] for b in range(len(counts))]
-        )
+        where = [(stage, edges[b]) for band_counts, stage, _ in bands for b in range(len(band_counts))]
+        accepted = np.array([[model.accepted_per_step(k, *w) for k in budgets] for w in where])
+        self._drafted = np.array([[model.drafted_per_step(k, *w) for k in budgets] for w in where])
         self._accepted = np.minimum(accepted, self._drafted)
         self._exists = np.minimum(1.0, self._drafted[:, 1])
         # P(at least j nodes accepted) for j >= 1: the increments, never rising, never above ``exists``.
@@ -126,30 +185,31 @@ class ChunkDrafting:
         self._survival = np.minimum.accumulate(np.minimum(steps, self._exists[:, None]), axis=1)
         self._depths = np.arange(1, cap + 1)
         self._rng = np.random.default_rng(0)
-        self._progress: list[float] = []  # chunk tokens written before each round
-        self._rounds: list[tuple[float, float]] = []  # (drafted, accepted) per row, each round
+        self._progress: list[float] = []  # chunk tokens written before each round (the rows' mean)
+        self._rounds: list[tuple[tuple[float, float], ...]] = []  # per band: (drafted, accepted) per row
         self._frozen = False  # a round in which nobody drafted: nobody learns, all rounds alike
 
-    def at(self, chunk_tokens: float) -> DraftRates:
-        """The rates in the step after ``chunk_tokens``, and for how many tokens they hold."""
+    def at(self, chunk_tokens: float) -> tuple[DraftRates, ...]:
+        """Each band's rates in the step after ``chunk_tokens``, and for how many tokens they hold."""
         i = self._round_at(chunk_tokens)
         if i is None:
             tail = self._rounds[-TAIL_ROUNDS:]
-            return DraftRates(sum(d for d, _ in tail) / len(tail), sum(a for _, a in tail) / len(tail))
-        drafted, accepted = self._rounds[i]
+            return tuple(
+                DraftRates(sum(r[b][0] for r in tail) / len(tail), sum(r[b][1] for r in tail) / len(tail))
+                for b in range(self._bands)
+            )
+        now = self._rounds[i]
         j = i + 1
         while j <= i + LOOKAHEAD_ROUNDS:
             if j == len(self._rounds):
                 if j == SETTLED_ROUNDS or self._frozen:
-                    return DraftRates(drafted, accepted)
+                    return tuple(DraftRates(d, a) for d, a in now)
                 self._round()
-            d, a = self._rounds[j]
-            if abs(d - drafted) > max(STEADY_NODES, 0.1 * drafted) or abs(a - accepted) > max(
-                STEADY_NODES, 0.1 * accepted
-            ):
+            if any(_changed(later, first) for later, first in zip(self._rounds[j], now)):
                 break
             j += 1
-        return DraftRates(drafted, accepted, self._progress[min(j, i + LOOKAHEAD_ROUNDS)] - chunk_tokens)
+        steady = self._progress[min(j, i + LOOKAHEAD_ROUNDS)] - chunk_tokens
+        return tuple(DraftRates(d, a, steady) for d, a in now)
 
     def _round_at(self, chunk_tokens: float) -> int | None:
         """The round a row is in after writing ``chunk_tokens`` (None: past the settled ones)."""
@@ -165,13 +225,17 @@ class ChunkDrafting:
         return None if i == SETTLED_ROUNDS - 1 and self._progress[-1] <= chunk_tokens else i
 
     def _round(self) -> None:
-        budgets = np.asarray(
-            self._policy.allocate_rates(estimate(self._accepted_counts, self._tried_counts), self._cap)
+        estimates = estimate(self._accepted_counts, self._tried_counts)
+        budgets = np.asarray(self._policy.allocate_rates(estimates, self._cap, self._weights))
+        drafted = self._drafted[self._classes, budgets]
+        accepted = self._accepted[self._classes, budgets]
+        per_band = tuple(
+            (float(drafted[self._band == b].mean()), float(accepted[self._band == b].mean()))
+            for b in range(self._bands)
         )
-        drafted = float(self._drafted[self._classes, budgets].mean())
-        accepted = float(self._accepted[self._classes, budgets].mean())
-        self._progress.append(self._progress[-1] + 1.0 + self._rounds[-1][1] if self._rounds else 0.0)
-        self._rounds.append((drafted, accepted))
+        self._progress.append(self._progress[-1] + 1.0 + self._last_accepted if self._rounds else 0.0)
+        self._last_accepted = float(accepted.mean())
+        self._rounds.append(per_band)
         self._frozen = not budgets.any()
         u = self._rng.random(len(budgets))
         verified = (budgets > 0) & (u < self._exists[self._classes])  # else nothing to draft from
@@ -180,6 +244,11 @@ class ChunkDrafting:
         accepted_counts, tried_counts = learn(self._accepted_counts, self._tried_counts, nodes, budgets)
         self._accepted_counts = np.where(verified, accepted_counts, self._accepted_counts)
         self._tried_counts = np.where(verified, tried_counts, self._tried_counts)
+
+
+def _changed(later: tuple[float, float], first: tuple[float, float]) -> bool:
+    """Whether a band's (drafted, accepted) moved past the steady tolerance."""
+    return any(abs(x - y) > max(STEADY_NODES, 0.1 * y) for x, y in zip(later, first))
 
 
 _TRAJECTORIES: dict[tuple, dict[tuple, ChunkDrafting]] = {}

@@ -8,6 +8,10 @@ most, while it raises the step's expected tokens per second: a node worth g toke
 pays iff g / per_token_s > tokens / time of the step so far. So a large batch (time
 already spent on many rows) gets few or no drafts and the tail (few requests left)
 gets deep ones.
+
+A row may weigh more (``weights``: Seer's λ for its high-priority requests, the long
+responses that decide when the rollout ends): its tokens count that many times in the
+step's worth, so its nodes pay at lower acceptance and it drafts deeper.
 """
 
 from __future__ import annotations
@@ -51,14 +55,22 @@ class BudgetPolicy:
     name = "abstract"
 
     def allocate(
-        self, requests: Sequence[Request], acceptance: Callable[[Request], float], max_nodes: int
+        self,
+        requests: Sequence[Request],
+        acceptance: Callable[[Request], float],
+        max_nodes: int,
+        weight: Callable[[Request], float] | None = None,
     ) -> list[int]:
         """Draft nodes per request (same order), each at most ``max_nodes``."""
-        return self.allocate_rates([acceptance(r) for r in requests], max_nodes)
+        weights = None if weight is None else [weight(r) for r in requests]
+        return self.allocate_rates([acceptance(r) for r in requests], max_nodes, weights)
 
-    def allocate_rates(self, rates: Sequence[float], max_nodes: int) -> list[int]:
-        """Draft nodes for requests whose drafts are accepted at ``rates`` per node (the
-        simulator's modeled drafters call this with their own estimates)."""
+    def allocate_rates(
+        self, rates: Sequence[float], max_nodes: int, weights: Sequence[float] | None = None
+    ) -> list[int]:
+        """Draft nodes for requests whose drafts are accepted at ``rates`` per node and
+        whose tokens are worth ``weights`` (default 1 each). The simulator's modeled
+        drafters call this with their own estimates."""
         raise NotImplementedError
 
 
@@ -67,7 +79,7 @@ class FixedBudget(BudgetPolicy):
 
     name = "fixed"
 
-    def allocate_rates(self, rates, max_nodes):
+    def allocate_rates(self, rates, max_nodes, weights=None):
         return [max_nodes] * len(rates)
 
 
@@ -85,26 +97,27 @@ class AdaptiveBudget(BudgetPolicy):
             self._cost = self._cost()
         return self._cost
 
-    def allocate_rates(self, rates, max_nodes):
-        """Nodes in order of gain (a request's k-th node is worth a^k; on equal gains the
-        earlier request first), taken while each pays for its row: at the first node
-        that does not, the step's tokens per second would fall, and every later one is
+    def allocate_rates(self, rates, max_nodes, weights=None):
+        """Nodes in order of worth (a request's k-th node is worth w * a^k; on equal worth
+        the earlier request first), taken while each pays for its row: at the first node
+        that does not, the step's worth per second would fall, and every later one is
         worth less."""
         n = len(rates)
         if not n or max_nodes <= 0:
             return [0] * n
         cost = self.cost
         a = np.clip(np.asarray(rates, dtype=float), 0.0, 0.999)
-        gains = np.cumprod(np.repeat(a[:, None], max_nodes, axis=1), axis=1).ravel()
+        w = np.ones(n) if weights is None else np.asarray(weights, dtype=float)
+        gains = (w[:, None] * np.cumprod(np.repeat(a[:, None], max_nodes, axis=1), axis=1)).ravel()
         rows = np.repeat(np.arange(n), max_nodes)
-        # Tokens per second only rise while nodes are taken, so one worth no more than
+        # Worth per second only rises while nodes are taken, so one worth no more than
         # the step without drafts gives never pays: leave those out of the sort.
-        start = cost.per_token_s * n / (cost.fixed_s + cost.per_token_s * n)
+        start = cost.per_token_s * w.sum() / (cost.fixed_s + cost.per_token_s * n)
         worth = np.flatnonzero(gains > start)
         order = worth[np.argsort(-gains[worth], kind="stable")]
         g = gains[order]
         taken = np.arange(g.size)  # nodes already in the step when each is considered
-        tokens = n + np.concatenate(([0.0], np.cumsum(g)[:-1]))  # every row emits its bonus token
+        tokens = w.sum() + np.concatenate(([0.0], np.cumsum(g)[:-1]))  # every row emits its bonus token
         seconds = cost.fixed_s + cost.per_token_s * (n + taken)
         pays = g * seconds > cost.per_token_s * tokens
         stop = g.size if pays.all() else int(np.argmin(pays))

@@ -13,6 +13,7 @@ METHODS = ("group_suffix", "suffix", "ngram")
 BUDGETS = ("adaptive", "fixed")
 MAX_DRAFT_NODES = 63  # the tree mask gives each verification row 64 visibility bits
 MAX_TREE_DEPTH = 4096  # the C++ suffix tree's limit on max_depth
+MAX_PRIORITY_WEIGHT = 1e3  # past this every low-priority node is already worthless beside a high one
 MAX_BACKOFF = 1e6  # pseudo-counts; far past any tree's counts, so a larger one means nothing more
 
 
@@ -44,6 +45,9 @@ class SpeculativeConfig:
     # Adaptive budget: [fixed_s, per_token_s] of a step from an offline profile (Seer
     # profiles once per model and machine); None measures it at start-up.
     step_cost: tuple[float, float] | None = None
+    # Adaptive budget: a high-priority request's tokens are worth this many of another's
+    # (Seer's λ; rollouts mark their long responses high-priority).
+    priority_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,6 +71,9 @@ class SpeculativeConfig:
             raise ValueError(f"history_weight must be in (0, 1], got {self.history_weight!r}")
         if not is_int(self.history_sequences) or self.history_sequences < 0:
             raise ValueError(f"history_sequences must be an integer >= 0, got {self.history_sequences!r}")
+        w = self.priority_weight
+        if not (is_real(w) and 1.0 <= w <= MAX_PRIORITY_WEIGHT):
+            raise ValueError(f"priority_weight must be a number in [1, {MAX_PRIORITY_WEIGHT:g}], got {w!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):
             raise ValueError(

@@ -75,6 +75,10 @@ class Drafter:
         e = self._estimates.get(request.sequence_id)
         return estimate(e.accepted, e.tried) if e is not None else estimate(0.0, 0.0)
 
+    def weight(self, request: Request) -> float:
+        """What the request's tokens are worth in the draft budget."""
+        return self.config.priority_weight if request.high_priority else 1.0
+
     def after_step(
         self, updated: Sequence[Request], verdicts: dict[str, Acceptance], running: Sequence[Request]
     ) -> None:
@@ -121,7 +125,7 @@ class Drafter:
             and r.num_output_tokens + 1 < r.max_tokens
         ]
         cap = self.config.num_speculative_tokens
-        for req, budget in zip(ready, self.budget.allocate(ready, self.acceptance, cap)):
+        for req, budget in zip(ready, self.budget.allocate(ready, self.acceptance, cap, self.weight)):
             budget = min(budget, req.max_tokens - req.num_output_tokens - 1)
             if budget <= 0:
                 continue

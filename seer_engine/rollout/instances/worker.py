@@ -69,6 +69,7 @@ class InstanceWorker:
             stream=chunk.stream,
             sequence_id=chunk.sequence_id,
             cuttable=chunk.cuttable,
+            high_priority=chunk.high_priority,
         )
 
     def abort(self, request_ids: list[str]) -> tuple[list[RequestOutput], EngineStats]:
