@@ -58,7 +58,7 @@ def _engine_drafting(p: float, rows: int, step: StepCostModel, rounds: int, batc
     totals = [0.0] * rounds
     rng = random.Random(7)
     for batch in range(batches):
-        drafter = Drafter(SpeculativeConfig(), proposer=None, budget=AdaptiveBudget(step))
+        drafter = Drafter(SpeculativeConfig(), proposer=None, budget=AdaptiveBudget(step, tree=True))
         requests = [SimpleNamespace(sequence_id=f"{batch}/{i}") for i in range(rows)]
         for r in range(rounds):
             for req, k in zip(requests, drafter.budget.allocate(requests, drafter.acceptance, 16)):

@@ -6,8 +6,10 @@ prefill, prefix sharing, rollout chunks and several instances."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
@@ -110,16 +112,23 @@ def test_adaptive_budget_follows_marginal_benefit():
 
 
 def _one_node_at_a_time(
-    rates: list[float], cost: StepCostModel, max_nodes: int, weights: list[float] | None = None
+    rates: list[float], cost: StepCostModel, max_nodes: int, weights: list[float] | None = None, tree=False
 ) -> list[int]:
     """The marginal-benefit rule step by step: the best node left, while it pays (a
-    row's tokens count ``weights[i]`` times in the step's worth)."""
+    row's tokens count ``weights[i]`` times in the step's worth; a tree's k-th node adds
+    at least a * 0.63 * log2(k / (k - 1)))."""
     w = weights or [1.0] * len(rates)
+
+    def worth(i: int, k: int) -> float:
+        r = rates[i]
+        tree_node = r if k == 1 else r * 0.63 * math.log2(k / (k - 1))
+        return w[i] * max(r**k, tree_node if tree else 0.0)
+
     budgets = [0] * len(rates)
     tokens, seconds = float(sum(w)), cost.fixed_s + cost.per_token_s * len(rates)
     while True:
         open_rows = [i for i, r in enumerate(rates) if budgets[i] < max_nodes and r > 0]
-        left = [(w[i] * rates[i] ** (budgets[i] + 1), -i) for i in open_rows]
+        left = [(worth(i, budgets[i] + 1), -i) for i in open_rows]
         if not left:
             return budgets
         gain, i = max(left)[0], -max(left)[1]
@@ -141,6 +150,32 @@ def test_adaptive_budget_takes_the_nodes_the_one_at_a_time_rule_takes(seed):
     assert AdaptiveBudget(cost).allocate_rates(rates, cap, weights) == _one_node_at_a_time(
         rates, cost, cap, weights
     )
+    assert AdaptiveBudget(cost, tree=True).allocate_rates(rates, cap, weights) == _one_node_at_a_time(
+        rates, cost, cap, weights, tree=True
+    )
+
+
+def test_a_trees_later_nodes_are_worth_more_than_a_paths():
+    """A tree's accepted tokens grow by TREE_DOUBLING times its first node's each time its
+    budget doubles (the acceptance replay's fit); a path's by a^k. So a batch that drafts
+    paths of 4 drafts trees of more nodes."""
+    from seer_engine.spec_decode.budget import TREE_DOUBLING, node_worth
+
+    rates = np.array([0.3, 0.54, 0.7, 0.95])
+    tree, path = node_worth(rates, 16, tree=True), node_worth(rates, 16, tree=False)
+    assert (tree >= path).all() and (np.diff(tree, axis=1) <= 1e-12).all()
+    assert tree[1].cumsum()[[0, 1, 3, 7, 15]] == pytest.approx(0.54 * (1 + TREE_DOUBLING * np.arange(5)))
+    assert tree[3] == pytest.approx(path[3])  # near-certain drafts: the path is worth more
+    cost = StepCostModel(fixed_s=0.03, per_token_s=1.2e-5)
+    paths = AdaptiveBudget(cost).allocate_rates([0.54] * 128, 16)
+    trees = AdaptiveBudget(cost, tree=True).allocate_rates([0.54] * 128, 16)
+    assert 0 < paths[0] < trees[0]
+
+
+@pytest.mark.parametrize("spec, tree", [(TREE, True), (PATH, False), ({"method": "ngram"}, False)])
+def test_the_engines_budget_values_its_drafts_as_trees_when_they_are(model, spec, tree):
+    engine = _engine(model, {**spec, "budget": "adaptive", "step_cost": STEP_COST})
+    assert engine.drafter.budget.tree is tree
 
 
 def test_high_priority_requests_draft_deeper_and_take_nodes_from_the_rest():

@@ -133,7 +133,7 @@ class LLMEngine:
         if spec is None:
             return None
         cost = StepCostModel(*spec.step_cost) if spec.step_cost else self._profile_step_cost
-        budget = make_budget(spec.budget, cost)
+        budget = make_budget(spec.budget, cost, tree=spec.trees)
         if isinstance(budget, AdaptiveBudget):
             budget.cost  # profile now, while the KV cache is empty  # noqa: B018
         return Drafter(spec, proposer or make_proposer(spec), budget)

@@ -164,7 +164,9 @@ class ChunkDrafting:
             first += len(band_counts)
         # Each row stands for sum(modeled) / rows modeled responses; the fixed cost is
         # scaled alike, so the nodes that pay are those that would in the batch itself.
-        self._policy = make_budget(spec.budget, StepCostModel(ratio * sum(modeled) / rows, 1.0))
+        # The simulator models multi-path grouped drafts only: the budget values trees.
+        cost = StepCostModel(ratio * sum(modeled) / rows, 1.0)
+        self._policy = make_budget(spec.budget, cost, tree=True)
         self._cap = cap
         self._classes = np.repeat(np.arange(len(counts)), modeled)
         band_of_class = np.repeat(np.arange(len(bands)), [len(c) for c, _, _ in bands])
