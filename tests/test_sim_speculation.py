@@ -29,26 +29,33 @@ def _model(low: float, high: float) -> AcceptanceModel:
     return AcceptanceModel(budgets, (0.0, 1.0), ((row(low), row(high)),), coverage_edges=(0.0, 0.5, 1.0))
 
 
+def _rates(spec: SimSpeculation, rows: int, stage: float, coverage, step, chunk_tokens: float = 0.0):
+    """One band of ``rows`` decoding rows (normal priority)."""
+    return spec.band_rates((BandShape(rows, stage, coverage),), step, chunk_tokens)[0]
+
+
 def test_rows_start_each_chunk_at_the_prior_and_learn_their_own_rate():
     spec = SimSpeculation(_model(0.05, 0.9), "adaptive", 16)
     uncovered, covered, mixed = (1.0, 0.0), (0.0, 1.0), (0.5, 0.5)
-    at_prior = spec.rates(8, 0.5, mixed, STEP, 0.0)[0]
+    at_prior = _rates(spec, 8, 0.5, mixed, STEP, 0.0)[0]
     for coverage in (uncovered, covered):  # a fresh chunk: every row drafts at the prior
-        assert spec.rates(8, 0.5, coverage, STEP, 0.0)[0] == pytest.approx(at_prior)
+        assert _rates(spec, 8, 0.5, coverage, STEP, 0.0)[0] == pytest.approx(at_prior)
     # Rows that learnt their drafts fail draft less, rows that learnt they land draft more.
-    fresh = spec.rates(8, 0.5, uncovered, STEP, 0.0)[0]
-    assert spec.rates(8, 0.5, uncovered, STEP, 200.0)[0] < fresh < spec.rates(8, 0.5, covered, STEP, 200.0)[0]
+    fresh = _rates(spec, 8, 0.5, uncovered, STEP, 0.0)[0]
+    failed = _rates(spec, 8, 0.5, uncovered, STEP, 200.0)[0]
+    landed = _rates(spec, 8, 0.5, covered, STEP, 200.0)[0]
+    assert failed < fresh < landed
     # In a mixed batch the covered half gets the deeper drafts, so it accepts more per
     # node than a batch where every row drafted alike.
-    drafted, accepted, _ = spec.rates(8, 0.5, mixed, STEP, 200.0)
-    alike_drafted, alike_accepted, _ = spec.rates(8, 0.5, mixed, STEP, 0.0)
+    drafted, accepted, _ = _rates(spec, 8, 0.5, mixed, STEP, 200.0)
+    alike_drafted, alike_accepted, _ = _rates(spec, 8, 0.5, mixed, STEP, 0.0)
     assert accepted / drafted > alike_accepted / alike_drafted
 
 
 def test_a_fixed_budget_drafts_in_full_whatever_was_learnt():
     spec = SimSpeculation(_model(0.05, 0.9), "fixed", 8)
     for chunk_tokens in (0.0, 500.0):
-        assert spec.rates(4, 0.5, (0.5, 0.5), STEP, chunk_tokens)[0] == 8
+        assert _rates(spec, 4, 0.5, (0.5, 0.5), STEP, chunk_tokens)[0] == 8
 
 
 def _engine_drafting(p: float, rows: int, step: StepCostModel, rounds: int, batches: int) -> list[float]:
@@ -80,7 +87,7 @@ def test_the_modeled_drafting_follows_the_engines_drafter_through_a_chunk():
     spec = SimSpeculation(_model(p, 0.9), "adaptive", 16)
     modeled, chunk_tokens = [], 0.0
     for _ in range(rounds):
-        rates = spec.rates(rows, 0.5, (1.0, 0.0), step, chunk_tokens)
+        rates = _rates(spec, rows, 0.5, (1.0, 0.0), step, chunk_tokens)
         modeled.append(rates.drafted)
         chunk_tokens += 1.0 + rates.accepted
 
@@ -99,12 +106,12 @@ def test_the_modeled_drafting_follows_the_engines_drafter_through_a_chunk():
 def test_a_segment_of_steady_drafting_ends_where_the_rates_change():
     spec = SimSpeculation(_model(0.45, 0.9), "adaptive", 16)
     step = StepCostModel(7e-4, 1e-4)
-    rates = spec.rates(4, 0.5, (1.0, 0.0), step, 0.0)
+    rates = _rates(spec, 4, 0.5, (1.0, 0.0), step, 0.0)
     assert 0 < rates.steady_tokens < 100
-    assert spec.rates(4, 0.5, (1.0, 0.0), step, rates.steady_tokens * 0.999)[:2] == rates[:2]
-    assert spec.rates(4, 0.5, (1.0, 0.0), step, rates.steady_tokens)[:2] != rates[:2]
+    assert _rates(spec, 4, 0.5, (1.0, 0.0), step, rates.steady_tokens * 0.999)[:2] == rates[:2]
+    assert _rates(spec, 4, 0.5, (1.0, 0.0), step, rates.steady_tokens)[:2] != rates[:2]
     # A batch too large for any draft to pay at the prior never drafts, so never learns.
-    assert spec.rates(64, 0.5, (1.0, 0.0), step, 0.0) == (0.0, 0.0, float("inf"))
+    assert _rates(spec, 64, 0.5, (1.0, 0.0), step, 0.0) == (0.0, 0.0, float("inf"))
 
 
 def test_what_a_chunk_drafts_does_not_depend_on_what_was_asked_before(monkeypatch):
@@ -119,8 +126,8 @@ def test_what_a_chunk_drafts_does_not_depend_on_what_was_asked_before(monkeypatc
         monkeypatch.setattr(speculation, "_TRAJECTORIES", {})
         spec = SimSpeculation(_model(0.45, 0.9), "adaptive", 16)
         if first is not None:
-            spec.rates(4, 0.5, (0.5, 0.5), step, first)
-        answers.append([spec.rates(4, 0.5, (0.5, 0.5), step, t) for t in points])
+            _rates(spec, 4, 0.5, (0.5, 0.5), step, first)
+        answers.append([_rates(spec, 4, 0.5, (0.5, 0.5), step, t) for t in points])
     assert answers[0] == answers[1]
 
 

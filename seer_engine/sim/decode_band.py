@@ -12,7 +12,7 @@ import heapq
 
 from seer_engine.sim.requests import SimRequest
 
-EPS = 1e-9
+EPS = 1e-9  # progress closer than this counts as reached
 
 
 class DecodeBand:

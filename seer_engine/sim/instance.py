@@ -30,7 +30,7 @@ from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
-from seer_engine.sim.decode_band import DecodeBand
+from seer_engine.sim.decode_band import EPS, DecodeBand
 from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.requests import Segment, SimRequest
 from seer_engine.sim.running_groups import RunningGroups
@@ -38,7 +38,6 @@ from seer_engine.sim.speculation import BandShape, SimSpeculation
 from seer_engine.sim.world import SimWorld
 from seer_engine.spec_decode.budget import StepCostModel
 
-EPS = 1e-9
 BANDS = 2  # decoding rows of normal and of high draft priority
 
 
@@ -244,11 +243,11 @@ class SimInstance(InstanceHandle):
         m = self.profile.step
         # KV read by the decoding rows: linear in their total context, which grows by
         # rows * gain per step in each band; per query token it is read (1 + drafted) times.
-        growth = sum(
+        kv_growth = sum(
             (1 + d if m.kv_per_query else 1.0) * n * g for n, g, d in zip(seg.rows, seg.gain, seg.drafted)
         )
         first = m.step_s(seg.decode_tokens, self._decode_kv(seg.drafted), seg.decode_tokens)
-        return steps * first + m.c_s_per_kv_token * growth * steps * (steps - 1) / 2
+        return steps * first + m.c_s_per_kv_token * kv_growth * steps * (steps - 1) / 2
 
     def _decode_kv(self, drafted: tuple[float, ...]) -> float:
         """KV tokens the decoding rows read in one step (each of band b schedules

@@ -17,6 +17,7 @@ class RunningGroups:
     def __init__(self, bands: int = 1) -> None:
         self.bands = bands
         self.rows: dict[str, list[tuple[str, int]]] = {}  # group -> (response, band) of its rows here
+        self._band_rows: dict[str, list[int]] = {}  # group -> its rows here per band
         self.shared_prompt = 0
         # group -> (world version, rows, rows per band and coverage bin): recomputed only
         # when the group's chunks or this instance's rows of it change
@@ -29,25 +30,28 @@ class RunningGroups:
         rows = self.rows.setdefault(req.group_id, [])
         self.shared_prompt += req.prompt_len if rows else 0
         rows.append((req.key, req.band))
+        self._band_rows.setdefault(req.group_id, [0] * self.bands)[req.band] += 1
 
     def leave(self, req: SimRequest) -> None:
         rows = self.rows[req.group_id]
         rows.remove((req.key, req.band))
+        self._band_rows[req.group_id][req.band] -= 1
         if rows:
             self.shared_prompt -= req.prompt_len
         else:
             del self.rows[req.group_id]
+            del self._band_rows[req.group_id]
             self._coverage.pop(req.group_id, None)
 
     def mean_stages(self, world: SimWorld) -> tuple[float, ...]:
         """Each band's running rows' mean share of their group finished (0 for a band
         with no rows)."""
         total, rows = [0.0] * self.bands, [0] * self.bands
-        for g, members in self.rows.items():
+        for g, per_band in self._band_rows.items():
             stage = world.stage(g)
-            for _, band in members:
-                total[band] += stage
-                rows[band] += 1
+            for band, n in enumerate(per_band):
+                total[band] += n * stage
+                rows[band] += n
         return tuple(t / n if n else 0.0 for t, n in zip(total, rows))
 
     def coverage_shares(self, world: SimWorld, speculation: SimSpeculation) -> tuple[tuple[float, ...], ...]:

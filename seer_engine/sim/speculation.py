@@ -86,18 +86,6 @@ class SimSpeculation:
         """The coverage bin of a row whose siblings' mean lead share is ``share``."""
         return self.acceptance.lead_bin(share)
 
-    def rates(
-        self,
-        rows: int,
-        stage: float,
-        coverage: tuple[float, ...],
-        step: StepCostModel,
-        chunk_tokens: float = 0.0,
-    ) -> DraftRates:
-        """Draft nodes and accepted tokens per row and step for ``rows`` decoding rows of
-        one band (normal priority), as ``band_rates``."""
-        return self.band_rates((BandShape(rows, stage, coverage),), step, chunk_tokens)[0]
-
     def band_rates(
         self, bands: tuple[BandShape, ...], step: StepCostModel, chunk_tokens: float = 0.0
     ) -> tuple[DraftRates, ...]:
@@ -172,8 +160,7 @@ class ChunkDrafting:
         band_of_class = np.repeat(np.arange(len(bands)), [len(c) for c, _, _ in bands])
         self._band = band_of_class[self._classes]
         self._bands = len(bands)
-        weights = np.array([w for _, _, w in bands])
-        self._weights = None if np.all(weights == 1.0) else weights[self._band]
+        self._weights = np.array([w for _, _, w in bands])[self._band]
         self._accepted_counts = np.zeros(len(self._classes))  # each response's decayed counts
         self._tried_counts = np.zeros(len(self._classes))
         budgets = range(cap + 1)
@@ -190,6 +177,7 @@ class ChunkDrafting:
         self._progress: list[float] = []  # chunk tokens written before each round (the rows' mean)
         self._rounds: list[tuple[tuple[float, float], ...]] = []  # per band: (drafted, accepted) per row
         self._frozen = False  # a round in which nobody drafted: nobody learns, all rounds alike
+        self._last_accepted = 0.0  # per response in the latest round, all bands together
 
     def at(self, chunk_tokens: float) -> tuple[DraftRates, ...]:
         """Each band's rates in the step after ``chunk_tokens``, and for how many tokens they hold."""

@@ -7,9 +7,9 @@ tokens on a single path. A token tree spends its nodes on the likeliest branches
 every depth, so its later nodes are worth far more: its accepted tokens grow by about
 the same amount each time its budget doubles (``TREE_DOUBLING``), and its k-th node
 adds a * TREE_DOUBLING * log2(k / (k - 1)), or a^k where a path would gain more (a
-tree holds at least its best path). Nodes go, one at a time, to the request where the next node adds the
-most, while it raises the step's expected tokens per second: a node worth g tokens
-pays iff g / per_token_s > tokens / time of the step so far. So a large batch (time
+tree holds at least its best path). Nodes go, one at a time, to the request where the
+next node adds the most, while it raises the step's expected tokens per second: a node
+worth g tokens pays iff g / per_token_s > tokens / time of the step so far. So a large batch (time
 already spent on many rows) gets few or no drafts and the tail (few requests left)
 gets deep ones.
 
