@@ -190,3 +190,30 @@ def test_high_priority_rows_of_a_modeled_engine_write_faster_than_the_rest():
     # Weighing them alike puts every row in one band: they end together.
     _, normal, high = _instance_with_bands(1.0)
     assert max(high + normal) - min(high + normal) < 1e-9
+
+
+def test_running_groups_keep_each_bands_stage_and_coverage():
+    """The acceptance model reads each band's own rows: their groups' stages and how far
+    their siblings wrote past them."""
+    from seer_engine.sim.requests import SimRequest
+    from seer_engine.sim.running_groups import RunningGroups
+    from seer_engine.sim.world import SimWorld
+
+    members = {"a": ["a/0", "a/1"], "b": ["b/0", "b/1"]}
+    world = SimWorld({k: 100 for ks in members.values() for k in ks}, 100, {"a": 2, "b": 4}, members)
+    world.on_response_end("a")  # group a: half finished; group b: none
+    world.on_chunk_end("b", "b/1", 90)  # b/1 wrote far past b/0
+    spec = SimSpeculation(_model(0.5, 0.9), "adaptive", 16, priority_weight=2.0)
+    groups = RunningGroups(2)
+    rows = [SimRequest(k, k, k[0], 10, 0, 100, "stop", i, band=band)
+            for i, (k, band) in enumerate([("a/1", 1), ("b/0", 0), ("b/1", 1)])]  # fmt: skip
+    for req in rows:
+        groups.join(req)
+    assert groups.mean_stages(world) == pytest.approx((0.0, 0.25))
+    normal, high = groups.coverage_shares(world, spec)
+    assert normal == (0.0, 1.0)  # b/0: its sibling wrote ahead of it
+    assert high == (1.0, 0.0)  # a/1 and b/1: nobody ahead
+    groups.leave(rows[0])
+    assert groups.mean_stages(world) == pytest.approx((0.0, 0.0))
+    groups.leave(rows[2])
+    assert groups.mean_stages(world) == (0.0, 0.0) and groups.coverage_shares(world, spec)[1] == (0.0, 0.0)
