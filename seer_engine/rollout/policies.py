@@ -53,11 +53,6 @@ class RolloutPolicy:
         last call (the buffer's priority index re-keys only those)."""
         return False, set()
 
-    def engine_priority(self, sample: RolloutSample) -> int:
-        """The dispatched chunk's priority inside its engine (smaller runs first; under the
-        engine's priority policy the largest is cut or preempted first)."""
-        return sample.group.order
-
     def high_priority(self, sample: RolloutSample) -> bool:
         """Whether the chunk's drafts weigh more in its engine's draft budget."""
         return False
@@ -98,9 +93,6 @@ class ContextAwarePolicy(RolloutPolicy):
     def take_changes(self) -> tuple[bool, set[str]]:
         return self.context.take_changes()
 
-    def engine_priority(self, sample: RolloutSample) -> int:
-        return -self.context.estimate(sample.group.group_id)
-
     def high_priority(self, sample: RolloutSample) -> bool:
         return self.context.long_tail(sample)
 
@@ -124,9 +116,6 @@ class OraclePolicy(RolloutPolicy):
 
     def rank_key(self, sample: RolloutSample) -> Any:
         return (-self.true_lengths[sample.key], sample.group.order, sample.sample_index)
-
-    def engine_priority(self, sample: RolloutSample) -> int:
-        return -self.true_lengths[sample.key]
 
 
 ROLLOUT_POLICIES: dict[str, type[RolloutPolicy]] = {
