@@ -108,6 +108,18 @@ class GroupSuffixTree {
     append_all(it == seqs_.end() ? seqs_[key] : it->second, tokens);
   }
 
+  // extend() for a sequence that exists, else add_sequence(key, tokens, weight): one
+  // call (one key lookup) for the engine's per-token appends.
+  void append(int64_t key, const std::vector<int32_t>& tokens, int32_t weight) {
+    auto it = seqs_.find(key);
+    if (it == seqs_.end()) {
+      add_sequence(key, tokens, weight);
+      return;
+    }
+    check_tokens(tokens, it->second.weight);
+    append_all(it->second, tokens);
+  }
+
   // Removes a sequence and every occurrence it contributed; nodes left without
   // occurrences are freed for reuse.  O(len * max_depth).
   void remove_sequence(int64_t key) {
@@ -123,9 +135,7 @@ class GroupSuffixTree {
       const size_t end = std::min(n, i + static_cast<size_t>(max_depth_));
       for (size_t j = i; j < end; ++j) {
         const int32_t parent = node;
-        node = find_child(parent, toks[j]);
-        nodes_[node].count -= w;
-        nodes_[parent].child_total -= w;
+        node = add_to_child(parent, toks[j], -w);
         // Unlink now but keep walking through the node: its own edges stay intact
         // until the walk is over (its descendants on this walk die with it).
         if (nodes_[node].count == 0) {
@@ -180,7 +190,8 @@ class GroupSuffixTree {
     size_t bytes = sizeof(*this) + nodes_.capacity() * sizeof(Node) +
                    free_nodes_.capacity() * sizeof(int32_t) +
                    edge_lists_.capacity() * sizeof(std::vector<Edge>) +
-                   free_lists_.capacity() * sizeof(int32_t);
+                   free_lists_.capacity() * sizeof(int32_t) +
+                   root_kids_.capacity() * sizeof(int32_t);
     for (const auto& l : edge_lists_) bytes += l.capacity() * sizeof(Edge);
     for (const auto& kv : seqs_) {
       bytes += sizeof(kv) + kv.second.tokens.capacity() * sizeof(int32_t) +
@@ -206,6 +217,7 @@ class GroupSuffixTree {
     free_nodes_.clear();
     edge_lists_.clear();
     free_lists_.clear();
+    root_kids_.clear();
     seqs_.clear();
     leaders_.clear();
     num_tokens_ = 0;
@@ -219,10 +231,10 @@ class GroupSuffixTree {
     auto node_of = [&](int len) { return walk(context.data() + n - len, static_cast<size_t>(len)); };
     const int match_len = longest_match(match_cap(max_match_len, n), node_of);
     if (backoff > 0.0) {
-      std::vector<int32_t> orders(match_len + 1);
+      std::vector<int32_t>& orders = scratch_.flat;
+      orders.resize(match_len + 1);
       for (int k = 0; k <= match_len; ++k) orders[k] = node_of(k);
-      return draft_backed_off(std::move(orders), budget, multi_path, min_prob, max_spec_factor,
-                              backoff);
+      return draft_backed_off(budget, multi_path, min_prob, max_spec_factor, backoff);
     }
     return draft(node_of(match_len), match_len, budget, multi_path, min_prob, max_spec_factor);
   }
@@ -238,9 +250,8 @@ class GroupSuffixTree {
     const int match_len = longest_match(match_cap(max_match_len, active.size() - 1),
                                         [&](int len) { return active[len]; });
     if (backoff > 0.0) {
-      std::vector<int32_t> orders(active.begin(), active.begin() + match_len + 1);
-      return draft_backed_off(std::move(orders), budget, multi_path, min_prob, max_spec_factor,
-                              backoff);
+      scratch_.flat.assign(active.begin(), active.begin() + match_len + 1);
+      return draft_backed_off(budget, multi_path, min_prob, max_spec_factor, backoff);
     }
     return draft(active[match_len], match_len, budget, multi_path, min_prob, max_spec_factor);
   }
@@ -249,6 +260,10 @@ class GroupSuffixTree {
   static constexpr int32_t kRoot = 0;
   static constexpr int32_t kNoChild = -1;  // Node::tok: leaf
   static constexpr int32_t kMany = -2;     // Node::tok: `link` indexes edge_lists_
+  // The root's children with tokens below this are found by token in root_kids_ (every
+  // append and draft step looks one up, and the root has a child per distinct token);
+  // larger tokens, if any, go to the root node's own edges.
+  static constexpr int32_t kRootTable = 1 << 20;
 
  public:
   static constexpr int32_t kMaxWeight = 1 << 16;
@@ -261,9 +276,12 @@ class GroupSuffixTree {
     int32_t tok = kNoChild;   // the only child's token, or kNoChild / kMany
     int32_t link = -1;        // the only child's node id, or an edge_lists_ index
   };
+  // A child in an edge list.  Its count is kept here as well as in the node: ranking a
+  // node's children then reads one contiguous list, not a cache line per child.
   struct Edge {
     int32_t tok;
     int32_t node;
+    int32_t count;
   };
   struct Sequence {
     int32_t weight = 1;
@@ -276,6 +294,9 @@ class GroupSuffixTree {
   static bool edge_tok_less(const Edge& e, int32_t t) { return e.tok < t; }
 
   int32_t find_child(int32_t v, int32_t t) const {
+    if (v == kRoot && t < kRootTable) {
+      return static_cast<size_t>(t) < root_kids_.size() ? root_kids_[t] : -1;
+    }
     const Node& n = nodes_[v];
     if (n.tok == kNoChild) return -1;
     if (n.tok != kMany) return n.tok == t ? n.link : -1;
@@ -302,40 +323,63 @@ class GroupSuffixTree {
     return static_cast<int32_t>(nodes_.size() - 1);
   }
 
-  int32_t child_or_create(int32_t v, int32_t t) {
-    const int32_t found = find_child(v, t);
-    if (found >= 0) return found;
-    const int32_t c = new_node();  // may add a chunk: index nodes_, never hold references
-    Node& n = nodes_[v];
-    if (n.tok == kNoChild) {
-      n.tok = t;
-      n.link = c;
-    } else if (n.tok != kMany) {
-      int32_t slot;
-      if (!free_lists_.empty()) {
-        slot = free_lists_.back();
-        free_lists_.pop_back();
+  // Adds w (negative: removes) to the count of v's child t, creating the child if
+  // absent, and to v's child total; returns the child.  One search of v's edges both
+  // finds the child and updates its edge.
+  int32_t add_to_child(int32_t v, int32_t t, int32_t w) {
+    int32_t c = -1;
+    if (v == kRoot && t < kRootTable) {
+      if (static_cast<size_t>(t) >= root_kids_.size()) root_kids_.resize(t + 1, -1);
+      c = root_kids_[t];
+      if (c < 0) c = root_kids_[t] = new_node();
+    } else if (nodes_[v].tok == kMany) {
+      std::vector<Edge>& l = edge_lists_[nodes_[v].link];
+      auto it = std::lower_bound(l.begin(), l.end(), t, edge_tok_less);
+      if (it != l.end() && it->tok == t) {
+        it->count += w;
+        c = it->node;
       } else {
-        slot = static_cast<int32_t>(edge_lists_.size());
-        edge_lists_.emplace_back();
+        c = new_node();  // touches nodes_ only: `it` stays valid
+        l.insert(it, Edge{t, c, w});
       }
-      std::vector<Edge>& l = edge_lists_[slot];
-      const Edge old{n.tok, n.link}, added{t, c};
-      if (old.tok < t) {
-        l = {old, added};
-      } else {
-        l = {added, old};
-      }
-      n.tok = kMany;
-      n.link = slot;
+    } else if (nodes_[v].tok == t) {
+      c = nodes_[v].link;
     } else {
-      std::vector<Edge>& l = edge_lists_[n.link];
-      l.insert(std::lower_bound(l.begin(), l.end(), t, edge_tok_less), Edge{t, c});
+      c = new_node();  // may add a chunk: index nodes_, never hold references
+      Node& n = nodes_[v];
+      if (n.tok == kNoChild) {
+        n.tok = t;
+        n.link = c;
+      } else {  // a second child: the inline one moves into an edge list
+        int32_t slot;
+        if (!free_lists_.empty()) {
+          slot = free_lists_.back();
+          free_lists_.pop_back();
+        } else {
+          slot = static_cast<int32_t>(edge_lists_.size());
+          edge_lists_.emplace_back();
+        }
+        std::vector<Edge>& l = edge_lists_[slot];
+        const Edge old{n.tok, n.link, nodes_[n.link].count}, added{t, c, w};
+        if (old.tok < t) {
+          l = {old, added};
+        } else {
+          l = {added, old};
+        }
+        n.tok = kMany;
+        n.link = slot;
+      }
     }
+    nodes_[c].count += w;
+    nodes_[v].child_total += w;
     return c;
   }
 
   void unlink_child(int32_t v, int32_t t) {
+    if (v == kRoot && t < kRootTable) {
+      root_kids_[t] = -1;
+      return;
+    }
     Node& n = nodes_[v];
     if (n.tok != kMany) {
       n.tok = kNoChild;
@@ -345,7 +389,7 @@ class GroupSuffixTree {
     std::vector<Edge>& l = edge_lists_[n.link];
     l.erase(std::lower_bound(l.begin(), l.end(), t, edge_tok_less));
     if (l.size() == 1) {  // back to the inline form
-      const Edge only = l[0];
+      const Edge only = l[0];  // its count stays in its node
       std::vector<Edge>().swap(l);
       free_lists_.push_back(n.link);
       n.tok = only.tok;
@@ -387,9 +431,7 @@ class GroupSuffixTree {
     const size_t m = s.active.size();
     for (size_t k = m; k-- > 0;) {
       const int32_t parent = s.active[k];
-      const int32_t c = child_or_create(parent, t);
-      nodes_[c].count += s.weight;
-      nodes_[parent].child_total += s.weight;
+      const int32_t c = add_to_child(parent, t, s.weight);
       if (k + 1 < static_cast<size_t>(max_depth_)) {
         if (k + 1 == m) {
           s.active.push_back(c);
@@ -402,15 +444,22 @@ class GroupSuffixTree {
     s.tokens.push_back(t);
   }
 
+  // f(token, child node, child count) for each child of v, by increasing token.
   template <class F>
   void for_each_child(int32_t v, F&& f) const {
+    if (v == kRoot) {  // the table's tokens all come before those of the root's node
+      for (size_t t = 0; t < root_kids_.size(); ++t) {
+        const int32_t c = root_kids_[t];
+        if (c >= 0) f(static_cast<int32_t>(t), c, nodes_[c].count);
+      }
+    }
     const Node& n = nodes_[v];
     if (n.tok == kNoChild) return;
     if (n.tok != kMany) {
-      f(n.tok, n.link);
+      f(n.tok, n.link, n.child_total);  // an only child holds all of v's continuations
       return;
     }
-    for (const Edge& e : edge_lists_[n.link]) f(e.tok, e.node);
+    for (const Edge& e : edge_lists_[n.link]) f(e.tok, e.node, e.count);
   }
 
   // The longest match allowed: -1 means max_depth / 2, which leaves at least half of
@@ -464,41 +513,17 @@ class GroupSuffixTree {
   // Children of v as (count, tok, node), most frequent first, ties by smaller token.
   void sorted_children(int32_t v, std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
     out.clear();
-    for_each_child(v, [&](int32_t t, int32_t c) { out.emplace_back(nodes_[c].count, t, c); });
+    for_each_child(v, [&](int32_t t, int32_t c, int32_t count) { out.emplace_back(count, t, c); });
     std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
       if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) > std::get<0>(b);
       return std::get<1>(a) < std::get<1>(b);
     });
   }
 
-  // The `keep` most frequent children of v as (count, tok, node), in sorted_children's
-  // order.  Nodes with many children (a common token's continuations) keep their
-  // leaders in `leaders_`, valid while the node's child_total is what it was: counts
-  // only grow on append and shrink on remove, so any change moves the total, and a
-  // freed node drops its entry.
-  void top_children(int32_t v, size_t keep,
-                    std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
-    const Node& n = nodes_[v];
-    const bool many = n.tok == kMany && edge_lists_[n.link].size() > kManyChildren;
-    if (many && keep <= kLeaders) {
-      auto it = leaders_.find(v);
-      if (it == leaders_.end() || it->second.total != n.child_total) {
-        Leaders& entry = leaders_[v];
-        rank_children(v, kLeaders, entry.kids);
-        entry.total = n.child_total;
-        it = leaders_.find(v);
-      }
-      const auto& kids = it->second.kids;
-      out.assign(kids.begin(), kids.begin() + std::min(keep, kids.size()));
-      return;
-    }
-    rank_children(v, keep, out);
-  }
-
   void rank_children(int32_t v, size_t keep,
                      std::vector<std::tuple<int32_t, int32_t, int32_t>>& out) const {
     out.clear();
-    for_each_child(v, [&](int32_t t, int32_t c) { out.emplace_back(nodes_[c].count, t, c); });
+    for_each_child(v, [&](int32_t t, int32_t c, int32_t count) { out.emplace_back(count, t, c); });
     auto before = [](const auto& a, const auto& b) {
       if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) > std::get<0>(b);
       return std::get<1>(a) < std::get<1>(b);
@@ -517,10 +542,10 @@ class GroupSuffixTree {
     double p = 1.0;
     while (static_cast<int>(toks.size()) < budget) {
       int32_t best_tok = -1, best = -1, best_count = 0;
-      for_each_child(v, [&](int32_t t, int32_t c) {
+      for_each_child(v, [&](int32_t t, int32_t c, int32_t count) {
         // Children are visited by increasing token, so '>' keeps the smaller token on ties.
-        if (nodes_[c].count > best_count) {
-          best_count = nodes_[c].count;
+        if (count > best_count) {
+          best_count = count;
           best_tok = t;
           best = c;
         }
@@ -621,16 +646,115 @@ class GroupSuffixTree {
   // Extending a draft by token t moves every context one token on: the new orders are
   // the root and the t-children of the old ones, as deep as they exist.
   using Kids = std::vector<std::tuple<int32_t, int32_t, int32_t>>;
+  using TokProb = std::pair<int32_t, double>;
 
-  // orders[0..n): see above.  `kids` is scratch space.
-  void backed_off_next(const int32_t* orders, size_t n, double backoff, size_t keep, Kids& kids,
-                       std::vector<std::pair<int32_t, double>>& out) const {
+  // Token id -> index into a list, for merging the contexts' children: open addressing,
+  // emptied in O(1) by bumping a generation stamp (a draft merges ~16 lists per call).
+  class TokenIndex {
+   public:
+    // Empties the index, sized for up to `entries` tokens.
+    void reset(size_t entries) {
+      size_t cap = 64;
+      while (cap < 2 * entries) cap <<= 1;
+      if (cap > slots_.size()) {
+        slots_.assign(cap, Slot{});
+        gen_ = 0;
+        shift_ = 32 - __builtin_ctzll(cap);
+      }
+      if (++gen_ == 0) {  // stamps wrapped: clear them for real
+        for (Slot& s : slots_) s.gen = 0;
+        gen_ = 1;
+      }
+    }
+    // The index stored for `tok`, or a fresh slot (set to -1) to store it in.
+    int32_t& operator[](int32_t tok) {
+      const size_t mask = slots_.size() - 1;
+      size_t i = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> shift_;
+      while (slots_[i].gen == gen_ && slots_[i].tok != tok) i = (i + 1) & mask;
+      Slot& s = slots_[i];
+      if (s.gen != gen_) s = Slot{gen_, tok, -1};
+      return s.index;
+    }
+
+   private:
+    struct Slot {
+      uint32_t gen = 0;
+      int32_t tok = 0;
+      int32_t index = -1;
+    };
+    std::vector<Slot> slots_;
+    uint32_t gen_ = 0;
+    int shift_ = 26;
+  };
+
+  // Reused by every backed-off draft (the tree is not thread-safe anyway), so a draft
+  // call allocates nothing but its result.
+  struct Scratch {
+    std::vector<int32_t> flat;  // the orders of every context drafted from, back to back
+    std::vector<size_t> starts;  // context i is flat[starts[i] .. starts[i + 1])
+    std::vector<TokProb> next;
+    std::vector<std::pair<int32_t, double>> runs;  // (node, share) per run of contexts
+    Kids kids;
+    TokenIndex index;
+    std::vector<Cand> heap;
+  };
+
+  // Adds share * count of the `keep` most frequent children of v (ties: smaller token)
+  // into next.  Children of a context come with distinct tokens, so the order they are
+  // added in does not matter: each token's sum is taken over contexts, longest first.
+  void mix_children(int32_t v, size_t keep, double share, Scratch& s) const {
+    auto add = [&](int32_t tok, int32_t count) {
+      const double x = share * count;
+      int32_t& at = s.index[tok];
+      if (at < 0) {
+        at = static_cast<int32_t>(s.next.size());
+        s.next.emplace_back(tok, x);
+      } else {
+        s.next[at].second += x;
+      }
+    };
+    const Node& n = nodes_[v];  // never the root: order 0 is not mixed
+    if (n.tok != kMany) {  // one child (a context with no child has no run to mix)
+      add(n.tok, n.child_total);
+      return;
+    }
+    const std::vector<Edge>& l = edge_lists_[n.link];
+    if (l.size() <= keep) {  // all of them: no ranking needed
+      for (const Edge& e : l) add(e.tok, e.count);
+      return;
+    }
+    // Nodes with many children (a common token's continuations) keep their leaders in
+    // `leaders_`, valid while the node's child_total is what it was: counts only grow on
+    // append and shrink on remove, so any change moves the total, and a freed node drops
+    // its entry.
+    if (l.size() > kManyChildren && keep <= kLeaders) {
+      Leaders& entry = leaders_[v];
+      if (entry.total != n.child_total) {
+        rank_children(v, kLeaders, entry.kids);
+        entry.total = n.child_total;
+      }
+      const size_t m = std::min(keep, entry.kids.size());
+      for (size_t i = 0; i < m; ++i) add(std::get<1>(entry.kids[i]), std::get<0>(entry.kids[i]));
+      return;
+    }
+    rank_children(v, keep, s.kids);
+    for (const auto& kid : s.kids) add(std::get<1>(kid), std::get<0>(kid));
+  }
+
+  // The mixed next-token distribution of context orders[0..n), reduced to what a draft
+  // can still take: the `take` best tokens (probability desc, token asc) whose path
+  // probability p * x stays >= min_prob, in that order, in s.next.
+  void backed_off_next(const int32_t* orders, size_t n, double backoff, size_t keep, double p,
+                       double min_prob, size_t take, Scratch& s) const {
     // Unrolled from the longest context down, p_K(t) = sum over k of
     // weight_k * count_k(t) / (child_total_k + backoff), where weight_k is the product of
     // backoff / (child_total_j + backoff) over the longer contexts j.  A run of contexts
     // with one child total has the same children (a longer context's counts are bounded
     // by the shorter one's, token by token), so each run adds its children once.
-    out.clear();
+    // First the runs and their shares, then their children: the index is sized for the
+    // tokens the runs can add (one for an only child), and stays small.
+    s.runs.clear();
+    size_t bound = 0;
     double weight = 1.0;
     size_t k = n;
     while (k > 1) {
@@ -643,40 +767,50 @@ class GroupSuffixTree {
         weight *= backoff / denom;
       }
       if (total == 0) continue;
-      top_children(node, keep, kids);
-      for (const auto& kid : kids) {
-        const int32_t tok = std::get<1>(kid);
-        const double add = share * std::get<0>(kid);
-        auto it = std::find_if(out.begin(), out.end(),
-                               [&](const auto& tp) { return tp.first == tok; });
-        if (it == out.end()) {
-          out.emplace_back(tok, add);
-        } else {
-          it->second += add;
-        }
-      }
+      s.runs.emplace_back(node, share);
+      bound += nodes_[node].tok == kMany ? keep : 1;
     }
-    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    s.next.clear();
+    s.index.reset(bound);
+    for (const auto& [node, share] : s.runs) mix_children(node, keep, share, s);
+    // Tokens below min_prob would end the draft's walk over the sorted list anyway, and
+    // past the `take` best none is read: select before sorting.
+    auto& next = s.next;
+    next.erase(std::remove_if(next.begin(), next.end(),
+                              [&](const TokProb& tp) { return p * tp.second < min_prob; }),
+               next.end());
+    auto before = [](const TokProb& a, const TokProb& b) {
       if (a.second != b.second) return a.second > b.second;
       return a.first < b.first;
-    });
-    if (out.size() > keep) out.resize(keep);
+    };
+    if (next.size() > take) {
+      std::nth_element(next.begin(), next.begin() + take, next.end(), before);
+      next.resize(take);
+    }
+    std::sort(next.begin(), next.end(), before);
   }
 
-  // Appends to `flat` the orders of context flat[start .. start + n) extended by `tok`.
-  void advance(std::vector<int32_t>& flat, size_t start, size_t n, int32_t tok) const {
+  // Appends to s.flat the orders of context flat[start .. start + n) extended by `tok`.
+  void advance(Scratch& s, size_t start, size_t n, int32_t tok) const {
+    std::vector<int32_t>& flat = s.flat;
     flat.push_back(kRoot);
     for (size_t k = 0; k < n; ++k) {
       const int32_t c = find_child(flat[start + k], tok);  // by index: flat may reallocate
       if (c < 0) break;  // no longer context with tok exists either
+      // The next backed_off_next reads every order's child total: start the cache misses
+      // now, all at once, rather than one after the other there.
+      __builtin_prefetch(&nodes_[c]);
       flat.push_back(c);
     }
+    s.starts.push_back(flat.size());
   }
 
-  Draft draft_backed_off(std::vector<int32_t> orders, int budget, bool multi_path,
-                         double min_prob, double max_spec_factor, double backoff) const {
+  // Drafts from the context whose orders are in scratch_.flat (filled by the caller).
+  Draft draft_backed_off(int budget, bool multi_path, double min_prob, double max_spec_factor,
+                         double backoff) const {
+    Scratch& s = scratch_;
     Draft out;
-    const int match_len = static_cast<int>(orders.size()) - 1;
+    const int match_len = static_cast<int>(s.flat.size()) - 1;
     std::get<3>(out) = match_len;
     if (match_len == 0) return out;
     if (max_spec_factor > 0.0) {
@@ -687,59 +821,65 @@ class GroupSuffixTree {
     auto& toks = std::get<0>(out);
     auto& parents = std::get<1>(out);
     auto& probs = std::get<2>(out);
+    toks.reserve(budget);
+    parents.reserve(budget);
+    probs.reserve(budget);
     const size_t keep = static_cast<size_t>(budget);
-    std::vector<std::pair<int32_t, double>> next;
-    Kids kids;
-    // The orders of every context drafted from, back to back: context i is
-    // flat[starts[i] .. starts[i + 1]).
-    std::vector<int32_t> flat = std::move(orders);
-    std::vector<size_t> starts{0, flat.size()};
+    s.starts.assign({0, s.flat.size()});
     auto context = [&](size_t i) {
-      return std::make_pair(flat.data() + starts[i], starts[i + 1] - starts[i]);
+      return std::make_pair(s.flat.data() + s.starts[i], s.starts[i + 1] - s.starts[i]);
     };
     if (!multi_path) {
       double p = 1.0;
       for (size_t i = 0; static_cast<int>(toks.size()) < budget; ++i) {
         const auto [ctx, n] = context(i);
-        backed_off_next(ctx, n, backoff, keep, kids, next);
-        if (next.empty()) break;
-        const double q = p * next[0].second;
-        if (q < min_prob) break;
+        backed_off_next(ctx, n, backoff, keep, p, min_prob, 1, s);
+        if (s.next.empty()) break;
+        const double q = p * s.next[0].second;
         parents.push_back(static_cast<int32_t>(toks.size()) - 1);
-        toks.push_back(next[0].first);
+        toks.push_back(s.next[0].first);
         probs.push_back(q);
         p = q;
-        advance(flat, starts[i], n, next[0].first);
-        starts.push_back(flat.size());
+        advance(s, s.starts[i], n, s.next[0].first);
       }
       return out;
     }
-    CandHeap heap(RanksAfter{toks, parents});
+    // A binary heap on the reused vector; RanksAfter is a total order on the candidates,
+    // so the pop order does not depend on how the heap arranges ties.
+    const RanksAfter after{toks, parents};
+    std::vector<Cand>& heap = s.heap;
+    heap.clear();
     auto push_children = [&](int32_t from, double p, int32_t depth, int32_t parent) {
       const auto [ctx, n] = context(static_cast<size_t>(from));
-      backed_off_next(ctx, n, backoff, keep, kids, next);
       // Only the best `remaining` siblings can ever be taken: each outranks the next.
-      const size_t remaining = keep - toks.size();
-      for (size_t i = 0; i < next.size() && i < remaining; ++i) {
-        const double q = p * next[i].second;
-        if (q < min_prob) break;
-        heap.push(Cand{q, depth + 1, from, parent, next[i].first});
+      backed_off_next(ctx, n, backoff, keep, p, min_prob, keep - toks.size(), s);
+      for (const TokProb& tp : s.next) {
+        heap.push_back(Cand{p * tp.second, depth + 1, from, parent, tp.first});
+        std::push_heap(heap.begin(), heap.end(), after);
       }
     };
     push_children(0, 1.0, 0, -1);
-    take_best(budget, heap, out, [&](const Cand& c, int32_t idx) {
-      advance(flat, starts[c.node], starts[c.node + 1] - starts[c.node], c.tok);
-      starts.push_back(flat.size());
-      push_children(static_cast<int32_t>(starts.size()) - 2, c.p, c.depth, idx);
-    });
+    while (!heap.empty() && static_cast<int>(toks.size()) < budget) {
+      std::pop_heap(heap.begin(), heap.end(), after);
+      const Cand c = heap.back();
+      heap.pop_back();
+      const int32_t idx = static_cast<int32_t>(toks.size());
+      toks.push_back(c.tok);
+      parents.push_back(c.parent);
+      probs.push_back(c.p);
+      if (static_cast<int>(toks.size()) < budget) {
+        advance(s, s.starts[c.node], s.starts[c.node + 1] - s.starts[c.node], c.tok);
+        push_children(static_cast<int32_t>(s.starts.size()) - 2, c.p, c.depth, idx);
+      }
+    }
     return out;
   }
 
   void dump_rec(int32_t v, std::vector<int32_t>& path,
                 std::vector<std::pair<std::vector<int32_t>, int64_t>>& out) const {
-    for_each_child(v, [&](int32_t t, int32_t c) {
+    for_each_child(v, [&](int32_t t, int32_t c, int32_t count) {
       path.push_back(t);
-      out.emplace_back(path, nodes_[c].count);
+      out.emplace_back(path, count);
       dump_rec(c, path, out);
       path.pop_back();
     });
@@ -750,6 +890,7 @@ class GroupSuffixTree {
   std::vector<int32_t> free_nodes_;
   std::vector<std::vector<Edge>> edge_lists_;
   std::vector<int32_t> free_lists_;
+  std::vector<int32_t> root_kids_;  // token -> the root's child, -1 if none
   std::unordered_map<int64_t, Sequence> seqs_;
   // Nodes with more than kManyChildren children: their kLeaders most frequent, as of a total.
   static constexpr size_t kManyChildren = 8;
@@ -759,6 +900,7 @@ class GroupSuffixTree {
     std::vector<std::tuple<int32_t, int32_t, int32_t>> kids;
   };
   mutable std::unordered_map<int32_t, Leaders> leaders_;  // a cache: speculate stays const
+  mutable Scratch scratch_;
   int64_t num_tokens_ = 0;  // tokens stored (unweighted)
 };
 
@@ -798,6 +940,9 @@ speculate(context, budget, multi_path, min_prob, max_spec_factor, max_match_len)
            "Start a new sequence whose occurrences count `weight` times (KeyError if the key exists).")
       .def("extend", &seer::GroupSuffixTree::extend, py::arg("key"), py::arg("tokens"),
            "Append tokens to a sequence, creating it if needed; O(max_depth) per token.")
+      .def("append", &seer::GroupSuffixTree::append, py::arg("key"), py::arg("tokens"),
+           py::arg("weight") = 1,
+           "extend() if the sequence exists, else add_sequence(key, tokens, weight).")
       .def("remove_sequence", &seer::GroupSuffixTree::remove_sequence, py::arg("key"),
            "Remove a sequence's occurrences and free nodes left empty (KeyError if absent).")
       .def("has_sequence", &seer::GroupSuffixTree::has_sequence, py::arg("key"))
