@@ -157,6 +157,39 @@ def test_backed_off_drafts_follow_a_growing_and_shrinking_tree() -> None:
     assert len({path[1] for path, _ in tree.dump() if len(path) == 2 and path[0] == 0}) > 8
 
 
+def test_token_ids_past_the_root_table_match_reference() -> None:
+    """The root finds its children with token ids below 2**20 in a table, larger ones in
+    its own edge list: counts, dump order, drafts and removals agree with the reference
+    across both, including ids at the boundary and the largest int32."""
+    rng = random.Random(11)
+    vocab = [0, 3, (1 << 20) - 1, 1 << 20, (1 << 20) + 7, 2**31 - 1]
+    tree, ref = GroupSuffixTree(6), RefGroupSuffixTree(6)
+    for key in range(4):
+        tokens = [rng.choice(vocab) for _ in range(30)]
+        tree.add_sequence(key, tokens, key + 1)
+        ref.add_sequence(key, tokens, key + 1)
+    cases = [(8, True, 0.0, 0.0, -1, 0.0), (8, True, 0.01, 0.0, -1, 16.0), (8, False, 0.0, 0.0, -1, 2.0)]
+    for step in range(3):
+        assert tree.dump() == ref.dump() and tree.num_nodes() == ref.num_nodes()
+        for _ in range(10):
+            ctx = [rng.choice(vocab) for _ in range(rng.randint(1, 4))]
+            for args in cases:
+                assert tree.speculate(ctx, *args) == ref.speculate(ctx, *args), (step, ctx, args)
+        tree.remove_sequence(step)
+        ref.remove_sequence(step)
+
+
+def test_append_extends_or_adds_with_a_weight() -> None:
+    tree = GroupSuffixTree(8)
+    tree.append(5, [1, 2], 3)  # new: added at weight 3
+    tree.append(5, [1], 7)  # present: extended, its weight kept
+    assert tree.sequence_weight(5) == 3 and tree.sequence_length(5) == 3
+    assert tree.count([1]) == 6 and tree.count([1, 2, 1]) == 3
+    with pytest.raises(ValueError):
+        tree.append(6, [1], 0)
+    assert 6 not in tree
+
+
 @SETTINGS
 @given(st.data())
 def test_incremental_extend_equals_building_at_once(data: st.DataObject) -> None:

@@ -66,25 +66,28 @@ class SuffixProposer(Proposer):
         return request.group_id if self.grouped else request.sequence_id
 
     def observe(self, request: Request) -> None:
+        # Called once per generated token: one dict lookup when there is nothing new.
         sid = request.sequence_id
-        tree = self._tree_of(request)
-        if sid not in self._seq_keys:
+        done = self._appended.get(sid)  # set together with _seq_keys[sid]
+        if done is None:
+            tree = self._tree_of(request)
             if tree not in self.trees:
                 self.trees.append(tree, PROMPT_KEY, request.prompt_token_ids)
             self._seq_keys[sid] = next(self._next_key)
-            self._appended[sid] = 0
+            self._appended[sid] = done = 0
             self._sequences.setdefault(request.group_id, []).append(sid)
-        done = self._appended[sid]
-        if request.num_output_tokens > done:
-            self.trees.append(tree, self._seq_keys[sid], request.output_token_ids[done:])
-            self._appended[sid] = request.num_output_tokens
+        output = request.output_token_ids
+        if len(output) > done:
+            self.trees.append(self._tree_of(request), self._seq_keys[sid], output[done:])
+            self._appended[sid] = len(output)
 
     def propose(self, request: Request, budget: int, multi_path: bool) -> DraftTree:
         sid = request.sequence_id
-        if sid not in self._seq_keys:
+        done = self._appended.get(sid)
+        if done is None:
             self.observe(request)
+            done = self._appended[sid]
         tree = self._tree_of(request)
-        done = self._appended[sid]
         # Its own output is context enough: no walk. In a seeded tree a walk through the
         # prompt would match only the seeds (they start with the prompt's tail), so once
         # the response has a token its output is the context there.

@@ -42,6 +42,8 @@ HISTORY_WEIGHT = 1  # a seed's weight; live sequences weigh ``live_weight``
 
 def _as_list(tokens: Sequence[int]) -> Sequence[int]:
     """Lists pass through; tensors and arrays become lists (one C-level conversion)."""
+    if type(tokens) is list:  # the per-token case: skip the attribute lookup
+        return tokens
     tolist = getattr(tokens, "tolist", None)
     return tolist() if tolist is not None else tokens
 
@@ -85,10 +87,7 @@ class GroupSuffixTrees:
         tree = self._trees.get(group_id)
         if tree is None:
             tree = self._trees[group_id] = GroupSuffixTree(self.max_depth)
-        if seq_key in tree:
-            tree.extend(seq_key, _as_list(tokens))
-        else:
-            tree.add_sequence(seq_key, _as_list(tokens), self.live_weight if weight is None else weight)
+        tree.append(seq_key, _as_list(tokens), self.live_weight if weight is None else weight)
 
     def seed(self, group_id: Hashable, prompt: Sequence[int], responses: Sequence[Sequence[int]]) -> int:
         """Put earlier iterations' responses to the group's prompt into its tree (creating
@@ -139,7 +138,7 @@ class GroupSuffixTrees:
         tail = _as_list(context_tail)
         if len(tail) > opts[2]:
             tail = tail[len(tail) - opts[2] :]
-        return DraftTree(*tree.speculate(tail, budget, multi_path, *opts))
+        return DraftTree.of(*tree.speculate(tail, budget, multi_path, *opts))
 
     def speculate_sequence(
         self,
@@ -161,10 +160,13 @@ class GroupSuffixTrees:
         output tokens.  Unknown groups or sequences yield an empty draft.
         """
         tree = self._trees.get(group_id)
-        if tree is None or seq_key not in tree:
+        if tree is None:
             return DraftTree()
         opts = self._options(min_prob, max_spec_factor, max_match_len, backoff)
-        return DraftTree(*tree.speculate_sequence(seq_key, budget, multi_path, *opts))
+        try:  # the sequence is nearly always there: no separate membership call
+            return DraftTree.of(*tree.speculate_sequence(seq_key, budget, multi_path, *opts))
+        except KeyError:
+            return DraftTree()
 
     def _options(
         self,
