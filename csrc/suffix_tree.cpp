@@ -21,7 +21,7 @@
 // as k copies of it would.  A drafter gives responses of earlier iterations a lower
 // weight than live siblings by giving the live ones a larger weight.
 //
-// Memory: nodes are 16-byte records in fixed-size chunks (growing never copies the
+// Memory: nodes are 12-byte records in fixed-size chunks (growing never copies the
 // nodes already there, so an append never stalls on a reallocation of a large tree);
 // a node with a single child stores it inline (the common case deep in the trie),
 // only nodes with two or more children own a sorted edge list.  Freed nodes and edge
@@ -131,14 +131,14 @@ class GroupSuffixTree {
     std::vector<int32_t> dead;
     for (size_t i = 0; i < n; ++i) {
       int32_t node = kRoot;
-      nodes_[kRoot].count -= w;
       const size_t end = std::min(n, i + static_cast<size_t>(max_depth_));
       for (size_t j = i; j < end; ++j) {
         const int32_t parent = node;
-        node = add_to_child(parent, toks[j], -w);
+        int32_t left;
+        node = add_to_child(parent, toks[j], -w, left);
         // Unlink now but keep walking through the node: its own edges stay intact
         // until the walk is over (its descendants on this walk die with it).
-        if (nodes_[node].count == 0) {
+        if (left == 0) {
           unlink_child(parent, toks[j]);
           dead.push_back(node);
         }
@@ -175,8 +175,9 @@ class GroupSuffixTree {
   // Weighted occurrences of `path` (0 if absent or longer than max_depth); the empty
   // path counts every token.
   int64_t count(const std::vector<int32_t>& path) const {
-    const int32_t node = walk(path.data(), path.size());
-    return node < 0 ? 0 : nodes_[node].count;
+    if (path.empty()) return nodes_[kRoot].child_total;  // the root's children: every token
+    const int32_t parent = walk(path.data(), path.size() - 1);
+    return parent < 0 ? 0 : child_count(parent, path.back());
   }
 
   int64_t num_nodes() const {
@@ -191,7 +192,7 @@ class GroupSuffixTree {
                    free_nodes_.capacity() * sizeof(int32_t) +
                    edge_lists_.capacity() * sizeof(std::vector<Edge>) +
                    free_lists_.capacity() * sizeof(int32_t) +
-                   root_kids_.capacity() * sizeof(int32_t);
+                   root_kids_.capacity() * sizeof(RootKid);
     for (const auto& l : edge_lists_) bytes += l.capacity() * sizeof(Edge);
     for (const auto& kv : seqs_) {
       bytes += sizeof(kv) + kv.second.tokens.capacity() * sizeof(int32_t) +
@@ -270,14 +271,16 @@ class GroupSuffixTree {
 
  private:
 
+  // A node's own count (weighted occurrences of its string) is kept by its parent: in
+  // the edge list, in the root's table, or, for an only child, as the parent's child
+  // total.  An append then writes each suffix's node once, not also its child's.
   struct Node {
-    int32_t count = 0;        // weighted occurrences of this node's string
     int32_t child_total = 0;  // sum of the children's counts
     int32_t tok = kNoChild;   // the only child's token, or kNoChild / kMany
     int32_t link = -1;        // the only child's node id, or an edge_lists_ index
   };
-  // A child in an edge list.  Its count is kept here as well as in the node: ranking a
-  // node's children then reads one contiguous list, not a cache line per child.
+  // A child in an edge list, with its count: ranking a node's children reads one
+  // contiguous list, not a cache line per child.
   struct Edge {
     int32_t tok;
     int32_t node;
@@ -295,7 +298,7 @@ class GroupSuffixTree {
 
   int32_t find_child(int32_t v, int32_t t) const {
     if (v == kRoot && t < kRootTable) {
-      return static_cast<size_t>(t) < root_kids_.size() ? root_kids_[t] : -1;
+      return static_cast<size_t>(t) < root_kids_.size() ? root_kids_[t].node : -1;
     }
     const Node& n = nodes_[v];
     if (n.tok == kNoChild) return -1;
@@ -324,29 +327,34 @@ class GroupSuffixTree {
   }
 
   // Adds w (negative: removes) to the count of v's child t, creating the child if
-  // absent, and to v's child total; returns the child.  One search of v's edges both
-  // finds the child and updates its edge.
-  int32_t add_to_child(int32_t v, int32_t t, int32_t w) {
+  // absent, and to v's child total; returns the child, and its new count in `count`.
+  // One search of v's edges both finds the child and updates its count.
+  int32_t add_to_child(int32_t v, int32_t t, int32_t w, int32_t& count) {
     int32_t c = -1;
     if (v == kRoot && t < kRootTable) {
-      if (static_cast<size_t>(t) >= root_kids_.size()) root_kids_.resize(t + 1, -1);
-      c = root_kids_[t];
-      if (c < 0) c = root_kids_[t] = new_node();
+      if (static_cast<size_t>(t) >= root_kids_.size()) root_kids_.resize(t + 1);
+      RootKid& kid = root_kids_[t];
+      if (kid.node < 0) kid.node = new_node();
+      c = kid.node;
+      count = kid.count += w;
     } else if (nodes_[v].tok == kMany) {
       std::vector<Edge>& l = edge_lists_[nodes_[v].link];
       auto it = std::lower_bound(l.begin(), l.end(), t, edge_tok_less);
       if (it != l.end() && it->tok == t) {
-        it->count += w;
+        count = it->count += w;
         c = it->node;
       } else {
         c = new_node();  // touches nodes_ only: `it` stays valid
         l.insert(it, Edge{t, c, w});
+        count = w;
       }
     } else if (nodes_[v].tok == t) {
       c = nodes_[v].link;
+      count = nodes_[v].child_total + w;
     } else {
       c = new_node();  // may add a chunk: index nodes_, never hold references
       Node& n = nodes_[v];
+      count = w;
       if (n.tok == kNoChild) {
         n.tok = t;
         n.link = c;
@@ -360,7 +368,7 @@ class GroupSuffixTree {
           edge_lists_.emplace_back();
         }
         std::vector<Edge>& l = edge_lists_[slot];
-        const Edge old{n.tok, n.link, nodes_[n.link].count}, added{t, c, w};
+        const Edge old{n.tok, n.link, n.child_total}, added{t, c, w};
         if (old.tok < t) {
           l = {old, added};
         } else {
@@ -370,14 +378,26 @@ class GroupSuffixTree {
         n.link = slot;
       }
     }
-    nodes_[c].count += w;
     nodes_[v].child_total += w;
     return c;
   }
 
+  // The count of v's child t (0 if absent).
+  int32_t child_count(int32_t v, int32_t t) const {
+    if (v == kRoot && t < kRootTable) {
+      return static_cast<size_t>(t) < root_kids_.size() ? root_kids_[t].count : 0;
+    }
+    const Node& n = nodes_[v];
+    if (n.tok == kNoChild) return 0;
+    if (n.tok != kMany) return n.tok == t ? n.child_total : 0;
+    const std::vector<Edge>& l = edge_lists_[n.link];
+    auto it = std::lower_bound(l.begin(), l.end(), t, edge_tok_less);
+    return (it != l.end() && it->tok == t) ? it->count : 0;
+  }
+
   void unlink_child(int32_t v, int32_t t) {
     if (v == kRoot && t < kRootTable) {
-      root_kids_[t] = -1;
+      root_kids_[t] = RootKid{};
       return;
     }
     Node& n = nodes_[v];
@@ -414,7 +434,7 @@ class GroupSuffixTree {
     for (int32_t t : tokens) {
       if (t < 0) throw std::invalid_argument("token ids must be >= 0, got " + std::to_string(t));
     }
-    const int64_t total = static_cast<int64_t>(nodes_[kRoot].count) +
+    const int64_t total = static_cast<int64_t>(nodes_[kRoot].child_total) +
                           static_cast<int64_t>(tokens.size()) * weight;
     if (total > INT32_MAX) throw std::length_error("tree too large: weighted token count overflows");
   }
@@ -429,9 +449,12 @@ class GroupSuffixTree {
     // Every suffix shorter than max_depth gains the new token.  Going from the longest
     // down lets active[k + 1] be overwritten once active[k + 1] itself was used.
     const size_t m = s.active.size();
+    // The suffixes' nodes lie all over the tree: start all their cache misses at once.
+    for (size_t k = 0; k < m; ++k) __builtin_prefetch(&nodes_[s.active[k]], 1);
     for (size_t k = m; k-- > 0;) {
       const int32_t parent = s.active[k];
-      const int32_t c = add_to_child(parent, t, s.weight);
+      int32_t count;
+      const int32_t c = add_to_child(parent, t, s.weight, count);
       if (k + 1 < static_cast<size_t>(max_depth_)) {
         if (k + 1 == m) {
           s.active.push_back(c);
@@ -440,7 +463,6 @@ class GroupSuffixTree {
         }
       }
     }
-    nodes_[kRoot].count += s.weight;
     s.tokens.push_back(t);
   }
 
@@ -449,8 +471,8 @@ class GroupSuffixTree {
   void for_each_child(int32_t v, F&& f) const {
     if (v == kRoot) {  // the table's tokens all come before those of the root's node
       for (size_t t = 0; t < root_kids_.size(); ++t) {
-        const int32_t c = root_kids_[t];
-        if (c >= 0) f(static_cast<int32_t>(t), c, nodes_[c].count);
+        const RootKid& kid = root_kids_[t];
+        if (kid.node >= 0) f(static_cast<int32_t>(t), kid.node, kid.count);
       }
     }
     const Node& n = nodes_[v];
@@ -890,7 +912,11 @@ class GroupSuffixTree {
   std::vector<int32_t> free_nodes_;
   std::vector<std::vector<Edge>> edge_lists_;
   std::vector<int32_t> free_lists_;
-  std::vector<int32_t> root_kids_;  // token -> the root's child, -1 if none
+  struct RootKid {
+    int32_t node = -1;  // -1: no child with this token
+    int32_t count = 0;
+  };
+  std::vector<RootKid> root_kids_;  // by token: the root's children
   std::unordered_map<int64_t, Sequence> seqs_;
   // Nodes with more than kManyChildren children: their kLeaders most frequent, as of a total.
   static constexpr size_t kManyChildren = 8;
