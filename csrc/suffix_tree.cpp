@@ -232,7 +232,7 @@ class GroupSuffixTree {
     auto node_of = [&](int len) { return walk(context.data() + n - len, static_cast<size_t>(len)); };
     const int match_len = longest_match(match_cap(max_match_len, n), node_of);
     if (backoff > 0.0) {
-      std::vector<int32_t>& orders = scratch_.flat;
+      std::vector<int32_t>& orders = scratch_.orders;
       orders.resize(match_len + 1);
       for (int k = 0; k <= match_len; ++k) orders[k] = node_of(k);
       return draft_backed_off(budget, multi_path, min_prob, max_spec_factor, backoff);
@@ -251,7 +251,7 @@ class GroupSuffixTree {
     const int match_len = longest_match(match_cap(max_match_len, active.size() - 1),
                                         [&](int len) { return active[len]; });
     if (backoff > 0.0) {
-      scratch_.flat.assign(active.begin(), active.begin() + match_len + 1);
+      scratch_.orders.assign(active.begin(), active.begin() + match_len + 1);
       return draft_backed_off(budget, multi_path, min_prob, max_spec_factor, backoff);
     }
     return draft(active[match_len], match_len, budget, multi_path, min_prob, max_spec_factor);
@@ -674,15 +674,15 @@ class GroupSuffixTree {
   // emptied in O(1) by bumping a generation stamp (a draft merges ~16 lists per call).
   class TokenIndex {
    public:
-    // Empties the index, sized for up to `entries` tokens.
+    // Empties the index, sized for up to `entries` tokens.  Only the first slots that
+    // many tokens need are used, so that a draft's merges stay in a few cache lines
+    // even after one needed many more.
     void reset(size_t entries) {
-      size_t cap = 64;
+      size_t cap = 32;
       while (cap < 2 * entries) cap <<= 1;
-      if (cap > slots_.size()) {
-        slots_.assign(cap, Slot{});
-        gen_ = 0;
-        shift_ = 32 - __builtin_ctzll(cap);
-      }
+      if (cap > slots_.size()) slots_.resize(cap);
+      mask_ = cap - 1;
+      shift_ = 32 - __builtin_ctzll(cap);
       if (++gen_ == 0) {  // stamps wrapped: clear them for real
         for (Slot& s : slots_) s.gen = 0;
         gen_ = 1;
@@ -690,7 +690,7 @@ class GroupSuffixTree {
     }
     // The index stored for `tok`, or a fresh slot (set to -1) to store it in.
     int32_t& operator[](int32_t tok) {
-      const size_t mask = slots_.size() - 1;
+      const size_t mask = mask_;
       size_t i = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> shift_;
       while (slots_[i].gen == gen_ && slots_[i].tok != tok) i = (i + 1) & mask;
       Slot& s = slots_[i];
@@ -706,20 +706,53 @@ class GroupSuffixTree {
     };
     std::vector<Slot> slots_;
     uint32_t gen_ = 0;
-    int shift_ = 26;
+    size_t mask_ = 0;
+    int shift_ = 27;
+  };
+
+  // A context is drafted from as its runs: maximal ranges of context lengths whose nodes
+  // have one child total.  Such nodes have the same children with the same counts (a
+  // longer context's occurrences map one to one onto the shorter one's), so one node
+  // stands for the whole run, both to mix its children and to extend it by a token: the
+  // children of a run's nodes form a run again (their child totals agree, except at
+  // max_depth, where a node has no children).  A draft step then touches a node per
+  // run, not one per context length.
+  struct Run {
+    int32_t node;         // the node of the run's shortest context
+    int32_t child_total;  // > 0: contexts without continuations are left out
+    int32_t len;          // the run's shortest context length
+    int32_t width;        // how many context lengths it spans
   };
 
   // Reused by every backed-off draft (the tree is not thread-safe anyway), so a draft
   // call allocates nothing but its result.
   struct Scratch {
-    std::vector<int32_t> flat;  // the orders of every context drafted from, back to back
-    std::vector<size_t> starts;  // context i is flat[starts[i] .. starts[i + 1])
+    std::vector<int32_t> orders;  // the caller's context: orders[k], k = 0 .. match_len
+    std::vector<Run> runs;        // every context drafted from, shortest run first
+    std::vector<size_t> starts;   // context i is runs[starts[i] .. starts[i + 1])
     std::vector<TokProb> next;
-    std::vector<std::pair<int32_t, double>> runs;  // (node, share) per run of contexts
+    std::vector<std::pair<int32_t, double>> mix;  // (node, share) per run, longest first
     Kids kids;
     TokenIndex index;
     std::vector<Cand> heap;
   };
+
+  // Appends the run of context length `len` (node v) to s.runs, joining the previous run
+  // when it ends just below with the same child total.  False when v has no
+  // continuation: neither has any longer context.
+  bool add_run(Scratch& s, size_t first, int32_t v, int32_t len, int32_t width) const {
+    const int32_t total = nodes_[v].child_total;
+    if (total == 0) return false;
+    if (s.runs.size() > first) {
+      Run& last = s.runs.back();
+      if (last.child_total == total && last.len + last.width == len) {
+        last.width += width;
+        return true;
+      }
+    }
+    s.runs.push_back(Run{v, total, len, width});
+    return true;
+  }
 
   // Adds share * count of the `keep` most frequent children of v (ties: smaller token)
   // into next.  Children of a context come with distinct tokens, so the order they are
@@ -763,38 +796,35 @@ class GroupSuffixTree {
     for (const auto& kid : s.kids) add(std::get<1>(kid), std::get<0>(kid));
   }
 
-  // The mixed next-token distribution of context orders[0..n), reduced to what a draft
-  // can still take: the `take` best tokens (probability desc, token asc) whose path
-  // probability p * x stays >= min_prob, in that order, in s.next.
-  void backed_off_next(const int32_t* orders, size_t n, double backoff, size_t keep, double p,
-                       double min_prob, size_t take, Scratch& s) const {
+  // The mixed next-token distribution of context i, reduced to what a draft can still
+  // take: the `take` best tokens (probability desc, token asc) whose path probability
+  // p * x stays >= min_prob, in that order, in s.next.
+  void backed_off_next(size_t i, double backoff, size_t keep, double p, double min_prob,
+                       size_t take, Scratch& s) const {
     // Unrolled from the longest context down, p_K(t) = sum over k of
     // weight_k * count_k(t) / (child_total_k + backoff), where weight_k is the product of
-    // backoff / (child_total_j + backoff) over the longer contexts j.  A run of contexts
-    // with one child total has the same children (a longer context's counts are bounded
-    // by the shorter one's, token by token), so each run adds its children once.
-    // First the runs and their shares, then their children: the index is sized for the
-    // tokens the runs can add (one for an only child), and stays small.
-    s.runs.clear();
+    // backoff / (child_total_j + backoff) over the longer contexts j.  Each run adds its
+    // children once, at its lengths' summed share (contexts without continuations, all
+    // longer than the runs, would multiply the weight by backoff / backoff = 1).
+    // First the shares, then the children: the index is sized for the tokens the runs
+    // can add (one for an only child), and stays small.
+    s.mix.clear();
     size_t bound = 0;
     double weight = 1.0;
-    size_t k = n;
-    while (k > 1) {
-      const int32_t total = nodes_[orders[k - 1]].child_total;
-      const double denom = total + backoff;
+    for (size_t r = s.starts[i + 1]; r-- > s.starts[i];) {
+      const Run& run = s.runs[r];
+      const double denom = run.child_total + backoff;
       double share = 0.0;  // the run's summed weight_k / denom
-      const int32_t node = orders[k - 1];
-      for (; k > 1 && nodes_[orders[k - 1]].child_total == total; --k) {
+      for (int32_t j = 0; j < run.width; ++j) {
         share += weight / denom;
         weight *= backoff / denom;
       }
-      if (total == 0) continue;
-      s.runs.emplace_back(node, share);
-      bound += nodes_[node].tok == kMany ? keep : 1;
+      s.mix.emplace_back(run.node, share);
+      bound += nodes_[run.node].tok == kMany ? keep : 1;
     }
     s.next.clear();
     s.index.reset(bound);
-    for (const auto& [node, share] : s.runs) mix_children(node, keep, share, s);
+    for (const auto& [node, share] : s.mix) mix_children(node, keep, share, s);
     // Tokens below min_prob would end the draft's walk over the sorted list anyway, and
     // past the `take` best none is read: select before sorting.
     auto& next = s.next;
@@ -812,27 +842,37 @@ class GroupSuffixTree {
     std::sort(next.begin(), next.end(), before);
   }
 
-  // Appends to s.flat the orders of context flat[start .. start + n) extended by `tok`.
-  void advance(Scratch& s, size_t start, size_t n, int32_t tok) const {
-    std::vector<int32_t>& flat = s.flat;
-    flat.push_back(kRoot);
-    for (size_t k = 0; k < n; ++k) {
-      const int32_t c = find_child(flat[start + k], tok);  // by index: flat may reallocate
-      if (c < 0) break;  // no longer context with tok exists either
-      // The next backed_off_next reads every order's child total: start the cache misses
-      // now, all at once, rather than one after the other there.
-      __builtin_prefetch(&nodes_[c]);
-      flat.push_back(c);
+  // Appends context i extended by `tok` as a new context: the root's child (length 1),
+  // then each run's children, as deep as they exist.
+  void advance(Scratch& s, size_t i, int32_t tok) const {
+    // The runs' children lie all over the tree: start their cache misses at once.
+    for (size_t r = s.starts[i]; r < s.starts[i + 1]; ++r) {
+      const int32_t child = find_child(s.runs[r].node, tok);
+      if (child < 0) break;
+      __builtin_prefetch(&nodes_[child]);
     }
-    s.starts.push_back(flat.size());
+    const size_t first = s.runs.size();
+    const int32_t c = find_child(kRoot, tok);
+    if (c >= 0 && add_run(s, first, c, 1, 1)) {
+      for (size_t r = s.starts[i]; r < s.starts[i + 1]; ++r) {
+        const Run run = s.runs[r];  // a copy: add_run may reallocate s.runs
+        const int32_t child = find_child(run.node, tok);
+        if (child < 0) break;  // no longer context with tok exists either
+        // A context of max_depth tokens has no continuation: leave it out.
+        const int32_t width = std::min(run.width, max_depth_ - 1 - run.len);
+        if (width <= 0 || !add_run(s, first, child, run.len + 1, width)) break;
+        if (width < run.width) break;
+      }
+    }
+    s.starts.push_back(s.runs.size());
   }
 
-  // Drafts from the context whose orders are in scratch_.flat (filled by the caller).
+  // Drafts from the context whose orders are in scratch_.orders (filled by the caller).
   Draft draft_backed_off(int budget, bool multi_path, double min_prob, double max_spec_factor,
                          double backoff) const {
     Scratch& s = scratch_;
     Draft out;
-    const int match_len = static_cast<int>(s.flat.size()) - 1;
+    const int match_len = static_cast<int>(s.orders.size()) - 1;
     std::get<3>(out) = match_len;
     if (match_len == 0) return out;
     if (max_spec_factor > 0.0) {
@@ -847,22 +887,22 @@ class GroupSuffixTree {
     parents.reserve(budget);
     probs.reserve(budget);
     const size_t keep = static_cast<size_t>(budget);
-    s.starts.assign({0, s.flat.size()});
-    auto context = [&](size_t i) {
-      return std::make_pair(s.flat.data() + s.starts[i], s.starts[i + 1] - s.starts[i]);
-    };
+    s.runs.clear();
+    for (int k = 1; k <= match_len; ++k) {
+      if (!add_run(s, 0, s.orders[k], k, 1)) break;
+    }
+    s.starts.assign({0, s.runs.size()});
     if (!multi_path) {
       double p = 1.0;
       for (size_t i = 0; static_cast<int>(toks.size()) < budget; ++i) {
-        const auto [ctx, n] = context(i);
-        backed_off_next(ctx, n, backoff, keep, p, min_prob, 1, s);
+        backed_off_next(i, backoff, keep, p, min_prob, 1, s);
         if (s.next.empty()) break;
         const double q = p * s.next[0].second;
         parents.push_back(static_cast<int32_t>(toks.size()) - 1);
         toks.push_back(s.next[0].first);
         probs.push_back(q);
         p = q;
-        advance(s, s.starts[i], n, s.next[0].first);
+        advance(s, i, s.next[0].first);
       }
       return out;
     }
@@ -872,9 +912,8 @@ class GroupSuffixTree {
     std::vector<Cand>& heap = s.heap;
     heap.clear();
     auto push_children = [&](int32_t from, double p, int32_t depth, int32_t parent) {
-      const auto [ctx, n] = context(static_cast<size_t>(from));
       // Only the best `remaining` siblings can ever be taken: each outranks the next.
-      backed_off_next(ctx, n, backoff, keep, p, min_prob, keep - toks.size(), s);
+      backed_off_next(static_cast<size_t>(from), backoff, keep, p, min_prob, keep - toks.size(), s);
       for (const TokProb& tp : s.next) {
         heap.push_back(Cand{p * tp.second, depth + 1, from, parent, tp.first});
         std::push_heap(heap.begin(), heap.end(), after);
@@ -890,7 +929,7 @@ class GroupSuffixTree {
       parents.push_back(c.parent);
       probs.push_back(c.p);
       if (static_cast<int>(toks.size()) < budget) {
-        advance(s, s.starts[c.node], s.starts[c.node + 1] - s.starts[c.node], c.tok);
+        advance(s, static_cast<size_t>(c.node), c.tok);
         push_children(static_cast<int32_t>(s.starts.size()) - 2, c.p, c.depth, idx);
       }
     }
