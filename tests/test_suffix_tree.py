@@ -379,7 +379,7 @@ def test_node_count_is_bounded_and_shared() -> None:
         tree.add_sequence(key, s)
     bound = 1 + sum(min(depth, len(s) - i) for s in seqs for i in range(len(s)))
     assert tree.num_nodes() <= bound
-    assert tree.memory_bytes() < 64 * tree.num_nodes()  # ~16 B per node plus edge lists
+    assert tree.memory_bytes() < 64 * tree.num_nodes()  # 12 B per node plus edge lists
     # Identical siblings share every node: only counts grow.
     shared = GroupSuffixTree(depth)
     for key in range(8):
