@@ -2,10 +2,10 @@
 //
 // One GroupSuffixTree holds several token sequences (a prompt and the responses of its
 // sibling requests).  It is a trie over token ids that contains every substring of
-// length <= max_depth of every sequence; each node stores how many times its string
-// occurs.  Appending one token to a sequence touches at most max_depth nodes (the
-// suffixes of that sequence that are still shorter than max_depth), so the tree grows
-// online while the siblings decode, with no rebuild.
+// length <= max_depth of every sequence, with how many times each string occurs (kept
+// by the string's parent node, see Node).  Appending one token to a sequence touches at
+// most max_depth nodes (the suffixes of that sequence that are still shorter than
+// max_depth), so the tree grows online while the siblings decode, with no rebuild.
 //
 // Drafting: match the longest suffix of a request's context that occurs somewhere
 // followed by at least one token, then walk down from that node, either along the
