@@ -1,9 +1,12 @@
 """Which responses make a simulated rollout's tail (from the 90th-percentile finish to
 the last), and when they started: late starters (an ordering problem) or long responses
-that ran the whole rollout (a per-response speed problem). First iteration, no history.
+that ran the whole rollout (a per-response speed problem). The last of ``--iterations``
+rollouts of the same prompts (as ``simulate --repeat-prompts``), so ``+history``
+policies show their tail once their store holds the earlier ones.
 
     python benchmarks/sim_tail.py --setup kimi-k2 --policy seer,oracle \\
         --out benchmarks/results/simulator/tail/kimi-k2.json
+    python benchmarks/sim_tail.py --setup kimi-k2 --policy context+history,oracle --iterations 2
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import statistics
 import sys
 from pathlib import Path
 
+from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import distinct_policies, rollout_policy_names
 from seer_engine.rollout.types import sample_key
+from seer_engine.sim.acceptance import history_acceptance
 from seer_engine.sim.setups import SETUPS
 from seer_engine.sim.simulator import policy_for, setup_groups, simulate, true_lengths
 
@@ -56,8 +61,9 @@ def summarize(result, lengths: dict[str, int], max_tokens: int, last: int) -> di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setup", default="kimi-k2")
-    p.add_argument("--policy", default="seer,oracle", help="comma-separated (no +history: one iteration)")
+    p.add_argument("--policy", default="seer,oracle", help="comma-separated (+history: --iterations >= 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--iterations", type=int, default=1, help="rollouts of one prompt set; shows the last")
     p.add_argument("--last", type=int, default=10, help="list this many of the last responses to finish")
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
@@ -68,22 +74,28 @@ def main(argv: list[str] | None = None) -> int:
         policies = distinct_policies(rollout_policy_names(args.policy))
     except ValueError as e:
         p.error(str(e))
-    if any(name.endswith("+history") for name in policies):
-        p.error("--policy: one iteration has no history; drop the +history policies")
-    groups = setup_groups(setup, args.seed)
-    lengths = true_lengths(groups, setup.max_tokens)
-    out = {"command": shlex.join(["python", "benchmarks/sim_tail.py", *sys.argv[1:]]), "policies": {}}
+    if args.iterations < 1:
+        p.error(f"--iterations must be >= 1, got {args.iterations}")
+    if args.iterations == 1 and any(name.endswith("+history") for name in policies):
+        p.error("--policy: one iteration has no history; drop the +history policies or pass --iterations 2")
+    out = {
+        "command": shlex.join(["python", "benchmarks/sim_tail.py", *sys.argv[1:]]),
+        "iteration": args.iterations,
+        "policies": {},
+    }
     for name in policies:
-        policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s)
-        result = simulate(
-            groups,
-            policy,
-            setup.profile,
-            setup.instances,
-            setup.max_tokens,
-            setup.chunk_tokens,
-            SeerPlacement(),
-        )
+        store = HistoryStore() if name.endswith("+history") else None
+        for it in range(args.iterations):
+            groups = setup_groups(setup, args.seed, iteration=it)
+            policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store)
+            seeded = store is not None and store.iteration and len(store)
+            result = simulate(
+                groups, policy, setup.profile, setup.instances, setup.max_tokens, setup.chunk_tokens,
+                SeerPlacement(), acceptance=history_acceptance(setup.samples) if seeded else None,
+            )  # fmt: skip
+            if store is not None:
+                store.next_iteration()
+        lengths = true_lengths(groups, setup.max_tokens)
         s = out["policies"][name] = summarize(result, lengths, setup.max_tokens, args.last)
         print(f"{name}: makespan {s['makespan_s']:,.0f} s, tail {s['tail_s']:,.0f} s; the tail's "
               f"{s['tail_responses']} responses started at a median {s['tail_median_start_share']:.0%} of "
