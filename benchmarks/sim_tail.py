@@ -20,9 +20,9 @@ from pathlib import Path
 
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.policies import distinct_policies, rollout_policy_names
+from seer_engine.rollout.policies import HISTORY_SUFFIX, distinct_policies, rollout_policy_names
 from seer_engine.rollout.types import sample_key
-from seer_engine.sim.acceptance import history_acceptance
+from seer_engine.sim.acceptance import acceptance_for
 from seer_engine.sim.setups import SETUPS
 from seer_engine.sim.simulator import policy_for, setup_groups, simulate, true_lengths
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.iterations < 1:
         p.error(f"--iterations must be >= 1, got {args.iterations}")
-    if args.iterations == 1 and any(name.endswith("+history") for name in policies):
+    if args.iterations == 1 and any(name.endswith(HISTORY_SUFFIX) for name in policies):
         p.error("--policy: one iteration has no history; drop the +history policies or pass --iterations 2")
     out = {
         "command": shlex.join(["python", "benchmarks/sim_tail.py", *sys.argv[1:]]),
@@ -84,14 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         "policies": {},
     }
     for name in policies:
-        store = HistoryStore() if name.endswith("+history") else None
+        store = HistoryStore() if name.endswith(HISTORY_SUFFIX) else None
         for it in range(args.iterations):
             groups = setup_groups(setup, args.seed, iteration=it)
             policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store)
-            seeded = store is not None and store.iteration and len(store)
             result = simulate(
                 groups, policy, setup.profile, setup.instances, setup.max_tokens, setup.chunk_tokens,
-                SeerPlacement(), acceptance=history_acceptance(setup.samples) if seeded else None,
+                SeerPlacement(), acceptance=acceptance_for(store, setup.samples),
             )  # fmt: skip
             if store is not None:
                 store.next_iteration()

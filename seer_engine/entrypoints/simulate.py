@@ -144,19 +144,6 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
     )
 
 
-def _acceptance(history, samples: int, models: dict):
-    """The acceptance model for a policy: with a history store that holds earlier
-    iterations (it seeds every group's suffix tree), the one fitted with history; else
-    the plain one (None: the simulator's default)."""
-    if history is None or not history.iteration or not len(history):
-        return models["plain"]
-    if models["history"] is not None:
-        return models["history"]
-    from seer_engine.sim.acceptance import history_acceptance
-
-    return history_acceptance(samples)
-
-
 def _acceptance_models(args: argparse.Namespace) -> dict:
     from seer_engine.sim.acceptance import AcceptanceModel
 
@@ -186,6 +173,7 @@ def _speculative_overrides(value: str | None, policies: list[str]) -> dict:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from seer_engine.rollout.history import HistoryStore
+    from seer_engine.sim.acceptance import acceptance_for
     from seer_engine.sim.diagnostics import diagnostics, format_diagnostics
     from seer_engine.sim.simulator import policy_for, simulate
 
@@ -239,9 +227,10 @@ def run_simulate(args: argparse.Namespace) -> int:
                 )
                 if spec_overrides and policy.speculative is not None:
                     policy.speculative = {**policy.speculative, **spec_overrides}
+                model = acceptance_for(store, setup.samples, acceptance["plain"], acceptance["history"])
                 results[name] = simulate(
                     groups, policy, p, setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
-                    acceptance=_acceptance(store, setup.samples, acceptance), pooled=not args.no_kv_pool,
+                    acceptance=model, pooled=not args.no_kv_pool,
                     on_sample_finished=Progress(label, total), admission=args.admission,
                     backfill=args.backfill,
                 )  # fmt: skip

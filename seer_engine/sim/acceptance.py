@@ -246,6 +246,15 @@ def history_acceptance(samples: int = 8) -> AcceptanceModel:
     return _load_default(16 if samples >= 16 else 8, "_history")
 
 
+def acceptance_for(history, samples: int, plain=None, seeded=None):
+    """The acceptance model for one iteration of a policy: with a history store that
+    holds earlier iterations (it seeds every group's suffix tree), ``seeded`` (default:
+    the committed history fit); else ``plain`` (None: the simulator's default)."""
+    if history is None or not history.iteration or not len(history):
+        return plain
+    return seeded if seeded is not None else history_acceptance(samples)
+
+
 @cache
 def _load_default(samples: int, variant: str = "") -> AcceptanceModel:
     path = (
