@@ -171,6 +171,7 @@ def test_token_ids_past_the_root_table_match_reference() -> None:
     cases = [(8, True, 0.0, 0.0, -1, 0.0), (8, True, 0.01, 0.0, -1, 16.0), (8, False, 0.0, 0.0, -1, 2.0)]
     for step in range(3):
         assert tree.dump() == ref.dump() and tree.num_nodes() == ref.num_nodes()
+        assert [tree.count([t]) for t in vocab] == [ref.count([t]) for t in vocab]
         for _ in range(10):
             ctx = [rng.choice(vocab) for _ in range(rng.randint(1, 4))]
             for args in cases:
