@@ -85,24 +85,6 @@ def test_history_and_prompt_length_rank_groups_before_any_evidence():
     assert by_prompt.estimate("long_prompt") > by_prompt.estimate("short_prompt")
 
 
-def test_a_group_that_scattered_widely_before_is_expected_to_run_longer():
-    """Same log-mean history, different spread: the wide group's longest response is
-    likelier to be long. Its sigma is shrunk toward the population's; capped lengths (only
-    bounds) and too few lengths leave the population's sigma."""
-    est = _estimator("narrow", "wide", "capped", "few")
-    mid = 4000
-    narrow = [round(mid * math.exp(0.1 * z)) for z in (-1.5, -1, -0.5, 0, 0, 0.5, 1, 1.5)]
-    wide = [round(mid * math.exp(0.8 * z)) for z in (-1.5, -1, -0.5, 0, 0, 0.5, 1, 1.5)]
-    est.set_history("narrow", [(x, 1.0) for x in narrow])
-    est.set_history("wide", [(x, 1.0) for x in wide])
-    assert est.estimate("wide") > 1.3 * est.estimate("narrow")
-    population = est.sigma
-    assert est.sigma_of("narrow") < population < est.sigma_of("wide") < 0.8 * math.sqrt(8 / 7)
-    est.set_history("capped", [(x, 1.0) for x in wide[:2]] + [(MAX, 1.0)] * 6)
-    est.set_history("few", [(x, 1.0) for x in wide[:2]])
-    assert est.sigma_of("capped") == est.sigma_of("few") == population
-
-
 def test_the_population_prior_is_refitted_from_the_rollout():
     est = GroupMaxEstimator()
     for k in range(40):

@@ -9,9 +9,7 @@ fixed grid:
   it was at least that long);
 - a response in flight gives a lower bound: the tokens it had at its last chunk end;
 - earlier iterations of the same prompt (the history store) give lengths seen
-  before, down-weighted because the policy has changed since, and the group's own
-  spread: groups differ in how widely their responses scatter, and a wide group with a
-  low median still writes a long response now and then;
+  before, down-weighted because the policy has changed since;
 - the prior is this rollout's own population of groups, refitted as evidence comes
   in (empirical Bayes: a regression of the groups' posterior means on the log of
   their prompt's length, and the spread around it). Before any evidence, a longer
@@ -33,12 +31,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 DEFAULT_SIGMA = 0.33  # within-group sd of log length (trace: 0.34 +- 0.09 per group)
-# The population's sigma counts as this many degrees of freedom against a group's own
-# sample spread: the sd of 8 log lengths scatters by ~27% from sampling alone, about as
-# much as groups truly differ (the synthetic fit's within_sigma_spread 0.25), so a
-# history of 8 responses moves a group's sigma half-way to what it showed.
-SIGMA_PRIOR_DOF = 7.0
-MIN_SPREAD_LENGTHS = 3  # history lengths below the cap a group needs for its own sigma
 GRID = 40  # points of the mu grid
 T_POINTS = 48  # points of the length grid for E[max]
 _REFIT_EVERY = 400  # observations between refits of the population prior (after the first ones)
@@ -73,7 +65,6 @@ class _Group:
     finished: dict[int, int] = field(default_factory=dict)  # sample index -> length
     progress: dict[int, int] = field(default_factory=dict)  # sample index -> tokens at its last chunk end
     history: list[tuple[int, float]] = field(default_factory=list)  # (length, weight) from earlier iterations
-    sigma: float | None = None  # its own spread of log length (None: the population's)
     loglik: np.ndarray | None = None  # over the mu grid, without the prior (None: stale)
     estimate: float | None = None  # E[longest] (None: stale)
 
@@ -132,31 +123,7 @@ class GroupMaxEstimator:
         worth ``history_weight`` x weight of a sibling's (the policy has moved since)."""
         g = self._groups[group_id]
         g.history = [(int(x), float(w) * self.history_weight) for x, w in lengths if x > 0]
-        g.sigma = self._group_sigma([(x, w) for x, w in lengths if 0 < x < g.max_tokens])
         g.loglik = g.estimate = None
-
-    def _group_sigma(self, lengths: list[tuple[int, float]]) -> float | None:
-        """The group's spread of log length from complete earlier samples (weighted),
-        shrunk toward the population's (``SIGMA_PRIOR_DOF``). Capped lengths are left
-        out: they only bound a length. Finished siblings are not used: while the group
-        runs they are its shortest responses, whose spread is too narrow."""
-        if len(lengths) < MIN_SPREAD_LENGTHS:
-            return None
-        logs = np.log([x for x, _ in lengths])
-        w = np.asarray([w for _, w in lengths], dtype=float)
-        n = float(w.sum())
-        if n <= 1.0:
-            return None
-        mean = float((w * logs).sum() / n)
-        scatter = float((w * (logs - mean) ** 2).sum())
-        return math.sqrt((SIGMA_PRIOR_DOF * self.sigma**2 + scatter) / (SIGMA_PRIOR_DOF + n - 1.0))
-
-    def sigma_of(self, group_id: str) -> float:
-        """The spread of log length the group's estimate assumes."""
-        return self._spread(self._groups[group_id])
-
-    def _spread(self, g: _Group) -> float:
-        return self.sigma if g.sigma is None else g.sigma
 
     def forget(self, group_id: str) -> None:
         g = self._groups.pop(group_id, None)
@@ -208,8 +175,7 @@ class GroupMaxEstimator:
 
     def _loglik(self, g: _Group) -> np.ndarray:
         if g.loglik is None:
-            grid = self._grid
-            s = self._spread(g)
+            grid, s = self._grid, self.sigma
             ll = np.zeros_like(grid)
             exact = [x for x in g.finished.values() if x < g.max_tokens]
             bounds = [x for x in g.finished.values() if x >= g.max_tokens] + list(g.progress.values())
@@ -242,7 +208,6 @@ class GroupMaxEstimator:
         pending = g.n - len(g.finished)
         if pending <= 0:
             return float(done)
-        sigma = self._spread(g)
         w = self._posterior(g)
         keep = w > 1e-4
         w, mu = w[keep] / w[keep].sum(), self._grid[keep]
@@ -258,9 +223,9 @@ class GroupMaxEstimator:
         log_t = np.log(t)[None, :]
         log_cdf = np.zeros((len(mu), T_POINTS))
         for b, k in counts.items():
-            zt = (log_t - mu[:, None]) / sigma
+            zt = (log_t - mu[:, None]) / self.sigma
             if b > 0:
-                zb = (math.log(b) - mu[:, None]) / sigma
+                zb = (math.log(b) - mu[:, None]) / self.sigma
                 sb = np.exp(_log_sf(zb))
                 frac = np.clip((np.exp(_log_sf(zb)) - np.exp(_log_sf(zt))) / np.maximum(sb, 1e-300), 0, 1)
                 frac = np.where(t[None, :] <= b, 0.0, frac)
