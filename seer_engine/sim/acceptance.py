@@ -46,8 +46,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from seer_engine.sim.profile import SavedAsJson
+
+if TYPE_CHECKING:
+    from seer_engine.rollout.history import HistoryStore
 
 __all__ = [
     "DEFAULT_ACCEPTANCE_PATH",
@@ -246,7 +250,12 @@ def history_acceptance(samples: int = 8) -> AcceptanceModel:
     return _load_default(16 if samples >= 16 else 8, "_history")
 
 
-def acceptance_for(history, samples: int, plain=None, seeded=None):
+def acceptance_for(
+    history: HistoryStore | None,
+    samples: int,
+    plain: AcceptanceModel | None = None,
+    seeded: AcceptanceModel | None = None,
+) -> AcceptanceModel | None:
     """The acceptance model for one iteration of a policy: with a history store that
     holds earlier iterations (it seeds every group's suffix tree), ``seeded`` (default:
     the committed history fit); else ``plain`` (None: the simulator's default)."""
