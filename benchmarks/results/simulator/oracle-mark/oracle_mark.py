@@ -17,7 +17,10 @@ from seer_engine.rollout import context_manager
 from seer_engine.sim import simulator
 
 TRUE_LENGTHS: dict[str, int] = {}
-MARK_TOKENS = int(os.environ["SEER_MARK_TOKENS"])
+try:
+    MARK_TOKENS = int(os.environ["SEER_MARK_TOKENS"])
+except (KeyError, ValueError):
+    sys.exit("set SEER_MARK_TOKENS to a whole number of tokens (responses at least that long are marked)")
 _true_lengths = simulator.true_lengths
 
 
