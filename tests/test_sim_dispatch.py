@@ -363,6 +363,40 @@ def test_simulate_names_a_trace_too_short_for_its_iterations_before_running(game
     assert "simulated" not in captured.out, "nothing runs before the error"
 
 
+def test_trace_groups_that_repeat_prompts_take_disjoint_sibling_sets(game24_trace, capsys):
+    """``simulate --trace T --repeat-prompts`` (prompts cycled over the trace): a prompt's
+    iterations take different responses of its trace group, and a trace too small for
+    that is an error before anything runs."""
+    from seer_engine.entrypoints.cli import main
+    from seer_engine.workloads.groups import scale_lengths
+    from seer_engine.workloads.traces import load_trace
+
+    source = load_trace(str(game24_trace))
+    scaled = scale_lengths([g.lengths for g in source], 4096)
+    n = min(g.num_samples for g in source)
+    samples, iterations = n // 3, 3
+    runs = [
+        simulator.trace_groups(
+            str(game24_trace), 5, samples, 4096, seed=0, iteration=it, iterations=iterations
+        )
+        for it in range(iterations)
+    ]
+    for k in range(5):
+        taken = sorted(x for run in runs for x in run[k].lengths)
+        assert taken == sorted(scaled[k][: samples * iterations]), f"prompt {k}: each response once"
+    with pytest.raises(ValueError, match=f"take {(samples + 1) * iterations} different responses"):
+        simulator.trace_groups(str(game24_trace), 5, samples + 1, 4096, seed=0, iterations=iterations)
+    args = ["simulate", "--setup", "moonlight", "--trace", str(game24_trace), "--prompts", "5",
+            "--samples", str(samples + 1), "--iterations", "3", "--repeat-prompts", "--policy", "baseline",
+            "--max-tokens", "128"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert f"has only {n}; pass fewer --iterations or --samples" in captured.err
+    assert "simulated" not in captured.out, "nothing runs before the error"
+
+
 def _chunk(key: str, prompt: int, max_tokens: int):
     from seer_engine.rollout.types import ChunkRequest
 

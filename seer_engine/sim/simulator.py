@@ -257,13 +257,24 @@ def trace_groups(
     trace's p99 lands on ``max_tokens`` (``scale_lengths``). Pass ``k`` of a trace group
     takes the next ``samples`` of its responses (cyclically), shifted by ``seed``.
     ``iteration`` of ``iterations`` that repeat the prompts takes the next sibling set
-    of every prompt (disjoint while the trace group has enough responses)."""
+    of every prompt: disjoint sets, so a trace group with fewer than ``samples x
+    iterations`` responses is an error (a response met again would be a history seed
+    drafting itself)."""
     from seer_engine.workloads.groups import scale_lengths
     from seer_engine.workloads.traces import load_trace
 
     source = load_trace(trace)
     if any(g.num_samples < samples for g in source):
         raise ValueError(f"trace {trace!r} has groups with fewer than {samples} responses")
+    need = samples * iterations
+    used = sorted({(k + seed) % len(source) for k in range(prompts)})
+    short = next((source[j] for j in used if source[j].num_samples < need), None)
+    if short is not None:
+        raise ValueError(
+            f"{iterations} iterations of {samples} responses per prompt take {need} different "
+            f"responses of each trace group, but group {short.group_id!r} has only "
+            f"{short.num_samples}; pass fewer --iterations or --samples"
+        )
     scaled = scale_lengths([g.lengths for g in source], max_tokens)
     groups = []
     for k in range(prompts):
