@@ -63,6 +63,28 @@ def test_bad_json_is_a_400_that_names_the_problem(http, route, body, message, pa
     assert error["param"] == param and error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("route", JSON_ROUTES)
+@pytest.mark.parametrize(
+    ("content_type", "named"),
+    [
+        ("application/x-www-form-urlencoded", "'application/x-www-form-urlencoded'"),  # curl -d
+        ("text/plain", "'text/plain'"),
+        (None, "no Content-Type"),  # requests.post(url, data=json.dumps(body))
+    ],
+)
+def test_a_json_body_sent_as_another_content_type_is_refused_by_name(http, route, content_type, named):
+    """A JSON body under the wrong (or no) Content-Type is not parsed (FastAPI's strict
+    content type); the error says so instead of calling the body "not a valid dictionary".
+    The body would be valid JSON for every route, so /pause_generation changes nothing."""
+    headers = {"content-type": content_type} if content_type else {}
+    resp = http.post(route, content=b'{"mode": "keep"}', headers=headers)
+    assert resp.status_code == 415, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Content-Type: application/json" in error["message"] and named in error["message"], error
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_media_type", error
+
+
 def test_surrogates_and_non_finite_numbers_everywhere_a_completion_takes_text(http, model):
     for field, value in [
         ("prompt", ["fine", "bad \ud800"]),

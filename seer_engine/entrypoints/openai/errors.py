@@ -1,7 +1,8 @@
 """Every failure becomes an OpenAI error object with a fitting status code.
 
-Bad input is always a 4xx: malformed JSON 400, a body of the wrong shape 422, a
-refused value 400, unknown ids 404, state conflicts 409. Only a bug is a 500.
+Bad input is always a 4xx: malformed JSON 400, a body not sent as JSON 415, a body of
+the wrong shape 422, a refused value 400, unknown ids 404, state conflicts 409. Only a
+bug is a 500.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     503: "service_unavailable_error",
 }
@@ -100,6 +102,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
     return 422, "; ".join(parts) or "invalid request body", param
 
 
+def _not_json(content_type: str | None) -> JSONResponse:
+    """A body of a JSON route sent under another Content-Type, or none (``curl -d`` sends
+    a form's, ``requests.post(data=...)`` none): FastAPI leaves it unparsed (its strict
+    content type, which keeps browsers' cross-site form posts out), so say that."""
+    sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+    message = f"the body must be JSON sent with Content-Type: application/json; this request has {sent}"
+    return error_response(415, message, code="unsupported_media_type")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code)
@@ -108,7 +119,9 @@ def install_error_handlers(app: FastAPI) -> None:
         err = as_api_error(exc)
         return error_response(err.status, err.message, err.param, err.code)
 
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, bytes):  # a body FastAPI did not parse: not sent as JSON
+            return _not_json(request.headers.get("content-type"))
         status, message, param = _validation_message(exc)
         return error_response(status, message, param)
 
