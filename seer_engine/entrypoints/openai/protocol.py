@@ -88,6 +88,11 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "prediction": (None,),
     "spaces_between_special_tokens": (None, True),
     "echo": (None, False),  # chat only: completions implement it
+    # Tool calls (``tools`` itself is a chat field, refused when not empty): asking for one
+    # by ``tool_choice``, or by the deprecated ``functions`` / ``function_call``.
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
 }
 
 
