@@ -193,6 +193,32 @@ def test_sleep_and_wake_up(server, client, http, model, pool):
     assert client.completions.create(model=model, prompt="awake", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_a_request_id_that_two_requests_share_aborts_both(server, client, http, model, pool):
+    """A completion of several prompts runs as <id>-0, <id>-1, ..., so a one-prompt request
+    may carry the same request_id meanwhile (its engine request is <id> itself). Aborting the
+    id reaches both, and one of them ending (here: its client hanging up) does not unlink the
+    other from it. Everything is held by a keep pause, so no request finishes on its own."""
+    rid = "rl-shared-id"
+    held = lambda n: lambda: server.metrics()["num_requests_held"] == n  # noqa: E731
+    body = {"ignore_eos": True, "request_id": rid}
+    assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+    several = pool.submit(
+        client.completions.create, model=model, prompt=["a", "b"], max_tokens=LONG, extra_body=body
+    )
+    server.wait_until(held(2), what="the two-prompt request held")
+    stream = {"model": model, "prompt": "c", "max_tokens": LONG, "stream": True, **body}
+    with http.stream("POST", "/v1/completions", json=stream) as resp:  # hangs up once held
+        assert resp.status_code == 200
+        server.wait_until(held(3), what="the streamed request held")
+    server.wait_until(held(2), what="the hung-up request dropped")
+    one = pool.submit(client.completions.create, model=model, prompt="d", max_tokens=LONG, extra_body=body)
+    server.wait_until(held(3), what="the one-prompt request held")
+    assert http.post("/abort_requests", json={"request_ids": [rid]}).json()["num_aborted"] == 3
+    assert http.post("/resume_generation").status_code == 200
+    assert [c.finish_reason for c in several.result(timeout=30).choices] == ["abort", "abort"]
+    assert one.result(timeout=30).choices[0].finish_reason == "abort"
+
+
 def test_client_disconnect_aborts(server, http, model):
     body = {"model": model, "prompt": "bye", "max_tokens": LONG, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:

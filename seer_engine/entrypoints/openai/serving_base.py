@@ -35,23 +35,33 @@ class RequestRegistry:
     """User-visible request id -> engine request ids, for /abort_requests.
 
     A completion with several prompts runs as several engine requests
-    (``<id>-0``, ``<id>-1``, ...); aborting ``<id>`` must reach all of them.
+    (``<id>-0``, ``<id>-1``, ...); aborting ``<id>`` must reach all of them, and also a
+    one-prompt request that carries the same id meanwhile (its engine request is ``<id>``
+    itself). Two requests of several prompts cannot share an id at once: their
+    ``<id>-0`` would clash in the engine.
     """
 
     def __init__(self) -> None:
         self._active: dict[str, list[str]] = {}
 
-    def add(self, user_id: str, engine_ids: list[str]) -> None:
-        if len(engine_ids) > 1 or engine_ids != [user_id]:
-            self._active[user_id] = engine_ids
+    @staticmethod
+    def engine_ids(user_id: str, num_prompts: int) -> list[str]:
+        return [user_id] if num_prompts == 1 else [f"{user_id}-{i}" for i in range(num_prompts)]
 
-    def remove(self, user_id: str) -> None:
-        self._active.pop(user_id, None)
+    def add(self, user_id: str, num_prompts: int) -> None:
+        if num_prompts > 1:
+            self._active[user_id] = self.engine_ids(user_id, num_prompts)
+
+    def remove(self, user_id: str, num_prompts: int) -> None:
+        """The request has ended; a one-prompt request under the same id unlinks nothing."""
+        if num_prompts > 1:
+            self._active.pop(user_id, None)
 
     def expand(self, ids: Sequence[str]) -> list[str]:
         out: list[str] = []
         for rid in ids:
-            out.extend(self._active.get(rid, [rid]))
+            out.append(rid)
+            out.extend(self._active.get(rid, []))
         return out
 
 
@@ -123,7 +133,7 @@ class ServingBase:
     ) -> list[AsyncIterator[RequestOutput]]:
         """Submit one engine request per prompt, all at once; on a refusal, abort the
         ones accepted and raise the first refusal."""
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        ids = self.registry.engine_ids(request_id, len(prompts))
         several = len(prompts) > 1 and group_id is not None
         groups = [f"{group_id}-{i}" if several else group_id for i in range(len(prompts))]
         results = await asyncio.gather(
@@ -139,7 +149,7 @@ class ServingBase:
             if accepted:
                 await self.engine.abort(accepted)
             raise errors[0]
-        self.registry.add(request_id, ids)
+        self.registry.add(request_id, len(prompts))
         return list(results)
 
 

@@ -105,7 +105,7 @@ class OpenAIServingChat(ServingBase):
         try:
             out = await final_output(stream)
         finally:
-            self.registry.remove(request_id)
+            self.registry.remove(request_id, 1)
         choices = [self._choice(req, out.prompt_token_ids, s) for s in out.outputs]
         return {
             "id": request_id,
@@ -188,5 +188,5 @@ class OpenAIServingChat(ServingBase):
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
         finally:
-            self.registry.remove(request_id)
+            self.registry.remove(request_id, 1)
         yield "data: [DONE]\n\n"

@@ -50,7 +50,7 @@ class OpenAIServingCompletion(ServingBase):
         try:
             outputs = [await final_output(s) for s in streams]
         finally:
-            self.registry.remove(request_id)
+            self.registry.remove(request_id, len(prompts))
         return self._response(req, request_id, prompts, outputs)
 
     # -- whole responses -----------------------------------------------------------------
@@ -175,7 +175,7 @@ class OpenAIServingCompletion(ServingBase):
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
         finally:
-            self.registry.remove(request_id)
+            self.registry.remove(request_id, len(prompts))
         yield "data: [DONE]\n\n"
 
 
