@@ -295,3 +295,24 @@ def test_a_layer_window_caps_the_context_and_shorter_prompts_match(tiny_model, h
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(model, prompt, 6)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([list(range(5, 45))], params)
+
+
+def test_llama3_rope_takes_a_top_level_original_length(tiny_model, hf_model, tmp_path):
+    """A top-level original_max_position_embeddings (the Phi-3 layout) is the one
+    transformers' rotary embedding uses for llama3 scaling, over the rope dict's own
+    value or its default (max_position_embeddings); prompts past it must match."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    src = tiny_model("llama", head_dim=32, num_heads=2, max_position_embeddings=512)
+    cfg = json.loads((src / "config.json").read_text())
+    for i, rope in enumerate([scaling, {**scaling, "original_max_position_embeddings": 2048}]):
+        folder = tmp_path / str(i)
+        shutil.copytree(src, folder)
+        change = dict(rope_scaling=rope, rope_parameters={**rope, "rope_theta": 10000.0})
+        change["original_max_position_embeddings"] = 32
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        model = hf_model(folder)
+        assert model.config.rope_parameters["original_max_position_embeddings"] == 32
+        prompts = [list(range(5, 205)), list(range(300, 400))]
+        params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+        for prompt, out in zip(prompts, LLM(str(folder)).generate(prompts, params)):
+            assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)

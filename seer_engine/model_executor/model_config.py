@@ -174,13 +174,17 @@ class ModelConfig:
 def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[dict[str, Any] | None, float]:
     """(scaling, theta) as transformers 5 reads them: a legacy ``rope_scaling`` replaces
     ``rope_parameters``; theta comes from that dict, else the top-level ``rope_theta``;
-    llama3-style scalings' original length defaults to ``max_positions``."""
+    llama3-style scalings' original length is a top-level ``original_max_position_embeddings``
+    where config.json has one (the Phi-3 layout: transformers' rotary embedding takes it
+    over the dict's), else the dict's, else ``max_positions``."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return None, theta
     if kind in ("llama3", "yarn", "longrope"):
+        if cfg.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
         params.setdefault("original_max_position_embeddings", max_positions)
     return params, theta
 
