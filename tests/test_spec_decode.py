@@ -401,3 +401,21 @@ def test_chi_square_helper_rejects_a_wrong_distribution():
         observed[next(rng)] += 1
     assert _chi_square_p(observed, [300.0, 100.0]) > 0.5
     assert _chi_square_p(observed, [200.0, 200.0]) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_adaptive_budget_profiles_within_a_short_models_positions(tiny_model, hf_model, backend):
+    """The step-cost profile at start-up runs dummy requests of 64 context tokens plus up
+    to 15 draft nodes; a model whose rotary table is shorter (max_position_embeddings 48)
+    must still start, and its drafts still change no greedy token."""
+    if backend == "cpu" and cpu_kernels.native() is None:
+        pytest.skip("the C++ CPU kernels are not built here")
+    short = tiny_model("llama", max_position_embeddings=48)
+    kernels = dict(attention_backend=backend, cpu_kernels=backend == "cpu")
+    engine = _engine(short, {"method": "group_suffix"}, **kernels)
+    assert engine.drafter.budget.cost.per_token_s >= 0
+    prompt = [(5 * i) % 40 + 2 for i in range(16)]
+    want = hf_greedy(hf_model(short), prompt, 24)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    waves = [[("a", prompt, params, "g")], [("b", prompt, params, "g")]]
+    assert _run_waves(engine, waves, head_start=12) == {"a": [want], "b": [want]}

@@ -217,12 +217,15 @@ class ModelRunner:
     ) -> list[tuple[int, float]]:
         """(scheduled tokens, seconds) of decode-shaped steps with path drafts, for the
         draft budget's cost model. Dummy requests write into the first KV blocks, so
-        call it before serving (the cache is empty then)."""
+        call it before serving (the cache is empty then). Their positions stay inside the
+        model's rotary table: a model with fewer positions profiles a shorter context."""
         points: list[tuple[int, float]] = []
         params = SamplingParams(temperature=0.0, max_tokens=1)
+        max_positions = self.cfg.max_position_embeddings
+        context = max(1, min(context, max_positions - max(draft_lens)))
         for draft_len in draft_lens:
             blocks = list(range(-(-(context + draft_len) // self.block_size)))
-            if len(blocks) > self.num_blocks:
+            if len(blocks) > self.num_blocks or context + draft_len > max_positions:
                 continue
             for size in batch_sizes:
                 batch = []
