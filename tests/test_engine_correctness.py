@@ -316,3 +316,29 @@ def test_llama3_rope_takes_a_top_level_original_length(tiny_model, hf_model, tmp
         params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
         for prompt, out in zip(prompts, LLM(str(folder)).generate(prompts, params)):
             assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+
+
+@pytest.mark.parametrize("stored", ["both", "lm_head-only"])
+def test_tied_embeddings_follow_the_tensors_the_checkpoint_holds(stored, tiny_model, hf_model, tmp_path):
+    """tie_word_embeddings, but the checkpoint holds an LM head: transformers unties the
+    two when both are stored with different values (the config is wrong, the tensors
+    win), and ties the embedding to the head when only the head is stored."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("llama", tie_word_embeddings=True), folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in weights
+    weights["lm_head.weight"] = torch.randn(embed.shape, generator=torch.Generator().manual_seed(1)) * 0.2
+    if stored == "lm_head-only":
+        del weights["model.embed_tokens.weight"]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = hf_model(folder)
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tied == (stored == "lm_head-only")
+    prompts = _prompts(model.config.vocab_size, seed=7)[:4]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    for kwargs in (dict(), dict(cpu_kernels=False, attention_backend="torch")):
+        for prompt, out in zip(prompts, LLM(str(folder), **kwargs).generate(prompts, params)):
+            assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)

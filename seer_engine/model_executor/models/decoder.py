@@ -204,9 +204,13 @@ class DecoderForCausalLM(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (partly fused) parameters; every one must arrive."""
+        """Copy HF-named tensors into the (partly fused) parameters; every one must arrive.
+
+        With tied embeddings a stored LM head is handled as transformers does: alone, it
+        fills the shared table; beside a different embedding table, it unties the two."""
         params = dict(self.named_parameters(remove_duplicate=False))
         expected: set[str] = set()
+        head: torch.Tensor | None = None  # a tied model's stored LM head
         for name in params:
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
@@ -222,6 +226,7 @@ class DecoderForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                head = tensor
                 continue
             fused_hit = next((k for k in self._FUSED if f".{k}." in f".{name}"), None)
             if fused_hit is not None:
@@ -245,7 +250,23 @@ class DecoderForCausalLM(nn.Module):
                 )
             target.copy_(tensor)
             loaded.add(key)
+        if head is not None:
+            self._load_tied_head(head, "embed_tokens.weight" in loaded)
+            loaded.add("embed_tokens.weight")
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ModelLoadError(f"checkpoint is incomplete: {len(missing)} tensors missing ({shown})")
+
+    def _load_tied_head(self, head: torch.Tensor, embed_loaded: bool) -> None:
+        """A tied model's stored LM head: the embedding table where the checkpoint has none;
+        its own weight where the table differs from it (the config is wrong)."""
+        table = self.embed_tokens.weight
+        if tuple(head.shape) != tuple(table.shape):
+            shapes = f"{tuple(head.shape)}, expected {tuple(table.shape)}"
+            raise ModelLoadError(f"checkpoint tensor 'lm_head.weight' has shape {shapes}")
+        if not embed_loaded:
+            table.data.copy_(head)
+        elif not torch.equal(table.data, head.to(device=table.device, dtype=table.dtype)):
+            own = torch.empty_like(table.data).copy_(head)
+            self.lm_head.weight = nn.Parameter(own, requires_grad=False)
