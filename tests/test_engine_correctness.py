@@ -342,3 +342,19 @@ def test_tied_embeddings_follow_the_tensors_the_checkpoint_holds(stored, tiny_mo
     for kwargs in (dict(), dict(cpu_kernels=False, attention_backend="torch")):
         for prompt, out in zip(prompts, LLM(str(folder), **kwargs).generate(prompts, params)):
             assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+
+
+def test_a_missing_kv_head_count_takes_the_architectures_default(tiny_model, hf_model, tmp_path):
+    """Without num_key_value_heads transformers' MistralConfig has 8 KV heads (Qwen2's and
+    Qwen3's 32, Llama's as many as query heads), not num_attention_heads."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("mistral", hidden_size=64, num_heads=16, num_kv_heads=8, head_dim=8), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["num_key_value_heads"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model = hf_model(folder)
+    assert model.config.num_key_value_heads == 8
+    prompts = _prompts(model.config.vocab_size, seed=8)[:3]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    for prompt, out in zip(prompts, LLM(str(folder)).generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)

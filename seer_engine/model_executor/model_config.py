@@ -52,6 +52,9 @@ _DEFAULT_MAX_POSITIONS = {
     "Qwen2ForCausalLM": 32768,
     "Qwen3ForCausalLM": 32768,
 }
+# transformers' defaults where config.json has no num_key_value_heads (Llama's, and an
+# explicit null's: as many as num_attention_heads)
+_DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}
 
 
 class ModelLoadError(ValueError):
@@ -153,7 +156,7 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=cfg.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(arch)) or heads,
             head_dim=cfg.get("head_dim") or default_head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
