@@ -181,7 +181,10 @@ def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path
     for i, (change, error, match) in enumerate(
         [
             ({"hidden_act": "gelu"}, ModelLoadError, "unsupported hidden_act 'gelu'"),
-            ({"rope_scaling": yarn}, ValueError, "unsupported rope scaling type 'yarn'"),
+            ({"rope_scaling": yarn}, ModelLoadError, r"rope scaling type 'yarn' in .*config\.json"),
+            ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ModelLoadError, "type 'dynamic'"),
+            ({"rope_scaling": {"rope_type": "linear"}}, ModelLoadError, "linear rope scaling .* factor > 0"),
+            ({"rope_scaling": {"rope_type": "llama3", "factor": 0}}, ModelLoadError, "factor > 0, got 0"),
         ]
     ):
         folder = tmp_path / str(i)

@@ -55,6 +55,8 @@ _DEFAULT_MAX_POSITIONS = {
 # transformers' defaults where config.json has no num_key_value_heads (Llama's, and an
 # explicit null's: as many as num_attention_heads)
 _DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}
+# The rope scalings RotaryEmbedding implements (besides plain RoPE).
+_ROPE_SCALINGS = ("linear", "llama3")
 
 
 class ModelLoadError(ValueError):
@@ -143,7 +145,7 @@ class ModelConfig:
         # transformers' Qwen3Config defaults head_dim to 128, not hidden_size // heads.
         default_head_dim = 128 if arch == "Qwen3ForCausalLM" and "head_dim" not in cfg else hidden // heads
         max_positions = cfg.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
-        rope_scaling, rope_theta = _rope(cfg, max_positions)
+        rope_scaling, rope_theta = _rope(cfg, max_positions, config_file)
         layers = need("num_hidden_layers")
         sliding = _sliding_window(arch, cfg, layers)
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -174,18 +176,27 @@ class ModelConfig:
         )
 
 
-def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[dict[str, Any] | None, float]:
+def _rope(cfg: dict[str, Any], max_positions: int, config_file: Path) -> tuple[dict[str, Any] | None, float]:
     """(scaling, theta) as transformers 5 reads them: a legacy ``rope_scaling`` replaces
     ``rope_parameters``; theta comes from that dict, else the top-level ``rope_theta``;
-    llama3-style scalings' original length is a top-level ``original_max_position_embeddings``
-    where config.json has one (the Phi-3 layout: transformers' rotary embedding takes it
-    over the dict's), else the dict's, else ``max_positions``."""
+    llama3's original length is a top-level ``original_max_position_embeddings`` where
+    config.json has one (the Phi-3 layout: transformers' rotary embedding takes it over
+    the dict's), else the dict's, else ``max_positions``. Scalings the rotary embedding
+    does not implement are refused here, naming the file, before any weight is read."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return None, theta
-    if kind in ("llama3", "yarn", "longrope"):
+    if kind not in _ROPE_SCALINGS:
+        raise ModelLoadError(
+            f"unsupported rope scaling type {kind!r} in {config_file}; "
+            f"seer_engine implements {', '.join(_ROPE_SCALINGS)}"
+        )
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ModelLoadError(f"{kind} rope scaling in {config_file} needs a factor > 0, got {factor!r}")
+    if kind == "llama3":
         if cfg.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
         params.setdefault("original_max_position_embeddings", max_positions)
