@@ -33,6 +33,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs besides the sampled token's
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # A text prompt is tokenized with the tokenizer's special tokens (a Llama BOS), as
+    # transformers and vLLM's completions do; a chat template writes its own, so chat
+    # turns this off. Token-id prompts are taken as they are.
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,10 @@ class SamplingParams:
         check(
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        check(
+            type(self.add_special_tokens) is bool,
+            f"add_special_tokens must be a boolean, got {self.add_special_tokens!r}",
         )
         check(
             self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),

@@ -361,3 +361,24 @@ def test_a_missing_kv_head_count_takes_the_architectures_default(tiny_model, hf_
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     for prompt, out in zip(prompts, LLM(str(folder)).generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+def test_a_text_prompt_takes_the_tokenizers_bos_as_transformers_does(tiny_model, hf_model):
+    """``LLM.generate`` on text tokenizes as ``tokenizer(text)`` does (with a Llama-style
+    BOS) and then continues as transformers does; ``add_special_tokens=False`` leaves the
+    BOS out."""
+    from transformers import AutoTokenizer
+
+    path = tiny_model("llama", add_bos=True)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    texts = ["Once upon a time", "The cat sat on"]
+    llm = LLM(str(path))
+    outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=8, min_tokens=8))
+    for text, out in zip(texts, outs):
+        ids = tok(text).input_ids
+        assert ids[0] == tok.bos_token_id and out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(hf_model(path), ids, 8)
+    bare = llm.generate(texts[:1], SamplingParams(max_tokens=1, add_special_tokens=False))[0]
+    assert bare.prompt_token_ids == tok(texts[0], add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="add_special_tokens must be a boolean"):
+        SamplingParams(add_special_tokens=1)

@@ -28,9 +28,9 @@ def encode_calls(monkeypatch) -> list[str]:
     calls: list[str] = []
     real = Detokenizer.encode
 
-    def counting(self, text: str) -> list[int]:
+    def counting(self, text: str, *args: object) -> list[int]:
         calls.append(text)
-        return real(self, text)
+        return real(self, text, *args)
 
     monkeypatch.setattr(Detokenizer, "encode", counting)
     return calls
@@ -72,9 +72,9 @@ def test_the_engine_thread_never_tokenizes(model, encode_calls):
     threads: list[str] = []
     real = Detokenizer.encode
 
-    def where(self, text):
+    def where(self, text, *args):
         threads.append(threading.current_thread().name)
-        return real(self, text)
+        return real(self, text, *args)
 
     Detokenizer.encode = where  # monkeypatch restores the original after the test
     engine = AsyncEngine.for_engine(EngineConfig(model=str(model), num_kv_blocks=64)).start(timeout=60)

@@ -211,9 +211,9 @@ def _chat_prompt_ids(client, model, messages, **body) -> list[int]:
     return resp.choices[0].prompt_token_ids
 
 
-def _text_ids(client, model, text: str) -> list[int]:
+def _completion_ids(client, model, text: str, **body) -> list[int]:
     resp = client.completions.create(
-        model=model, prompt=text, max_tokens=1, extra_body={"return_token_ids": True}
+        model=model, prompt=text, max_tokens=1, extra_body={"return_token_ids": True, **body}
     )
     return resp.choices[0].prompt_token_ids
 
@@ -234,7 +234,7 @@ def test_chat_template_options_render_as_vllm_does(client, model):
     ids = _chat_prompt_ids(
         client, model, messages, chat_template=template, chat_template_kwargs={"flag": True}
     )
-    assert ids == _text_ids(client, model, "<user:ann>Hi</user><tool#c1>42</tool><assistant> FLAG")
+    assert ids == _completion_ids(client, model, "<user:ann>Hi</user><tool#c1>42</tool><assistant> FLAG")
     partial = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
     ids = _chat_prompt_ids(
         client,
@@ -244,7 +244,7 @@ def test_chat_template_options_render_as_vllm_does(client, model):
         continue_final_message=True,
         add_generation_prompt=False,
     )
-    assert ids == _text_ids(client, model, "<user>Hi</user><assistant>The answer is")
+    assert ids == _completion_ids(client, model, "<user>Hi</user><assistant>The answer is")
 
 
 @pytest.mark.parametrize(
@@ -434,3 +434,34 @@ def test_a_model_can_be_retrieved_by_name(client, model):
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("no-such-model")
     assert missing.value.body["code"] == "model_not_found"
+
+
+def test_text_prompts_take_the_tokenizers_bos_and_chat_prompts_do_not(tiny_model, start_server):
+    """As in transformers and vLLM: a completion's text prompt is tokenized with the
+    tokenizer's special tokens (here a Llama-style BOS); a chat's is not, since its
+    template writes the BOS itself (else it would be doubled). ``add_special_tokens``
+    asks for the other; a value that is not a boolean is refused by name."""
+    from transformers import AutoTokenizer
+
+    path = tiny_model("llama", add_bos=True)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    bos = tok.bos_token_id
+    server = start_server(
+        "--model", str(path), "--rollout-mode", "--max-model-len", "256", "--num-threads", "1"
+    )  # fmt: skip
+    text = "Once upon a time"
+    messages = [{"role": "user", "content": "Hello"}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with server.openai() as client:
+        plain = tok(text, add_special_tokens=False).input_ids
+        assert _completion_ids(client, server.model, text) == tok(text).input_ids == [bos, *plain]
+        assert _completion_ids(client, server.model, text, add_special_tokens=False) == plain
+        chat = tok(rendered, add_special_tokens=False).input_ids
+        assert chat[0] == bos and chat[1] != bos
+        assert _chat_prompt_ids(client, server.model, messages) == chat
+        assert _chat_prompt_ids(client, server.model, messages, add_special_tokens=True) == [bos, *chat]
+    with server.http() as http:
+        body = {"model": server.model, "prompt": text, "add_special_tokens": "yes"}
+        resp = http.post("/v1/completions", json=body)
+        assert resp.status_code in (400, 422)
+        assert resp.json()["error"]["param"] == "add_special_tokens"

@@ -152,6 +152,25 @@ def test_task_prompts_for_the_rollout(tiny_model):
     assert task_prompts("arith", 2)[0].text is None
 
 
+def test_task_groups_keep_the_chat_templates_bos_single(tiny_model):
+    """A task's prompt is rendered by the chat template, which writes the BOS itself: its
+    tokens are the rendered text's without the tokenizer's special tokens added again."""
+    from transformers import AutoTokenizer
+
+    from seer_engine import SamplingParams
+    from seer_engine.engine.detokenizer import Detokenizer
+    from seer_engine.engine.input_processor import InputProcessor
+    from seer_engine.entrypoints.rollout_cli import task_groups
+
+    path = tiny_model("llama", add_bos=True)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    processor = InputProcessor(Detokenizer.from_pretrained(path), len(tok), 512, 1024, 16)
+    prompts, groups = task_groups(get_task("arith"), 3, 0, 2, SamplingParams(max_tokens=8), processor)
+    for p, g in zip(prompts, groups):
+        ids = tok(p.text, add_special_tokens=False).input_ids
+        assert g.prompt_token_ids == ids and ids[0] == tok.bos_token_id != ids[1]
+
+
 # ----------------------------------------------------------------------------- grading
 
 

@@ -44,7 +44,7 @@ class InputProcessor:
         self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
     ) -> CheckedRequest:
         params.validate()
-        text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(prompt, params.add_special_tokens)
         prior = list(prior_output_token_ids)
         if prior:
             self._check_ids(prior, "prior output")
@@ -70,8 +70,11 @@ class InputProcessor:
             )
         return CheckedRequest(text, ids, params, max_tokens, prior)
 
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a text or token-id prompt, within the model's length."""
+    def tokenize(
+        self, prompt: str | Sequence[int], add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a text or token-id prompt, within the model's length;
+        ``add_special_tokens``: the tokenizer's own (e.g. a BOS) around a text prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
@@ -87,7 +90,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt is not valid Unicode: {e.reason} at character {e.start} ({prompt[e.start]!r})"
                 ) from None
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
             if not ids:
                 raise InvalidRequestError("prompt is empty once tokenized")
             outside = self._first_outside_vocabulary(ids)

@@ -83,7 +83,9 @@ def task_groups(
     prompts = task_prompts(task, count, seed, chat_template=processor.tokenizer.apply_chat_template)
     groups = []
     for k, p in enumerate(prompts):
-        checked = processor.process(p.text or "", params.clone(seed=child_seed(seed, k)))
+        # The chat template writes the special tokens itself.
+        group_params = params.clone(seed=child_seed(seed, k), add_special_tokens=False)
+        checked = processor.process(p.text or "", group_params)
         groups.append(Group(p.id, checked.prompt_token_ids, checked.params, n, checked.max_tokens,
                             prompt=checked.prompt, order=k))  # fmt: skip
     return prompts, groups

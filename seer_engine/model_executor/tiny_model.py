@@ -150,10 +150,11 @@ def _special_ids(tok: Any) -> dict[str, int]:
 
 
 def _write_tokenizer(
-    out: Path, tokenizer: str | os.PathLike[str] | None, max_position_embeddings: int
+    out: Path, tokenizer: str | os.PathLike[str] | None, max_position_embeddings: int, add_bos: bool = False
 ) -> tuple[int, dict[str, int]]:
-    """Write tokenizer.json + tokenizer_config.json; return (vocab size, special ids)."""
-    from tokenizers import Tokenizer
+    """Write tokenizer.json + tokenizer_config.json; return (vocab size, special ids).
+    ``add_bos``: encoding a text prepends <|im_start|> (see ``make_tiny_model``)."""
+    from tokenizers import Tokenizer, processors
 
     if tokenizer is None:
         tok = build_default_tokenizer()
@@ -168,16 +169,23 @@ def _write_tokenizer(
         # Embedding rows are indexed by id: a gap would leave rows no token uses.
         raise ValueError("tokenizer ids are not contiguous from 0")
     special = _special_ids(tok)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{IM_START} $A",
+            pair=f"{IM_START} $A $B:1",
+            special_tokens=[(IM_START, special[IM_START])],
+        )
+        (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
+        "bos_token": IM_START if add_bos else None,
         "eos_token": ENDOFTEXT,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
         "additional_special_tokens": [IM_START, IM_END],
         "model_max_length": max_position_embeddings,
         "clean_up_tokenization_spaces": False,
-        "add_bos_token": False,
+        "add_bos_token": add_bos,
         "add_eos_token": False,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
@@ -226,13 +234,16 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 4096,
     rope_scaling: dict[str, Any] | None = None,
+    add_bos: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint of `arch` to `out_dir` and return its path.
 
     `tokenizer` is a tokenizer.json (or a folder with one) to copy; None trains the
     built-in ~1K byte-level BPE. vocab_size always equals the tokenizer's size.
     Same arguments and seed give byte-identical weights. `intermediate_size`
-    defaults to 3 * hidden_size, `head_dim` to hidden_size // num_heads.
+    defaults to 3 * hidden_size, `head_dim` to hidden_size // num_heads. `add_bos`: the
+    tokenizer prepends a BOS (<|im_start|>) to every text it encodes with special tokens,
+    as Llama's tokenizers prepend theirs, which their chat templates also write.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
@@ -267,7 +278,8 @@ def make_tiny_model(
 
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size, special = _write_tokenizer(out, tokenizer, max_position_embeddings)
+    vocab_size, special = _write_tokenizer(out, tokenizer, max_position_embeddings, add_bos)
+    bos = special[IM_START] if add_bos else None
     eot, im_end = special[ENDOFTEXT], special[IM_END]
 
     rope_params, classic_scaling = _rope_parameters(rope_scaling)
@@ -285,9 +297,9 @@ def make_tiny_model(
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie_word_embeddings,
         rope_parameters=rope_params,
-        # The tokenizer has no BOS (ChatML style); config.eos is the document end.
-        # Chat turns end with <|im_end|>, which generation_config adds below.
-        bos_token_id=None,
+        # By default the tokenizer has no BOS (ChatML style); config.eos is the document
+        # end. Chat turns end with <|im_end|>, which generation_config adds below.
+        bos_token_id=bos,
         eos_token_id=eot,
         pad_token_id=eot,
         architectures=[ARCHITECTURES[arch][1]],
@@ -318,7 +330,7 @@ def make_tiny_model(
     # (<|im_end|>) as well as at <|endoftext|>; config.eos_token_id stays a single
     # id (the tokenizer's eos) for readers that expect an int.
     model.generation_config = GenerationConfig(
-        bos_token_id=None,
+        bos_token_id=bos,
         eos_token_id=[eot, im_end],
         pad_token_id=eot,
     )

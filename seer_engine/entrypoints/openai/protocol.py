@@ -137,6 +137,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
 
 
 class ContentPart(_Strict):
@@ -166,6 +167,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
 
 
 # --------------------------------------------------------------------------- batches

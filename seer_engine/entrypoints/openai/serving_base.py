@@ -15,7 +15,11 @@ from collections.abc import AsyncIterator, Sequence
 
 from seer_engine.engine.client import EngineClient
 from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
-from seer_engine.entrypoints.openai.protocol import UNSUPPORTED_OPTIONS, _SamplingFields
+from seer_engine.entrypoints.openai.protocol import (
+    UNSUPPORTED_OPTIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from seer_engine.outputs import RequestOutput, SampleLogprobs
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -87,7 +91,9 @@ class ServingBase:
             )
 
     @staticmethod
-    def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
         """Build and validate engine sampling parameters; unsupported options are refused."""
         for name, value in (req.model_extra or {}).items():
             neutral = UNSUPPORTED_OPTIONS.get(name)
@@ -110,6 +116,7 @@ class ServingBase:
             "logprobs": logprobs,
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens,
+            "add_special_tokens": req.add_special_tokens,
         }
         for name in (
             "temperature", "top_p", "top_k", "min_p",
