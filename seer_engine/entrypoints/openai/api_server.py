@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from seer_engine.engine.async_engine import AsyncEngine
 from seer_engine.engine.client import EngineClient
@@ -37,7 +38,7 @@ from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
 from seer_engine.entrypoints.openai.limits import DEFAULT_MAX_UPLOAD_BYTES, BodyLimits, RequestBounds
 from seer_engine.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
-from seer_engine.entrypoints.openai.serving_base import RequestRegistry
+from seer_engine.entrypoints.openai.serving_base import EventStream, RequestRegistry
 from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from seer_engine.rollout.backend import RolloutBackend
@@ -104,6 +105,22 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+class EventStreamResponse(StreamingResponse):
+    """A streamed completion or chat: once the response is over, sent in full, cut short
+    or never started (a client that hung up before its first byte), its events are closed,
+    which ends the engine requests behind them and unlinks the request id."""
+
+    def __init__(self, stream: EventStream) -> None:
+        super().__init__(stream, media_type="text/event-stream")
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.stream.aclose()
+
+
 def parse_body(model: type[M], body: dict, request_id: str) -> M:
     """A batch line's body as a request model (stream off, the line's request id)."""
     try:
@@ -156,13 +173,14 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="seer_engine", version="0.1.0", lifespan=lifespan)
     app.router.route_class = JSONRoute
+    app.state.request_registry = registry
     install_error_handlers(app)
 
-    async def respond(request: Request, work: Awaitable[dict | AsyncIterator[str]]):
+    async def respond(request: Request, work: Awaitable[dict | EventStream]):
         result = await until_disconnect(request, work)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+        return EventStreamResponse(result)
 
     def model_card(name: str) -> dict:
         return {

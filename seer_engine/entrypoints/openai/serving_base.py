@@ -11,7 +11,7 @@ import asyncio
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from seer_engine.engine.client import EngineClient
 from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
@@ -52,14 +52,22 @@ class RequestRegistry:
     def engine_ids(user_id: str, num_prompts: int) -> list[str]:
         return [user_id] if num_prompts == 1 else [f"{user_id}-{i}" for i in range(num_prompts)]
 
-    def add(self, user_id: str, num_prompts: int) -> None:
-        if num_prompts > 1:
-            self._active[user_id] = self.engine_ids(user_id, num_prompts)
+    def add(self, user_id: str, num_prompts: int) -> Callable[[], None]:
+        """Link the id to its engine requests; returns what unlinks it once the request has
+        ended (idempotent, and it leaves alone a later request's entry under the same id)."""
+        if num_prompts == 1:  # its engine request is the id itself: nothing to link
+            return lambda: None
+        ids = self.engine_ids(user_id, num_prompts)
+        self._active[user_id] = ids
 
-    def remove(self, user_id: str, num_prompts: int) -> None:
-        """The request has ended; a one-prompt request under the same id unlinks nothing."""
-        if num_prompts > 1:
-            self._active.pop(user_id, None)
+        def remove() -> None:
+            if self._active.get(user_id) is ids:
+                del self._active[user_id]
+
+        return remove
+
+    def __len__(self) -> int:
+        return len(self._active)
 
     def expand(self, ids: Sequence[str]) -> list[str]:
         out: list[str] = []
@@ -67,6 +75,35 @@ class RequestRegistry:
             out.append(rid)
             out.extend(self._active.get(rid, []))
         return out
+
+
+class EventStream:
+    """A streamed response's server-sent events, and what must end with the response.
+
+    The events come from an async generator whose ``finally`` runs only if it was
+    started; a client that hangs up before the first event is sent may leave it never
+    started (Starlette drops the body iterator then). ``aclose`` ends the engine requests
+    (aborting unfinished ones) and unlinks the request id whether or not the events were
+    read; the HTTP layer calls it once the response is over, sent or not.
+    """
+
+    def __init__(
+        self, events: AsyncGenerator[str, None], streams: Sequence[AsyncIterator], release: Callable[[], None]
+    ) -> None:
+        self.events = events
+        self.streams = list(streams)
+        self.release = release
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+    async def aclose(self) -> None:
+        self.release()
+        try:
+            await self.events.aclose()
+        finally:
+            for stream in self.streams:
+                await stream.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
 
 
 class ServingBase:
@@ -137,9 +174,10 @@ class ServingBase:
         params: SamplingParams,
         stream: bool,
         group_id: str | None,
-    ) -> list[AsyncIterator[RequestOutput]]:
+    ) -> tuple[list[AsyncIterator[RequestOutput]], Callable[[], None]]:
         """Submit one engine request per prompt, all at once; on a refusal, abort the
-        ones accepted and raise the first refusal."""
+        ones accepted and raise the first refusal. Returns the requests' outputs and what
+        unlinks the request id from the registry once they have ended."""
         ids = self.registry.engine_ids(request_id, len(prompts))
         several = len(prompts) > 1 and group_id is not None
         groups = [f"{group_id}-{i}" if several else group_id for i in range(len(prompts))]
@@ -156,8 +194,8 @@ class ServingBase:
             if accepted:
                 await self.engine.abort(accepted)
             raise errors[0]
-        self.registry.add(request_id, len(prompts))
-        return list(results)
+        release = self.registry.add(request_id, len(prompts))
+        return list(results), release
 
 
 async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from seer_engine.entrypoints.openai.serving_base import (
+    EventStream,
     ServingBase,
     TextDeltas,
     chat_logprobs,
@@ -82,7 +83,7 @@ class OpenAIServingChat(ServingBase):
             param = "chat_template" if req.chat_template is not None else "messages"
             raise APIError(400, f"cannot apply the chat template: {e}", param=param) from None
 
-    async def create(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def create(self, req: ChatCompletionRequest) -> dict | EventStream:
         self.check_model(req.model)
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
@@ -99,13 +100,13 @@ class OpenAIServingChat(ServingBase):
                 raise
             raise APIError(e.status, name + e.message.removeprefix(e.param or ""), param=name) from None
         request_id = req.request_id or random_id("chatcmpl-")
-        (stream,) = await self.submit(request_id, [prompt], params, req.stream, req.group_id)
+        (stream,), release = await self.submit(request_id, [prompt], params, req.stream, req.group_id)
         if req.stream:
-            return self._stream(req, request_id, stream)
+            return EventStream(self._stream(req, request_id, stream, release), [stream], release)
         try:
             out = await final_output(stream)
         finally:
-            self.registry.remove(request_id, 1)
+            release()
         choices = [self._choice(req, out.prompt_token_ids, s) for s in out.outputs]
         return {
             "id": request_id,
@@ -138,7 +139,9 @@ class OpenAIServingChat(ServingBase):
             return None
         return {"content": chat_logprobs(token_ids, sample.logprobs[start:], req.top_logprobs or 0)}
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, stream) -> AsyncIterator[str]:
+    async def _stream(
+        self, req: ChatCompletionRequest, request_id: str, stream, release: Callable[[], None]
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         deltas: dict[int, TextDeltas] = {}
         sent_tokens: dict[int, int] = {}
@@ -188,5 +191,5 @@ class OpenAIServingChat(ServingBase):
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
         finally:
-            self.registry.remove(request_id, 1)
+            release()
         yield "data: [DONE]\n\n"

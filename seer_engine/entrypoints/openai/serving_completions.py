@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import CompletionRequest
 from seer_engine.entrypoints.openai.serving_base import (
+    EventStream,
     ServingBase,
     TextDeltas,
     completion_logprobs,
@@ -34,7 +35,7 @@ def normalize_prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 class OpenAIServingCompletion(ServingBase):
-    async def create(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def create(self, req: CompletionRequest) -> dict | EventStream:
         """A response dict, or SSE lines when ``req.stream``. Refusals raise before any output."""
         self.check_model(req.model)
         if req.suffix:
@@ -44,13 +45,13 @@ class OpenAIServingCompletion(ServingBase):
         prompts = normalize_prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         request_id = req.request_id or random_id("cmpl-")
-        streams = await self.submit(request_id, prompts, params, req.stream, req.group_id)
+        streams, release = await self.submit(request_id, prompts, params, req.stream, req.group_id)
         if req.stream:
-            return self._stream(req, request_id, prompts, streams)
+            return EventStream(self._stream(req, request_id, prompts, streams, release), streams, release)
         try:
             outputs = [await final_output(s) for s in streams]
         finally:
-            self.registry.remove(request_id, len(prompts))
+            release()
         return self._response(req, request_id, prompts, outputs)
 
     # -- whole responses -----------------------------------------------------------------
@@ -112,8 +113,13 @@ class OpenAIServingCompletion(ServingBase):
     # -- streaming ---------------------------------------------------------------------------
 
     async def _stream(
-        self, req: CompletionRequest, request_id: str, prompts: list, streams: list
-    ) -> AsyncIterator[str]:
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        prompts: list,
+        streams: list,
+        release: Callable[[], None],
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         n = req.n
         deltas = {}
@@ -175,7 +181,7 @@ class OpenAIServingCompletion(ServingBase):
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
         finally:
-            self.registry.remove(request_id, len(prompts))
+            release()
         yield "data: [DONE]\n\n"
 
 
