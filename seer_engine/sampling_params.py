@@ -8,7 +8,17 @@ from seer_engine.core.numbers import is_int, is_real
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message names the offending field."""
+    """A request the engine refuses; the message names the offending field, and ``param``
+    names it as the OpenAI API does (``prompt``, ``stop_token_ids``, ``request_id``...;
+    None where no one field is at fault). Front ends that call a field otherwise (chat's
+    ``messages``) rename it in one place (the server's ``ServingBase.refusal``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple:  # keeps param across processes (rollout instances)
+        return type(self), (str(self), self.param)
 
 
 @dataclass
@@ -56,8 +66,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         def check(ok: bool, msg: str) -> None:
-            if not ok:
-                raise InvalidRequestError(msg)
+            if not ok:  # every message starts with the field at fault
+                raise InvalidRequestError(msg, param=msg.split(" ", 1)[0])
 
         check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(

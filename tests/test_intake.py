@@ -108,3 +108,26 @@ def _processor(model) -> InputProcessor:
     from seer_engine.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(model), num_kv_blocks=300)).make_input_processor()
+
+
+def test_refusals_name_their_field(model):
+    """Each refusal names the request field at fault as the OpenAI API calls it, and keeps
+    it when pickled (rollout instances may run in other processes)."""
+    import pickle
+
+    processor = _processor(model)
+    for prompt, params, param in [
+        ([1, -1], SamplingParams(), "prompt"),
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        (list(range(5)) * processor.max_model_len, SamplingParams(), "prompt"),
+        ([1], SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+    ]:
+        with pytest.raises(InvalidRequestError) as refused:
+            processor.process(prompt, params)
+        assert refused.value.param == param, refused.value
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(temperature=-1)
+    assert refused.value.param == "temperature"
+    copy = pickle.loads(pickle.dumps(refused.value))
+    assert (str(copy), copy.param) == (str(refused.value), "temperature")

@@ -304,6 +304,36 @@ def test_bad_completion_requests(http, model, body, status, needle):
     assert needle in error["message"] or needle == error["param"], error
 
 
+HI = [{"role": "user", "content": "hi"}]
+OUT_OF_VOCABULARY = "stop token id 99999 is out of the vocabulary"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "message", "param"),
+    [
+        ("/v1/completions", {"prompt": [1, 2, -1]}, "prompt token id -1 is out of the vocabulary", "prompt"),
+        ("/v1/completions", {"prompt": ""}, "prompt is empty", "prompt"),
+        ("/v1/completions", {"prompt": [[1], []]}, "prompt.1 is empty", "prompt.1"),
+        ("/v1/completions", {"prompt": ["a", ""]}, "prompt.1 is empty", "prompt.1"),
+        ("/v1/completions", {"prompt": [[1], [2, -3]]}, "prompt.1 token id -3 is out of the", "prompt.1"),
+        ("/v1/completions", {"prompt": "x " * 600}, "prompt has", "prompt"),
+        ("/v1/completions", {"prompt": ["a", "x " * 600]}, "prompt.1 has", "prompt.1"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, OUT_OF_VOCABULARY, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": HI, "stop_token_ids": [99999]},
+         OUT_OF_VOCABULARY, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]},
+         "the prompt rendered from messages has", "messages"),
+        ("/v1/chat/completions", {"messages": HI, "chat_template": "{{ '' }}"},
+         "the prompt rendered from messages is empty", "messages"),
+    ],
+)  # fmt: skip
+def test_intake_refusals_name_their_param(http, model, route, body, message, param):
+    resp = http.post(route, json={"model": model, **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
 @pytest.mark.parametrize(
     ("body", "status"),
     [

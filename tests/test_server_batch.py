@@ -137,10 +137,11 @@ def test_broken_batch_files_fail_with_line_errors(server, client, model):
 
 
 def test_batch_create_errors(client, http):
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.batches.create(
             input_file_id="file-missing", endpoint="/v1/completions", completion_window="24h"
         )
+    assert missing.value.body["param"] == "input_file_id", missing.value.body
     file_id = _upload(client, [{"custom_id": "x"}])
     for body, status in [
         ({"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400),

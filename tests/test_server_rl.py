@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 pytest_plugins = ["server_harness"]
@@ -154,9 +155,11 @@ def test_update_weights_refuses_wrong_checkpoints(
     version = http.get("/get_weight_version").json()["weight_version"]
     resp = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent/model"})
     assert resp.status_code == 400 and "not a directory" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["param"] == "model_path"
     other = tiny_model("qwen3", hidden_size=32, num_layers=1)
     resp = http.post("/update_weights_from_disk", json={"model_path": str(other)})
     assert resp.status_code == 400 and "hidden_size" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["param"] == "model_path"
     scaled = tiny_model("qwen3", rope_scaling={"rope_type": "linear", "factor": 2.0})  # same shapes
     resp = http.post("/update_weights_from_disk", json={"model_path": str(scaled)})
     assert resp.status_code == 400 and "rope_scaling" in resp.json()["error"]["message"]
@@ -217,6 +220,37 @@ def test_a_request_id_that_two_requests_share_aborts_both(server, client, http, 
     assert http.post("/resume_generation").status_code == 200
     assert [c.finish_reason for c in several.result(timeout=30).choices] == ["abort", "abort"]
     assert one.result(timeout=30).choices[0].finish_reason == "abort"
+
+
+def test_an_id_in_use_is_refused_by_name(server, client, http, model, pool):
+    """A request_id that a live request carries, or (rollout mode, where the Request Buffer
+    groups by it) a group_id that a live request of another prompt names, is refused with
+    that param. A keep pause holds everything, so nothing finishes on its own."""
+    held = lambda n: lambda: server.metrics()["num_requests_held"] == n  # noqa: E731
+    body = {"ignore_eos": True, "request_id": "rl-taken", "group_id": "rl-group"}
+    assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+    first = pool.submit(client.completions.create, model=model, prompt="a", max_tokens=LONG, extra_body=body)
+    server.wait_until(held(1), what="the first request held")
+    with pytest.raises(openai.BadRequestError) as taken:
+        client.completions.create(model=model, prompt="a", max_tokens=4, extra_body=body)
+    assert taken.value.body["param"] == "request_id", taken.value.body
+    assert taken.value.body["message"] == "request id 'rl-taken' is already in use"
+    other = {"request_id": "rl-other", "group_id": "rl-group"}
+    second = pool.submit(client.completions.create, model=model, prompt="b", max_tokens=4, extra_body=other)
+    server.wait_until(held(2), what="the second request held")
+    assert http.post("/resume_generation").status_code == 200  # admitted in order: the first, then it
+    if server.mode == "rollout":
+        with pytest.raises(openai.BadRequestError) as clash:
+            second.result(timeout=30)
+        assert clash.value.body["param"] == "group_id", clash.value.body
+        assert (
+            clash.value.body["message"]
+            == "group_id 'rl-group' is already used by a request with a different prompt"
+        )
+    else:
+        assert second.result(timeout=30).choices[0].finish_reason == "length"
+    assert http.post("/abort_requests", json={"request_ids": ["rl-taken"]}).json()["num_aborted"] == 1
+    assert first.result(timeout=30).choices[0].finish_reason == "abort"
 
 
 def test_client_disconnect_aborts(server, http, model):

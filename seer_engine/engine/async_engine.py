@@ -202,7 +202,9 @@ class AsyncEngine:
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         if mode not in PAUSE_MODES:
-            raise InvalidRequestError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+            raise InvalidRequestError(
+                f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}", param="mode"
+            )
         await self._call(lambda f: self._do_pause(mode, f))
 
     async def resume(self) -> None:
@@ -367,7 +369,7 @@ class AsyncEngine:
 
     def _do_add(self, cmd: _Add) -> None:
         if cmd.request_id in self._sinks:
-            raise InvalidRequestError(f"request id {cmd.request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {cmd.request_id!r} is already in use", param="request_id")
         self._sinks[cmd.request_id] = cmd.sink
         if self._paused is not None or self._engine.is_sleeping:
             self._held.append(cmd)

@@ -47,26 +47,32 @@ class InputProcessor:
         text, ids = self.tokenize(prompt, params.add_special_tokens)
         prior = list(prior_output_token_ids)
         if prior:
-            self._check_ids(prior, "prior output")
+            self._check_ids(prior, "prior output", None)
             if params.n != 1:
-                raise InvalidRequestError("prior_output_token_ids needs n == 1")
+                raise InvalidRequestError("prior_output_token_ids needs n == 1", param="n")
         if len(ids) + len(prior) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids) + len(prior)} tokens but max_model_len is {self.max_model_len} "
-                "(at least one output token must fit)"
+                "(at least one output token must fit)",
+                param="prompt",
             )
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
-                raise InvalidRequestError(f"stop token id {t} is out of the vocabulary")
+                raise InvalidRequestError(
+                    f"stop token id {t} is out of the vocabulary", param="stop_token_ids"
+                )
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if len(prior) >= max_tokens:
-            raise InvalidRequestError(f"max_tokens ({max_tokens}) leaves no room after the prior output")
+            raise InvalidRequestError(
+                f"max_tokens ({max_tokens}) leaves no room after the prior output", param="max_tokens"
+            )
         needed = -(-(len(ids) + max_tokens) // self.block_size)
         if needed > self.num_kv_blocks:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs {needed} KV blocks "
-                f"but the cache has {self.num_kv_blocks}; lower max_tokens or shorten the prompt"
+                f"but the cache has {self.num_kv_blocks}; lower max_tokens or shorten the prompt",
+                param="max_tokens",
             )
         return CheckedRequest(text, ids, params, max_tokens, prior)
 
@@ -77,46 +83,51 @@ class InputProcessor:
         ``add_special_tokens``: the tokenizer's own (e.g. a BOS) around a text prompt."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", param="prompt")
             limit = self.max_model_len * MAX_CHARS_PER_TOKEN
             if len(prompt) > limit:
                 raise InvalidRequestError(
                     f"prompt has {len(prompt)} characters; a prompt that fits max_model_len "
-                    f"({self.max_model_len} tokens) has at most {limit}"
+                    f"({self.max_model_len} tokens) has at most {limit}",
+                    param="prompt",
                 )
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
                 raise InvalidRequestError(
-                    f"prompt is not valid Unicode: {e.reason} at character {e.start} ({prompt[e.start]!r})"
+                    f"prompt is not valid Unicode: {e.reason} at character {e.start} ({prompt[e.start]!r})",
+                    param="prompt",
                 ) from None
             ids = self.tokenizer.encode(prompt, add_special_tokens)
             if not ids:
-                raise InvalidRequestError("prompt is empty once tokenized")
+                raise InvalidRequestError("prompt is empty once tokenized", param="prompt")
             outside = self._first_outside_vocabulary(ids)
             if outside is not None:
                 raise InvalidRequestError(
                     f"prompt tokenizes to token id {ids[outside]}, outside the model's vocabulary "
-                    f"(0..{self.vocab_size - 1}): the tokenizer does not match the model"
+                    f"(0..{self.vocab_size - 1}): the tokenizer does not match the model",
+                    param="prompt",
                 )
             return prompt, ids
         ids = list(prompt)
         if not ids:
-            raise InvalidRequestError("prompt is empty")
-        self._check_ids(ids, "prompt")
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        self._check_ids(ids, "prompt", "prompt")
         return None, ids
 
-    def _check_ids(self, ids: list[int], what: str) -> None:
+    def _check_ids(self, ids: list[int], what: str, param: str | None) -> None:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{what} has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                "(at least one output token must fit)"
+                "(at least one output token must fit)",
+                param=param,
             )
         outside = self._first_outside_vocabulary(ids)
         if outside is not None:
             raise InvalidRequestError(
                 f"{what} token id {ids[outside]!r} is out of the vocabulary "
-                f"(valid ids: 0..{self.vocab_size - 1})"
+                f"(valid ids: 0..{self.vocab_size - 1})",
+                param=param,
             )
 
     def _first_outside_vocabulary(self, ids: Sequence[int]) -> int | None:

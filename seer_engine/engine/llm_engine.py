@@ -227,14 +227,16 @@ class LLMEngine:
             # Its KV cache is gone: the model would run without attention, silently.
             raise InvalidRequestError("the engine is asleep (KV cache freed): call wake_up() first")
         if request_id in self.outputs.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params, ids = checked.params, checked.prompt_token_ids
         # Sample ids ("id-i" when n > 1) may clash with another request's: refuse before
         # any state changes, or the clash would leave a request that never finishes.
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         clash = [sid for sid in sample_ids if sid in self.scheduler.requests]
         if clash:
-            raise InvalidRequestError(f"sample id {clash[0]!r} of request {request_id!r} is already in use")
+            raise InvalidRequestError(
+                f"sample id {clash[0]!r} of request {request_id!r} is already in use", param="request_id"
+            )
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         parent = UserRequest(request_id, checked.prompt, ids, params, stream=stream)
         for i in range(params.n):
@@ -454,7 +456,8 @@ class LLMEngine:
         ]
         if diffs:
             raise InvalidRequestError(
-                f"cannot update weights from {new_cfg.path}: the model differs in " + "; ".join(diffs)
+                f"cannot update weights from {new_cfg.path}: the model differs in " + "; ".join(diffs),
+                param="model_path",
             )
         self.runner.load_weights_from(new_cfg)
         if self.is_sleeping and self.device.type != "cpu":

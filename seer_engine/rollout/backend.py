@@ -141,7 +141,7 @@ class RolloutBackend:
         """Queue a request's n responses in the Request Buffer (``priority`` is the
         rollout policy's business here, so it is not used)."""
         if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = checked.params
         group = self._group_for(checked, group_id)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -164,7 +164,8 @@ class RolloutBackend:
         if group is not None:
             if list(group.prompt_token_ids) != ids:
                 raise InvalidRequestError(
-                    f"group_id {group_id!r} is already used by a request with a different prompt"
+                    f"group_id {group_id!r} is already used by a request with a different prompt",
+                    param="group_id",
                 )
             return group
         n = next(self._group_ids)

@@ -124,7 +124,10 @@ def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], lis
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsRequest) -> dict:
-        await engine.update_weights_from_disk(req.model_path, req.weight_version)
+        try:
+            await engine.update_weights_from_disk(req.model_path, req.weight_version)
+        except ValueError as e:  # a checkpoint refused (not found, damaged, another model)
+            raise APIError(400, str(e), param="model_path") from None
         return {"success": True, "message": "weights updated", "weight_version": engine.weight_version}
 
     @router.get("/get_weight_version")

@@ -197,7 +197,7 @@ class BatchManager:
                 f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {req.completion_window!r}",
                 param="completion_window",
             )
-        meta = self.files.get(req.input_file_id)
+        meta = self.files.get(req.input_file_id, param="input_file_id")
         if meta["purpose"] != "batch":
             message = f"file {req.input_file_id!r} was not uploaded with purpose 'batch'"
             raise APIError(400, message, param="input_file_id")

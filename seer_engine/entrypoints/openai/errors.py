@@ -75,7 +75,7 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineBusyError):
         return APIError(409, str(exc), code="engine_busy")
     if isinstance(exc, EngineDeadError):

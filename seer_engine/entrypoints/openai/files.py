@@ -136,10 +136,11 @@ class FileStore:
         (self.root / f"{file_id}.json").unlink(missing_ok=True)
         self.data_path(file_id).unlink(missing_ok=True)
 
-    def get(self, file_id: str) -> dict:
+    def get(self, file_id: str, param: str = "file_id") -> dict:
+        """The file's metadata; ``param``: the request field that named it (for the 404)."""
         meta = self._files.get(file_id)
         if meta is None:
-            raise APIError(404, f"no file with id {file_id!r}", param="file_id", code="file_not_found")
+            raise APIError(404, f"no file with id {file_id!r}", param=param, code="file_not_found")
         return meta
 
     def read(self, file_id: str) -> bytes:

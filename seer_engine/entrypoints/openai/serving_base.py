@@ -19,6 +19,7 @@ from seer_engine.entrypoints.openai.protocol import (
     UNSUPPORTED_OPTIONS,
     ChatCompletionRequest,
     CompletionRequest,
+    _SamplingFields,
 )
 from seer_engine.outputs import RequestOutput, SampleLogprobs
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
@@ -127,9 +128,32 @@ class ServingBase:
                 code="model_not_found",
             )
 
-    @staticmethod
+    def renamed_fields(self, req: _SamplingFields) -> dict[str, tuple[str, str]]:
+        """Engine field -> (the request's param for it, how a message calls it), where this
+        front end calls a field otherwise (chat: the prompt is rendered from messages)."""
+        return {}
+
+    def refusal(
+        self, req: _SamplingFields, exc: BaseException, prompt_index: int | None = None
+    ) -> BaseException:
+        """An engine refusal in this front end's terms, the one place where that happens:
+        its param named as the request names it and, for one of several prompts, the
+        prompt's index (``prompt.1``, as body errors name it). Other errors pass as they are."""
+        if not isinstance(exc, InvalidRequestError):
+            return exc
+        renamed = self.renamed_fields(req)
+        if prompt_index is not None:
+            renamed["prompt"] = (f"prompt.{prompt_index}", f"prompt.{prompt_index}")
+        message, param = str(exc), exc.param
+        first = message.split(" ", 1)[0]
+        if first in renamed:  # messages start with the field they refuse
+            message = renamed[first][1] + message[len(first) :]
+        if param in renamed:
+            param = renamed[param][0]
+        return APIError(400, message, param=param)
+
     def sampling_params(
-        req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """Build and validate engine sampling parameters; unsupported options are refused."""
         for name, value in (req.model_extra or {}).items():
@@ -165,20 +189,21 @@ class ServingBase:
         try:
             return SamplingParams(**fields)
         except InvalidRequestError as e:
-            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+            raise self.refusal(req, e) from None
 
     async def submit(
         self,
+        req: _SamplingFields,
         request_id: str,
         prompts: list[str | list[int]],
         params: SamplingParams,
-        stream: bool,
-        group_id: str | None,
     ) -> tuple[list[AsyncIterator[RequestOutput]], Callable[[], None]]:
         """Submit one engine request per prompt, all at once; on a refusal, abort the
-        ones accepted and raise the first refusal. Returns the requests' outputs and what
-        unlinks the request id from the registry once they have ended."""
+        ones accepted and raise the first refusal (in the request's terms). Returns the
+        requests' outputs and what unlinks the request id from the registry once they
+        have ended."""
         ids = self.registry.engine_ids(request_id, len(prompts))
+        stream, group_id = bool(req.stream), req.group_id
         several = len(prompts) > 1 and group_id is not None
         groups = [f"{group_id}-{i}" if several else group_id for i in range(len(prompts))]
         results = await asyncio.gather(
@@ -188,12 +213,13 @@ class ServingBase:
             ),
             return_exceptions=True,
         )
-        errors = [r for r in results if isinstance(r, BaseException)]
+        errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if errors:
             accepted = [rid for rid, r in zip(ids, results) if not isinstance(r, BaseException)]
             if accepted:
                 await self.engine.abort(accepted)
-            raise errors[0]
+            index, error = errors[0]
+            raise self.refusal(req, error, index if len(prompts) > 1 else None)
         release = self.registry.add(request_id, len(prompts))
         return list(results), release
 

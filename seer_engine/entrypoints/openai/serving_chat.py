@@ -45,7 +45,21 @@ def _template_message(message: ChatMessage, index: int) -> dict:
     return out
 
 
+def _max_tokens_field(req: ChatCompletionRequest) -> str:
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
 class OpenAIServingChat(ServingBase):
+    def renamed_fields(self, req: ChatCompletionRequest) -> dict[str, tuple[str, str]]:  # type: ignore[override]
+        """The chat fields that carry an engine field: the prompt is rendered from
+        ``messages``, logprobs is ``top_logprobs``, max_tokens may be ``max_completion_tokens``."""
+        max_name = _max_tokens_field(req)
+        return {
+            "prompt": ("messages", "the prompt rendered from messages"),
+            "logprobs": ("top_logprobs", "top_logprobs"),
+            "max_tokens": (max_name, max_name),
+        }
+
     async def render_prompt(self, req: ChatCompletionRequest) -> str:
         """The conversation as one prompt string, through the model's chat template.
 
@@ -91,16 +105,9 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         prompt = await self.render_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        try:
-            params = self.sampling_params(req, getattr(req, max_name), logprobs)
-        except APIError as e:  # name the chat field that carried the refused engine value
-            name = {"logprobs": "top_logprobs", "max_tokens": max_name}.get(e.param or "")
-            if name is None or e.param == name:
-                raise
-            raise APIError(e.status, name + e.message.removeprefix(e.param or ""), param=name) from None
+        params = self.sampling_params(req, getattr(req, _max_tokens_field(req)), logprobs)
         request_id = req.request_id or random_id("chatcmpl-")
-        (stream,), release = await self.submit(request_id, [prompt], params, req.stream, req.group_id)
+        (stream,), release = await self.submit(req, request_id, [prompt], params)
         if req.stream:
             return EventStream(self._stream(req, request_id, stream, release), [stream], release)
         try:

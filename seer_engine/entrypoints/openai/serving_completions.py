@@ -45,7 +45,7 @@ class OpenAIServingCompletion(ServingBase):
         prompts = normalize_prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         request_id = req.request_id or random_id("cmpl-")
-        streams, release = await self.submit(request_id, prompts, params, req.stream, req.group_id)
+        streams, release = await self.submit(req, request_id, prompts, params)
         if req.stream:
             return EventStream(self._stream(req, request_id, prompts, streams, release), streams, release)
         try:
