@@ -152,8 +152,7 @@ def _special_ids(tok: Any) -> dict[str, int]:
 def _write_tokenizer(
     out: Path, tokenizer: str | os.PathLike[str] | None, max_position_embeddings: int, add_bos: bool = False
 ) -> tuple[int, dict[str, int]]:
-    """Write tokenizer.json + tokenizer_config.json; return (vocab size, special ids).
-    ``add_bos``: encoding a text prepends <|im_start|> (see ``make_tiny_model``)."""
+    """Write tokenizer.json + tokenizer_config.json; return (vocab size, special ids)."""
     from tokenizers import Tokenizer, processors
 
     if tokenizer is None:
@@ -170,11 +169,8 @@ def _write_tokenizer(
         raise ValueError("tokenizer ids are not contiguous from 0")
     special = _special_ids(tok)
     if add_bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{IM_START} $A",
-            pair=f"{IM_START} $A $B:1",
-            special_tokens=[(IM_START, special[IM_START])],
-        )
+        bos = (IM_START, special[IM_START])
+        tok.post_processor = processors.TemplateProcessing(single=f"{IM_START} $A", special_tokens=[bos])
         (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -242,8 +238,7 @@ def make_tiny_model(
     built-in ~1K byte-level BPE. vocab_size always equals the tokenizer's size.
     Same arguments and seed give byte-identical weights. `intermediate_size`
     defaults to 3 * hidden_size, `head_dim` to hidden_size // num_heads. `add_bos`: the
-    tokenizer prepends a BOS (<|im_start|>) to every text it encodes with special tokens,
-    as Llama's tokenizers prepend theirs, which their chat templates also write.
+    tokenizer prepends <|im_start|> as a BOS, as Llama's prepend theirs (their templates too).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
@@ -329,11 +324,7 @@ def make_tiny_model(
     # Greedy/sampled chat generation must stop at the end of the assistant turn
     # (<|im_end|>) as well as at <|endoftext|>; config.eos_token_id stays a single
     # id (the tokenizer's eos) for readers that expect an int.
-    model.generation_config = GenerationConfig(
-        bos_token_id=bos,
-        eos_token_id=[eot, im_end],
-        pad_token_id=eot,
-    )
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eot, im_end], pad_token_id=eot)
     model.save_pretrained(out, safe_serialization=True)
     _add_classic_config_keys(out / "config.json", dtype, classic_scaling, head_dim)
     (out / _STAMP_FILE).write_text(
