@@ -91,3 +91,15 @@ def test_the_report_names_the_trace_it_replayed(tmp_path, game24_trace):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["meta"]["trace"] == str(game24_trace) and report["meta"]["groups"] == 1
     assert report["policies"]["baseline"]["output_tokens"] == 2
+
+
+@pytest.mark.parametrize("policy", ["baseline", "context"])
+def test_a_response_no_instance_can_hold_is_named_not_run_forever(policy, capsys, game24_trace):
+    """A trace response whose prompt and tokens outgrow an instance's whole KV cache can
+    never finish (the baseline's engine preempted and re-admitted it forever): refused
+    before any model is made, naming --kv-blocks."""
+    args = [*BENCH, "--trace", str(game24_trace), "--policy", policy, "--kv-blocks", "1"]
+    err = _error(args, capsys)
+    assert "--kv-blocks 1 (16 tokens per instance) cannot hold response t" in err
+    assert "27-token prompt and 2 tokens need 29; raise --kv-blocks" in err
+    assert "Traceback" not in err

@@ -182,12 +182,14 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"tokenizer {args.tokenizer!r} not found; pass --tokenizer")
     trace = select_groups(load_trace(args.trace, args.tokenizer), args.groups or "8")
     max_len = max(len(g.prompt_token_ids) for g in trace) + args.max_tokens + 1
-    model = _trace_model(args, max_len)
-    cfg = _engine_config(args, model, max_len)
     workloads = [
         ReplayWorkload(trace, args.samples, args.max_tokens, first=it * args.samples)
         for it in range(args.iterations)
     ]
+    for w in workloads:
+        _check_kv_holds(args, w)
+    model = _trace_model(args, max_len)
+    cfg = _engine_config(args, model, max_len)
     eos = min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids)
     cluster = _cluster(args)
     total = sum(len(w.true_lengths) for w in workloads)
@@ -213,6 +215,24 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
         print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def _check_kv_holds(args: argparse.Namespace, workload: ReplayWorkload) -> None:
+    """Every response's prompt and tokens fit one instance's KV cache: one that does not
+    can never finish (alone on an instance, its engine would preempt it and run it again
+    for ever)."""
+    if args.kv_blocks < 1 or args.block_size < 1:
+        return  # EngineConfig names these
+    capacity = args.kv_blocks * args.block_size
+    prompts = dict(workload.prompts)
+    for key, length in workload.true_lengths.items():
+        prompt = len(prompts[key.rpartition("/")[0]])
+        if prompt + length > capacity:
+            raise ValueError(
+                f"--kv-blocks {args.kv_blocks} ({capacity} tokens per instance) cannot hold response {key}: "
+                f"its {prompt}-token prompt and {length} tokens need {prompt + length}; raise --kv-blocks "
+                "or lower --max-tokens"
+            )
 
 
 def _fresh_seeds(group: Group, iteration: int) -> Group:
