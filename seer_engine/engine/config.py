@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from seer_engine.spec_decode.config import SpeculativeConfig
@@ -51,6 +52,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        gb = self.kv_cache_memory_gb
+        if gb is not None and not (isinstance(gb, (int, float)) and 0 < gb < math.inf):
+            raise ValueError(f"kv_cache_memory_gb must be a finite number > 0, got {gb!r}")
+        if self.device != "auto" and not _is_device(self.device):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.cpu_weight_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"cpu_weight_dtype must be float32 or bfloat16, got {self.cpu_weight_dtype!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -72,3 +78,14 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _is_device(name: object) -> bool:
+    """``cpu``, ``cuda`` or ``cuda:N`` (as torch spells them); whether CUDA is there is
+    checked where the engine starts."""
+    import torch
+
+    try:
+        return isinstance(name, str) and torch.device(name).type in ("cpu", "cuda")
+    except RuntimeError:
+        return False

@@ -54,8 +54,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompts = list(args.prompt)
     if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.prompts_file) as f:
+                from_file = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise ValueError(f"cannot read --prompts-file {args.prompts_file!r}: {why}") from None
+        if not from_file:
+            raise ValueError(f"--prompts-file {args.prompts_file!r} holds no prompts")
+        prompts += from_file
     if not prompts:
         prompts = ["The rollout phase of reinforcement learning", "Once upon a time"]
     params = _sampling_params(args)

@@ -1,0 +1,54 @@
+"""``seer_engine generate`` and the engine flags every model command shares, on bad
+input: exit 2 with one line naming the flag and the problem, before any model loads;
+never a traceback or a run on something other than what was asked."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.entrypoints.cli import main
+
+
+def _error(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("device", "gpu0", "device must be auto, cpu or cuda[:N], got 'gpu0'"),
+        ("kv_cache_memory_gb", -1.0, "kv_cache_memory_gb must be a finite number > 0, got -1.0"),
+        ("kv_cache_memory_gb", 0.0, "kv_cache_memory_gb must be a finite number > 0, got 0.0"),
+        ("kv_cache_memory_gb", float("nan"), "kv_cache_memory_gb must be a finite number > 0, got nan"),
+        ("kv_cache_memory_gb", float("inf"), "kv_cache_memory_gb must be a finite number > 0, got inf"),
+    ],
+)
+def test_engine_flags_are_checked_before_the_model_loads(field, value, message, capsys):
+    with pytest.raises(ValueError) as info:
+        EngineConfig(**{field: value})
+    assert message in str(info.value)
+    flag = "--" + field.replace("_", "-")
+    args = ["generate", "--model", "/nonexistent-model", "--prompt", "hi", flag, str(value)]
+    assert message in _error(args, capsys)
+
+
+def test_a_prompts_file_that_cannot_be_read_is_named(tmp_path, capsys):
+    missing = tmp_path / "missing.txt"
+    err = _error(["generate", "--model", "/nonexistent-model", "--prompts-file", str(missing)], capsys)
+    assert f"cannot read --prompts-file {str(missing)!r}: No such file or directory" in err
+    err = _error(["generate", "--model", "/nonexistent-model", "--prompts-file", str(tmp_path)], capsys)
+    assert f"cannot read --prompts-file {str(tmp_path)!r}: Is a directory" in err
+
+
+def test_an_empty_prompts_file_is_an_error_not_the_demo_prompts(tmp_path, capsys):
+    """The demo prompts are for a bare ``generate``; a file with no prompts is a mistake."""
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n  \n")
+    err = _error(["generate", "--model", "/nonexistent-model", "--prompts-file", str(empty)], capsys)
+    assert f"--prompts-file {str(empty)!r} holds no prompts" in err
