@@ -52,3 +52,22 @@ def test_an_empty_prompts_file_is_an_error_not_the_demo_prompts(tmp_path, capsys
     empty.write_text("\n  \n")
     err = _error(["generate", "--model", "/nonexistent-model", "--prompts-file", str(empty)], capsys)
     assert f"--prompts-file {str(empty)!r} holds no prompts" in err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--port", "70000"], "--port must be in 0..65535 (0: a free one), got 70000"),
+        (["--port", "-1"], "--port must be in 0..65535 (0: a free one), got -1"),
+        (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be >= 0, got -1"),
+    ],
+)
+def test_serve_flags_are_checked_before_the_model_loads(args, message, capsys):
+    assert message in _error(["serve", "--model", "/nonexistent-model", *args], capsys)
+
+
+def test_a_data_dir_that_cannot_be_written_is_named_before_the_model_loads(tmp_path, capsys):
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    err = _error(["serve", "--model", "/nonexistent-model", "--port", "0", "--data-dir", str(a_file)], capsys)
+    assert f"--data-dir {str(a_file)!r} is not a directory this run can write to" in err

@@ -43,6 +43,7 @@ from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from seer_engine.rollout.backend import RolloutBackend
 from seer_engine.rollout.config import RolloutConfig
+from seer_engine.rollout.report import writable_dir
 
 logger = logging.getLogger("seer_engine.serve")
 
@@ -288,6 +289,11 @@ def run_server(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
+    if args.timeout_keep_alive < 0:
+        raise ValueError(f"--timeout-keep-alive must be >= 0, got {args.timeout_keep_alive}")
+    writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
