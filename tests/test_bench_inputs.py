@@ -103,3 +103,10 @@ def test_a_response_no_instance_can_hold_is_named_not_run_forever(policy, capsys
     assert "--kv-blocks 1 (16 tokens per instance) cannot hold response t" in err
     assert "27-token prompt and 2 tokens need 29; raise --kv-blocks" in err
     assert "Traceback" not in err
+
+
+def test_a_tokenizer_that_is_not_a_tokenizer_json_is_named(tmp_path, capsys, game24_trace):
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("")
+    err = _error([*BENCH, "--trace", str(game24_trace), "--tokenizer", str(tokenizer)], capsys)
+    assert f"{tokenizer} is not a tokenizer.json file" in err and "Traceback" not in err

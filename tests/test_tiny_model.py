@@ -258,6 +258,20 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         args.func(args)
     assert exc.value.code == 2 and "divisible" in capsys.readouterr().err
 
+    not_json = tmp_path / "notes.json"
+    not_json.write_text("not a tokenizer\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for bad, message in (
+        ([str(tmp_path / "tok"), "--tokenizer", str(not_json)], f"{not_json} is not a tokenizer.json file"),
+        ([str(a_file)], f"OUT {str(a_file)!r} is a file, not a folder"),
+    ):
+        args = parser.parse_args(["make-tiny-model", *bad])
+        with pytest.raises(SystemExit) as exc:
+            args.func(args)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err and "Traceback" not in err
+
 
 def test_default_tiny_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path / "cache"))

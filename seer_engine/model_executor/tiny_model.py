@@ -160,7 +160,10 @@ def _write_tokenizer(
         (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     else:
         src = _resolve_tokenizer_file(tokenizer)
-        tok = Tokenizer.from_file(str(src))
+        try:
+            tok = Tokenizer.from_file(str(src))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{src} is not a tokenizer.json file: {e}") from None
         shutil.copyfile(src, out / "tokenizer.json")
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     ids_present = set(tok.get_vocab(with_added_tokens=True).values())
@@ -272,6 +275,8 @@ def make_tiny_model(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT {str(out)!r} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     vocab_size, special = _write_tokenizer(out, tokenizer, max_position_embeddings, add_bos)
     bos = special[IM_START] if add_bos else None
@@ -488,7 +493,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                 tie_word_embeddings=args.tie_word_embeddings,
                 max_position_embeddings=args.max_position_embeddings,
             )
-        except (ValueError, FileNotFoundError) as err:
+        except (ValueError, OSError) as err:
             p.error(str(err))  # exits with status 2 and a usage line, no traceback
         print(path)
         return 0

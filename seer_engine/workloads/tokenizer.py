@@ -90,7 +90,10 @@ class TraceTokenizer:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"trace tokenizer not found: {self.path}")
-        self.tokenizer = Tokenizer.from_file(str(self.path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{self.path} is not a tokenizer.json file: {e}") from None
         self.vocab_size: int = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self._specials = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
         self._pieces: dict[str, tuple[int, ...]] = {}
