@@ -44,6 +44,7 @@ def loads(monkeypatch) -> list[tuple]:
     [
         (["--samples", "0"], "--samples must be >= 1, got 0"),
         (["--starvation-s", "-1"], "--starvation-s must be >= 0"),
+        (["--starvation-s", "nan"], "--starvation-s must be >= 0, got nan"),
         (["--context-order", "longest"], "--context-order: invalid choice: 'longest'"),
         (["--policy", "seer+history,baseline,seer+history"], "--policy names seer+history more than once"),
         (["--tokenizer", "/nonexistent/tok.json"], "tokenizer '/nonexistent/tok.json' not found"),

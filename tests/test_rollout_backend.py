@@ -167,6 +167,7 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
         (dict(instance_timeout_s=float("nan")), "--instance-timeout must be a finite number"),
         (dict(starvation_s=float("inf")), "--starvation-s must be a finite number"),
         (dict(context_order="longest"), "--context-order must be one of \\['auto', 'wait', 'estimate'\\]"),
+        (dict(history="memory", history_half_life=float("nan")), "--history-half-life must be > 0, got nan"),
     ):
         with pytest.raises(ValueError, match=needle):
             RolloutConfig(**bad)

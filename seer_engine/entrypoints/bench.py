@@ -154,7 +154,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    if args.starvation_s < 0:
+    if not args.starvation_s >= 0:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     machine = machine_info()
     policies = _parse_policies(args.policy)

@@ -96,6 +96,8 @@ def _setups(args: argparse.Namespace) -> list:
     from seer_engine.sim.setups import get_setup
 
     names = [s.strip() for s in args.setup.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--setup names no setup")
     profile = InstanceProfile.load(args.profile) if args.profile else None
     overrides = {
         "instances": args.instances, "prompts": args.prompts, "samples": args.samples,
@@ -105,7 +107,7 @@ def _setups(args: argparse.Namespace) -> list:
     for key in ("instances", "prompts", "samples", "max_tokens", "chunk_tokens"):
         if overrides[key] is not None and overrides[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
-    if args.starvation_s is not None and args.starvation_s < 0:
+    if args.starvation_s is not None and not args.starvation_s >= 0:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     if args.across_sigma is not None and not args.across_sigma >= 0:
         raise ValueError(f"--across-sigma must be >= 0, got {args.across_sigma}")
@@ -182,8 +184,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
-    if args.drift < 0:
+    if not args.drift >= 0:
         raise ValueError(f"--drift must be >= 0, got {args.drift}")
+    if args.repeat_prompts and args.iterations < 2:
+        raise ValueError(
+            "--repeat-prompts samples the same prompts in later iterations: pass --iterations N > 1 too"
+        )
     if args.drift and not args.repeat_prompts:
         raise ValueError("--drift moves repeated prompts: pass --repeat-prompts too")
     args.admission = check_dispatch_rules(args.admission, args.backfill, own_rules=(KNOWN_ENDS,))

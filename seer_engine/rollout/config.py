@@ -150,7 +150,7 @@ class RolloutConfig:
             raise ValueError(f"--context-order must be one of {list(ORDERS)}, got {self.context_order!r}")
         if self.history == "":
             raise ValueError("--history must be off, memory or a directory, got ''")
-        if self.history_half_life is not None and self.history_half_life <= 0:
+        if self.history_half_life is not None and not self.history_half_life > 0:
             raise ValueError(f"--history-half-life must be > 0, got {self.history_half_life}")
         if self.history == "off" and self.policy.endswith(HISTORY_SUFFIX):
             raise ValueError(f"policy {self.policy!r} ranks by the history store: it needs --history on")
