@@ -4,6 +4,7 @@ clear error before the rollout runs, never a traceback after it (its outputs los
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,14 @@ def test_output_that_cannot_be_written_is_refused_first(model, tmp_path, capsys)
         args = _args(model, tmp_path)
         err = _error([*args[:-1], str(output)], capsys)
         assert f"cannot write --output '{output}'" in err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where no one may create a file")
+def test_output_in_a_folder_that_cannot_be_written_is_refused_first(model, tmp_path, capsys):
+    """Not after the rollout ran, with a traceback and its responses lost."""
+    args = _args(model, tmp_path)
+    err = _error([*args[:-1], "/proc/out.jsonl"], capsys)
+    assert "--output '/proc/out.jsonl': its folder '/proc' is not a directory this run can write to" in err
 
 
 def test_history_dir_that_cannot_be_written_is_refused_before_the_rollout(model, tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,4 +137,12 @@ def test_cli_writes_a_profile(tiny_model, tmp_path, capsys):
     assert "us/token" in printed and f"wrote {out}" in printed
     args = parser().parse_args([*argv, "--output", str(tmp_path)])
     with pytest.raises(ValueError, match="is a directory"):
+        args.func(args)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where no one may create a file")
+def test_cli_refuses_an_output_it_cannot_write_before_profiling(tiny_model):
+    argv = ["profile", "--model", str(tiny_model()), "--quick", "--output", "/proc/p.json"]
+    args = parser().parse_args(argv)
+    with pytest.raises(ValueError, match="its folder '/proc' is not a directory this run can write to"):
         args.func(args)

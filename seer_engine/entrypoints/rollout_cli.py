@@ -25,6 +25,7 @@ from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
+from seer_engine.rollout.report import writable_dir
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 from seer_engine.tasks import TASKS, Grade, Task, TaskPrompt, get_task, parse_knobs, task_prompts
@@ -152,6 +153,7 @@ def run_rollout(args: argparse.Namespace) -> int:
     out_path = Path(args.output)  # checked now: a rollout is not run to be lost at the end
     if out_path.is_dir() or not out_path.parent.is_dir():
         raise ValueError(f"cannot write --output {args.output!r}: not a file in an existing directory")
+    writable_dir(out_path.parent, f"--output {args.output!r}: its folder")
     rollout_config = RolloutConfig.from_cli_args(args)
     history = rollout_config.open_history()
     policy = rollout_config.make_policy(history)

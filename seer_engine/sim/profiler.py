@@ -35,6 +35,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.engine.stats import StepShape
 from seer_engine.rollout.machine import machine_info
+from seer_engine.rollout.report import writable_dir
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.profile import InstanceProfile, StepTimeModel
 
@@ -425,6 +426,7 @@ def run_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {str(out)!r} is a directory; give a file path")
     if any(parent.exists() and not parent.is_dir() for parent in out.parents):
         raise ValueError(f"--output {str(out)!r}: a parent of it is a file, not a folder")
+    writable_dir(out.parent, f"--output {str(out)!r}: its folder")  # not lost after the profiling
     profile = profile_engine(EngineConfig.from_cli_args(args), args.name, args.quick)
     step, m = profile.step, profile.measured
     print(
