@@ -322,6 +322,20 @@ def test_cli_synthetic_table(capsys):
         _run_cli(["trace-stats", "--synthetic"])
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--samples", "0"], "--samples must be >= 1, got 0"),  # was taken as the default, 50
+        (["--samples", "-3"], "--samples must be >= 1, got -3"),
+        (["--groups", "0"], "--groups must be >= 1, got 0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ],
+)
+def test_cli_synthetic_names_a_bad_count_or_seed(args, message):
+    with pytest.raises(ValueError, match=message):
+        _run_cli(["trace-stats", "--synthetic", "--max-len", "50", "--no-ngrams", *args])
+
+
 @needs_traces
 def test_cli_trace_table(capsys):
     assert _run_cli(["trace-stats", str(GAME24), "--groups", "10:20", "--samples", "10"]) == 0

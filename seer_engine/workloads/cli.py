@@ -73,7 +73,11 @@ def _cmd_trace_stats(args: argparse.Namespace) -> int:
             num_groups = int(args.groups) if args.groups else 90
         except ValueError:
             raise ValueError(f"--groups for --synthetic is a count, got {args.groups!r}") from None
-        samples = args.samples or 50
+        samples = 50 if args.samples is None else args.samples
+        checks = (("--groups", num_groups, 1), ("--samples", samples, 1), ("--seed", args.seed, 0))
+        for flag, value, least in checks:
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
         groups = synthetic_workload(num_groups, samples, args.max_len, args.seed, vocab_size=args.vocab_size)
         title = (
             f"synthetic workload: {num_groups} groups x {samples}, max_len {args.max_len}, seed {args.seed}"
