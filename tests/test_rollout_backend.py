@@ -168,6 +168,8 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
         (dict(starvation_s=float("inf")), "--starvation-s must be a finite number"),
         (dict(context_order="longest"), "--context-order must be one of \\['auto', 'wait', 'estimate'\\]"),
         (dict(history="memory", history_half_life=float("nan")), "--history-half-life must be > 0, got nan"),
+        (dict(history_half_life=2.0), "--history-half-life decays the history store's lengths: it needs"),
+        (dict(history="off", history_half_life=2.0), "--history-half-life decays the history store's"),
     ):
         with pytest.raises(ValueError, match=needle):
             RolloutConfig(**bad)

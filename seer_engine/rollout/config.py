@@ -154,6 +154,11 @@ class RolloutConfig:
             raise ValueError(f"--history-half-life must be > 0, got {self.history_half_life}")
         if self.history == "off" and self.policy.endswith(HISTORY_SUFFIX):
             raise ValueError(f"policy {self.policy!r} ranks by the history store: it needs --history on")
+        if self.history_half_life is not None and self.history_spec() == "off":
+            raise ValueError(
+                "--history-half-life decays the history store's lengths: it needs --history memory or DIR "
+                "(or a +history policy)"
+            )
 
     def history_spec(self, data_dir: Path | None = None) -> str:
         """What ``--history`` resolves to: off, memory or a directory (the default for a
