@@ -71,3 +71,12 @@ def test_a_data_dir_that_cannot_be_written_is_named_before_the_model_loads(tmp_p
     a_file.write_text("")
     err = _error(["serve", "--model", "/nonexistent-model", "--port", "0", "--data-dir", str(a_file)], capsys)
     assert f"--data-dir {str(a_file)!r} is not a directory this run can write to" in err
+
+
+def test_a_kv_budget_that_holds_no_block_is_an_error_not_an_oversized_cache(tiny_model, capsys):
+    """One block of 2^30 tokens is far over the 1 GiB CPU budget: it was allocated anyway
+    (at least one block), a torch out-of-memory traceback."""
+    args = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--block-size", str(1 << 30)]
+    err = _error(args, capsys)
+    assert "KV cache budget (1073741824 bytes) holds no block of 1073741824 tokens" in err
+    assert "lower --block-size or raise --kv-cache-memory-gb" in err

@@ -167,8 +167,14 @@ class LLMEngine:
             budget = int(free - (1 - cfg.gpu_memory_utilization) * total) - self._weight_bytes()
         else:
             budget = 1 << 30
+        if budget < per_block:
+            raise ValueError(
+                f"the KV cache budget ({max(budget, 0)} bytes) holds no block of {cfg.block_size} tokens "
+                f"({per_block} bytes): lower --block-size or raise --kv-cache-memory-gb (on a GPU, or "
+                "--gpu-memory-utilization)"
+            )
         needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        return max(1, min(budget // per_block, needed))
+        return min(budget // per_block, needed)
 
     def _weight_bytes(self) -> int:
         """Size of the weights once loaded in the engine dtype, from the checkpoint files."""
