@@ -45,8 +45,8 @@ def _worker_main(conn: Connection, config: EngineConfig, token_source, kv_spec, 
         replica = replica_spec.open() if replica_spec is not None else None
         worker = build_worker(config, token_source, kv_spec.open(), replica)
         conn.send(("ready", worker.info))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as e:
+        conn.send(("error", (_portable(e) if isinstance(e, Exception) else None, traceback.format_exc())))
         return
     try:
         while True:
@@ -110,7 +110,10 @@ class ProcessInstance(InstanceHandle):
             ) from None
         if status != "ready":
             self.close()
-            raise RuntimeError(f"engine instance {self.index} failed to start:\n{value}")
+            error, trace = value
+            if isinstance(error, ValueError):
+                raise error  # a configuration error (max_model_len, the KV budget): the caller's
+            raise RuntimeError(f"engine instance {self.index} failed to start:\n{trace}")
         self.info = value
 
     # -- messages ----------------------------------------------------------------------
