@@ -80,3 +80,18 @@ def test_a_kv_budget_that_holds_no_block_is_an_error_not_an_oversized_cache(tiny
     err = _error(args, capsys)
     assert "KV cache budget (1073741824 bytes) holds no block of 1073741824 tokens" in err
     assert "lower --block-size or raise --kv-cache-memory-gb" in err
+
+
+def test_a_kv_cache_too_large_to_allocate_names_the_flags(tiny_model, capsys, monkeypatch):
+    """``--num-kv-blocks 1000000000`` asks for terabytes: torch's allocation failure (out of
+    memory) is stood in for here, since a real one depends on the machine's overcommit."""
+    from seer_engine.model_executor.model_runner import ModelRunner
+
+    def out_of_memory(self):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", out_of_memory)
+    args = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--num-kv-blocks", "1000000000"]
+    err = _error(args, capsys)
+    assert "cannot allocate the KV cache of 1000000000 blocks of 16 tokens" in err
+    assert "--num-kv-blocks" in err and "can't allocate memory" in err

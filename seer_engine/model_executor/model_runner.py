@@ -83,7 +83,13 @@ class ModelRunner:
         self.model = load_model(model_config, dtype, device)
         self.model.use_native(self.native, cpu_weight_dtype)
         self.sampler = Sampler()
-        self.kv_caches = self._allocate_kv_cache()
+        try:
+            self.kv_caches = self._allocate_kv_cache()
+        except RuntimeError as e:  # out of memory (torch.OutOfMemoryError on a GPU)
+            raise ValueError(
+                f"cannot allocate the KV cache of {self.num_blocks} blocks of {self.block_size} tokens "
+                f"(--num-kv-blocks, --block-size, --kv-cache-memory-gb): {e}"
+            ) from None
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         c = self.cfg
