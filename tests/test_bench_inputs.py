@@ -102,7 +102,7 @@ def test_a_response_no_instance_can_hold_is_named_not_run_forever(policy, capsys
     args = [*BENCH, "--trace", str(game24_trace), "--policy", policy, "--kv-blocks", "1"]
     err = _error(args, capsys)
     assert "--kv-blocks 1 (16 tokens per instance) cannot hold response t" in err
-    assert "27-token prompt and 2 tokens need 29; raise --kv-blocks" in err
+    assert "27-token prompt and 2 tokens need KV for 28; raise --kv-blocks" in err
     assert "Traceback" not in err
 
 
@@ -111,3 +111,18 @@ def test_a_tokenizer_that_is_not_a_tokenizer_json_is_named(tmp_path, capsys, gam
     tokenizer.write_text("")
     err = _error([*BENCH, "--trace", str(game24_trace), "--tokenizer", str(tokenizer)], capsys)
     assert f"{tokenizer} is not a tokenizer.json file" in err and "Traceback" not in err
+
+
+def test_a_history_dir_written_under_another_tokenizer_is_refused(tmp_path, capsys, game24_trace):
+    """As rollout and serve refuse it: its keys are other prompts' token ids. It was
+    loaded, used and saved back mixed with the trace tokenizer's prompts."""
+    from seer_engine.rollout.config import HISTORY_FILE
+    from seer_engine.rollout.history import HistoryStore
+
+    store = HistoryStore()
+    store.bind_tokenizer("1024:another-tokenizer", 1024)
+    (tmp_path / "context+history").mkdir()
+    store.save(tmp_path / "context+history" / HISTORY_FILE)
+    args = [*BENCH, "--trace", str(game24_trace), "--policy", "context+history", "--history", str(tmp_path)]
+    err = _error(args, capsys)
+    assert "the history store was written under another tokenizer (1024:another-tokenizer" in err

@@ -37,7 +37,7 @@ from seer_engine.entrypoints.rollout_cli import (
     task_groups,
 )
 from seer_engine.model_executor.model_config import ModelConfig
-from seer_engine.rollout.config import RolloutConfig, history_help, open_history, save_history
+from seer_engine.rollout.config import RolloutConfig, bind_history, history_help, open_history, save_history
 from seer_engine.rollout.context_manager import DEFAULT_STARVATION_S, add_context_order_arg
 from seer_engine.rollout.dispatcher import Dispatcher, add_dispatch_args, check_dispatch_rules
 from seer_engine.rollout.history import HistoryStore
@@ -190,7 +190,11 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         _check_kv_holds(args, w)
     model = _trace_model(args, max_len)
     cfg = _engine_config(args, model, max_len)
-    eos = min(ModelConfig.from_pretrained(resolve_model_path(model)).eos_token_ids)
+    path = resolve_model_path(model)
+    model_cfg = ModelConfig.from_pretrained(path)
+    eos = min(model_cfg.eos_token_ids)
+    tokenizer = Detokenizer.from_pretrained(path)  # the stores' binding, as rollout and serve bind them
+    processor = InputProcessor(tokenizer, model_cfg.vocab_size, max_len, args.kv_blocks, args.block_size)
     cluster = _cluster(args)
     total = sum(len(w.true_lengths) for w in workloads)
     print(f"bench rollout: {len(workloads[0].prompts)} groups x {args.samples} samples x "
@@ -200,7 +204,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
           f"{cluster.distributed_backend}, KV pool {cluster.kv_connector}", flush=True)  # fmt: skip
     iterations: list[dict[str, RolloutResult]] = [{} for _ in workloads]
     for name in policies:
-        history = _open_history(args, name)
+        history = _open_history(args, name, processor)
         for it, w in enumerate(workloads):
             iterations[it][name] = _run_policy(
                 args, name, cfg, cluster, w.groups(), w.true_lengths, w.replay(eos), timer, history, it
@@ -218,20 +222,19 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
 
 
 def _check_kv_holds(args: argparse.Namespace, workload: ReplayWorkload) -> None:
-    """Every response's prompt and tokens fit one instance's KV cache: one that does not
-    can never finish (alone on an instance, its engine would preempt it and run it again
-    for ever)."""
+    """Every response's prompt and tokens fit one instance's KV cache: one that does not can
+    never finish (alone on an instance, its engine would preempt it and rerun it for ever)."""
     if args.kv_blocks < 1 or args.block_size < 1:
         return  # EngineConfig names these
     capacity = args.kv_blocks * args.block_size
     prompts = dict(workload.prompts)
     for key, length in workload.true_lengths.items():
         prompt = len(prompts[key.rpartition("/")[0]])
-        if prompt + length > capacity:
+        if prompt + length - 1 > capacity:  # the last token is sampled, never fed back
             raise ValueError(
                 f"--kv-blocks {args.kv_blocks} ({capacity} tokens per instance) cannot hold response {key}: "
-                f"its {prompt}-token prompt and {length} tokens need {prompt + length}; raise --kv-blocks "
-                "or lower --max-tokens"
+                f"its {prompt}-token prompt and {length} tokens need KV for {prompt + length - 1}; raise "
+                "--kv-blocks or lower --max-tokens"
             )
 
 
@@ -244,11 +247,14 @@ def _fresh_seeds(group: Group, iteration: int) -> Group:
     return replace(group, sampling_params=group.sampling_params.clone(seed=seed))
 
 
-def _open_history(args: argparse.Namespace, policy: str) -> HistoryStore | None:
-    """The policy's history store (+history policies only): fresh, or from ``--history DIR``."""
+def _open_history(args: argparse.Namespace, policy: str, processor: InputProcessor) -> HistoryStore | None:
+    """The policy's history store (+history policies only): fresh, or from ``--history DIR``,
+    bound to the model's tokenizer (one kept under another is refused)."""
     if _split(policy)[0] not in HISTORY_POLICIES:
         return None
-    return open_history(_history_dir(args, policy))
+    store = open_history(_history_dir(args, policy))
+    bind_history(store, _history_dir(args, policy), processor)
+    return store
 
 
 def _save_history(args: argparse.Namespace, policy: str, store: HistoryStore | None) -> None:
@@ -396,7 +402,7 @@ def _run_task_bench(
           f"{len(groups) * args.samples} responses sampled by {args.model} (temperature {args.temperature}, "
           f"max_tokens {args.max_tokens}), {args.instances} instances, {args.kv_blocks} KV blocks each, "
           f"chunk {args.chunk_tokens}, backend {cluster.distributed_backend}", flush=True)  # fmt: skip
-    stores = {name: _open_history(args, name) for name in policies}
+    stores = {name: _open_history(args, name, processor) for name in policies}
     iterations: list[dict[str, RolloutResult]] = []
     for it in range(args.iterations):
         results: dict[str, RolloutResult] = {}
