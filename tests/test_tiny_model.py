@@ -19,11 +19,11 @@ from tokenizers import Tokenizer
 from seer_engine.model_executor import tiny_model
 from seer_engine.model_executor.tiny_model import (
     ARCHITECTURES,
-    add_cli,
     build_default_tokenizer,
     default_tiny_model_dir,
     make_tiny_model,
 )
+from seer_engine.model_executor.tiny_model_cli import add_cli
 
 transformers.logging.set_verbosity_error()
 

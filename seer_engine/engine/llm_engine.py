@@ -160,19 +160,16 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        budget, fix = 1 << 30, "lower --block-size or raise --kv-cache-memory-gb"
         if cfg.kv_cache_memory_gb is not None:
             budget = int(cfg.kv_cache_memory_gb * (1 << 30))
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - (1 - cfg.gpu_memory_utilization) * total) - self._weight_bytes()
-        else:
-            budget = 1 << 30
+            fix = "lower --block-size or raise --gpu-memory-utilization or --kv-cache-memory-gb"
         if budget < per_block:
-            raise ValueError(
-                f"the KV cache budget ({max(budget, 0)} bytes) holds no block of {cfg.block_size} tokens "
-                f"({per_block} bytes): lower --block-size or raise --kv-cache-memory-gb (on a GPU, or "
-                "--gpu-memory-utilization)"
-            )
+            size = f"{cfg.block_size} tokens ({per_block} bytes)"
+            raise ValueError(f"the KV cache budget ({max(budget, 0)} bytes) holds no block of {size}: {fix}")
         needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         return min(budget // per_block, needed)
 

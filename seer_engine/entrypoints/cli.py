@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     from seer_engine.entrypoints.openai.api_server import add_cli as add_serve
     from seer_engine.entrypoints.rollout_cli import add_cli as add_rollout
     from seer_engine.entrypoints.simulate import add_cli as add_simulate
-    from seer_engine.model_executor.tiny_model import add_cli as add_make_tiny_model
+    from seer_engine.model_executor.tiny_model_cli import add_cli as add_make_tiny_model
     from seer_engine.sim.profiler import add_cli as add_profile
     from seer_engine.workloads.cli import add_cli as add_trace_stats
 

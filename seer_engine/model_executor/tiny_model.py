@@ -9,7 +9,6 @@ implementation in correctness tests.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,7 +25,6 @@ __all__ = [
     "DEFAULT_VOCAB_SIZE",
     "SPECIAL_TOKENS",
     "INIT_STD",
-    "add_cli",
     "build_default_tokenizer",
     "default_tiny_model_dir",
     "make_tiny_model",
@@ -128,7 +126,7 @@ def build_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Any:
     return tok
 
 
-def _resolve_tokenizer_file(tokenizer: str | os.PathLike[str]) -> Path:
+def resolve_tokenizer_file(tokenizer: str | os.PathLike[str]) -> Path:
     """Accept a tokenizer.json file or a folder containing one."""
     path = Path(tokenizer).expanduser()
     if path.is_dir():
@@ -159,7 +157,7 @@ def _write_tokenizer(
         tok = build_default_tokenizer()
         (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     else:
-        src = _resolve_tokenizer_file(tokenizer)
+        src = resolve_tokenizer_file(tokenizer)
         try:
             tok = Tokenizer.from_file(str(src))
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
@@ -418,85 +416,3 @@ def default_tiny_model_dir() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _tokenizer_file(text: str) -> str:
-    try:
-        return str(_resolve_tokenizer_file(text))
-    except FileNotFoundError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `make-tiny-model OUT [...]` on an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "make-tiny-model",
-        help="write a tiny random-weight Hugging Face model folder",
-        description="Write a tiny random-weight Hugging Face checkpoint (config, "
-        "safetensors weights, tokenizer) for demos and tests.",
-    )
-    p.add_argument("out", metavar="OUT", help="output folder")
-    p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
-    p.add_argument(
-        "--tokenizer",
-        metavar="FILE",
-        type=_tokenizer_file,
-        default=None,
-        help="tokenizer.json to copy (default: built-in ~1K byte-level BPE)",
-    )
-    p.add_argument("--layers", metavar="N", type=_positive_int, default=2)
-    p.add_argument("--hidden", metavar="N", type=_positive_int, default=64)
-    p.add_argument(
-        "--intermediate",
-        metavar="N",
-        type=_positive_int,
-        default=None,
-        help="MLP width (default: 3 * hidden)",
-    )
-    p.add_argument("--heads", metavar="N", type=_positive_int, default=4)
-    p.add_argument("--kv-heads", metavar="N", type=_positive_int, default=2)
-    p.add_argument(
-        "--head-dim", metavar="N", type=_positive_int, default=None, help="default: hidden // heads"
-    )
-    p.add_argument("--seed", metavar="N", type=int, default=0)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--tie-word-embeddings", action="store_true")
-    p.add_argument("--max-position-embeddings", metavar="N", type=_positive_int, default=4096)
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            path = make_tiny_model(
-                args.out,
-                arch=args.arch,
-                tokenizer=args.tokenizer,
-                num_layers=args.layers,
-                hidden_size=args.hidden,
-                intermediate_size=args.intermediate,
-                num_heads=args.heads,
-                num_kv_heads=args.kv_heads,
-                head_dim=args.head_dim,
-                seed=args.seed,
-                dtype=args.dtype,
-                tie_word_embeddings=args.tie_word_embeddings,
-                max_position_embeddings=args.max_position_embeddings,
-            )
-        except (ValueError, OSError) as err:
-            p.error(str(err))  # exits with status 2 and a usage line, no traceback
-        print(path)
-        return 0
-
-    p.set_defaults(func=run)
-    return p
