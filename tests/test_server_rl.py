@@ -235,7 +235,7 @@ def test_an_id_in_use_is_refused_by_name(server, client, http, model, pool):
         client.completions.create(model=model, prompt="a", max_tokens=4, extra_body=body)
     assert taken.value.body["param"] == "request_id", taken.value.body
     assert taken.value.body["message"] == "request id 'rl-taken' is already in use"
-    other = {"request_id": "rl-other", "group_id": "rl-group"}
+    other = {"ignore_eos": True, "request_id": "rl-other", "group_id": "rl-group"}
     second = pool.submit(client.completions.create, model=model, prompt="b", max_tokens=4, extra_body=other)
     server.wait_until(held(2), what="the second request held")
     assert http.post("/resume_generation").status_code == 200  # admitted in order: the first, then it
