@@ -241,3 +241,64 @@ def test_a_stop_signal_shuts_the_rollout_server_down_cleanly(model, start_server
     saved = HistoryStore.load(Path(data) / "history" / "history.json")
     assert sorted(saved.sequences([3, 7, 11, 5])) == sorted(tokens for _, tokens in served)
     assert "leaked shared_memory" not in server.log_tail(20000), server.log_tail()
+
+
+def _post_completion(server, g: int = 0, timeout: float = 120):
+    """A request as a raw HTTP call: its status and OpenAI error object are looked at."""
+    body = {"model": server.model, "prompt": [3 + g, 7, 11 + g, 5], "n": N, "max_tokens": MAX_TOKENS,
+            "temperature": 1.0, "seed": 100 + g, "ignore_eos": True}  # fmt: skip
+    with server.http(timeout=timeout) as http:
+        return http.post("/v1/completions", json=body)
+
+
+def _assert_engine_dead(resp) -> None:
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "engine_dead" and "every engine instance" in error["message"], error
+
+
+def _wait_engine_dead(server) -> None:
+    """/health says 503 (condition-based: the server notices lost processes by itself)."""
+
+    def dead():
+        with server.http() as http:
+            resp = http.get("/health")
+        return resp.status_code == 503 and resp
+
+    _assert_engine_dead(server.wait_until(dead, timeout=60, what="/health to say 503"))
+
+
+def test_losing_every_instance_in_a_serving_call_while_paused_fails_requests_clearly(model, start_server):
+    """Every instance hangs (SIGSTOP) while generation is paused with ``keep``, and a cache
+    reset takes each as hung and kills it: the reset applied nowhere, so it answers 503
+    (not success); the requests in flight can never finish, so they end at once with 503
+    (not a wait for a resume that cannot help); /health and new requests say 503."""
+    server = start_server("--model", str(model), "--instances", "2", "--instance-timeout", "3", *COMMON)
+    pids = [i["pid"] for i in _health(server)["instances"]]
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(_post_completion, server)
+        server.wait_until(lambda: server.metrics()["generation_tokens_total"] > 0, timeout=120, what="tokens")
+        with server.http() as http:
+            assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                _assert_engine_dead(http.post("/flush_cache", timeout=120))
+            finally:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):  # killed by the server, normally
+                        os.kill(pid, signal.SIGKILL)
+        _assert_engine_dead(in_flight.result(timeout=60))
+    _wait_engine_dead(server)
+    _assert_engine_dead(_post_completion(server, 1))
+
+
+def test_losing_every_instance_while_idle_refuses_requests_clearly(model, start_server):
+    """Every instance process killed while idle (the baseline policy, which pins groups to
+    instances up front): /health says 503, and a new request is refused with 503, not a
+    500 from the dispatcher finding no instance to pin it to."""
+    server = start_server("--model", str(model), "--instances", "2", *COMMON, "--rollout-policy", "baseline")
+    for inst in _health(server)["instances"]:
+        os.kill(inst["pid"], signal.SIGKILL)
+    _wait_engine_dead(server)
+    _assert_engine_dead(_post_completion(server))

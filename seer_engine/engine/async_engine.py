@@ -361,8 +361,10 @@ class AsyncEngine:
                 self._do_add(cmd)
             else:
                 cmd.fn(cmd.future)
-        except (InvalidRequestError, EngineBusyError, ValueError) as e:
+        except (InvalidRequestError, EngineBusyError, ValueError, EngineDeadError) as e:
             resolve(cmd.future, error=e)
+            if isinstance(e, EngineDeadError):  # the backend can serve nothing more: stop
+                raise
         except Exception as e:  # noqa: BLE001 - the caller learns why; the engine is unharmed
             logger.exception("engine command failed")
             resolve(cmd.future, error=e)

@@ -22,7 +22,9 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down or crashed); no request can be served."""
+    """The engine thread stopped (shut down or crashed); no request can be served. A
+    backend raises it (from any call) when it can serve nothing any more, e.g. every
+    rollout instance is gone: the engine thread then stops and fails every caller."""
 
 
 class EngineBusyError(RuntimeError):

@@ -223,13 +223,15 @@ class RolloutBackend:
 
     def _call_all(self, method: str, *args) -> list:
         """``method`` on every live instance; one that turns out dead is dropped (its
-        responses finish elsewhere), not an error."""
+        responses finish elsewhere), not an error, unless none is left (``RolloutStalled``:
+        the call applied nowhere, and the server stops serving)."""
         results = []
         for inst in self.pool.alive:
             try:
                 results.append(inst.call(method, *args))
             except InstanceDied as died:
                 self.dispatcher.lose_instance(inst, str(died))
+        self.dispatcher.check_alive()
         return results
 
     @property
@@ -282,10 +284,12 @@ class RolloutBackend:
 
     def stats(self) -> EngineStats:
         """The sum over instances, as of their last replies (asking them would wait on
-        their steps); responses waiting in the Request Buffer count as waiting."""
+        their steps); responses waiting in the Request Buffer count as waiting. Raises
+        ``RolloutStalled`` once every instance is gone (the engine thread asks often)."""
         for inst in self.pool.alive:
             if not inst.poll_alive():
                 self.dispatcher.lose_instance(inst, f"engine instance {inst.index} died")
+        self.dispatcher.check_alive()  # none left: the server stops serving (503), paused or idle
         stats = total([inst.books.stats for inst in self.pool.alive])
         stats.waiting += len(self.dispatcher.buffer)
         return stats

@@ -176,9 +176,8 @@ class Dispatcher:
 
     def _enqueue(self, sample: RolloutSample) -> None:
         if self.policy.pin_groups_up_front:
+            self.check_alive()
             alive = self.pool.alive
-            if not alive:
-                raise RuntimeError("every engine instance of the rollout is gone")
             self._submit_or_recover(alive[sample.group.order % len(alive)], sample, sample.max_tokens, False)
         else:
             self.buffer.add(sample)
@@ -198,11 +197,7 @@ class Dispatcher:
         if stepped is None:
             if not self.buffer or any(inst.books.has_work for inst in self.pool.alive):
                 return []  # nothing to do, or no instance answered yet: come back
-            if not self.pool.alive:
-                raise RolloutStalled(
-                    f"every engine instance of the rollout is gone ({self.counters.instance_failures} lost); "
-                    f"{len(self.buffer)} responses cannot finish"
-                )
+            self.check_alive()
             raise RolloutStalled(
                 f"{len(self.buffer)} responses cannot be dispatched: a chunk needs more KV "
                 "blocks than an instance has (raise the KV budget or lower chunk_tokens)"
@@ -226,6 +221,14 @@ class Dispatcher:
             if sample.finished or sample.stream:
                 updated.append(sample)
         return updated
+
+    def check_alive(self) -> None:
+        """Raise ``RolloutStalled`` once every instance is gone: no response can run again."""
+        if not self.pool.alive:
+            raise RolloutStalled(
+                f"every engine instance of the rollout is gone ({self.counters.instance_failures} lost); "
+                f"{len(self._live)} responses cannot finish"
+            )
 
     def abort(self, keys: Sequence[str]) -> list[RolloutSample]:
         """Stop responses where they are (buffered or mid-chunk); unknown keys are ignored.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from seer_engine.engine.client import EngineDeadError
 from seer_engine.engine.stats import EngineStats, StepShape
 from seer_engine.kv_connector.base import ConnectorStats
 from seer_engine.outputs import RequestOutput
@@ -136,9 +137,10 @@ class StepReply:
     progress: dict[str, int] = field(default_factory=dict)  # request id -> output tokens, chunks held
 
 
-class RolloutStalled(RuntimeError):
+class RolloutStalled(EngineDeadError):
     """Responses are left that no instance can ever run: every instance is gone, or a
-    chunk needs more KV than an empty instance has. A configuration error, not a bug."""
+    chunk needs more KV than an empty instance has. A configuration error, not a bug.
+    A server's engine stops on it (an ``EngineDeadError``): its callers get 503."""
 
 
 class InstanceDied(RuntimeError):
