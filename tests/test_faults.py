@@ -188,6 +188,9 @@ def test_killed_ray_actor_loses_no_sample(model, start_server):
     _assert_complete(outputs, reference)
     assert server.metrics()["instance_failures_total"] == 1
     assert _health(server)["status"] == "degraded"
+    # The last actor dies while the server is idle: noticed without a request (503).
+    os.kill(_health(server)["instances"][0]["pid"], signal.SIGKILL)
+    _wait_engine_dead(server)
 
 
 def _children(pid: int) -> dict[int, str]:

@@ -38,6 +38,7 @@ from seer_engine.rollout.types import ChunkRequest, InstanceDied, InstanceInfo, 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 10.0  # a graceful close waits for the actor's queued calls, then it is killed
+PING_S = 1.0  # how often ``poll_alive`` asks an actor that is not stepping whether it is there
 NO_RAY = "--distributed-backend ray needs the ray package: pip install 'seer_engine[ray]'"
 
 
@@ -117,6 +118,9 @@ class _InstanceActor:
     def info(self) -> InstanceInfo:
         return self.worker.info
 
+    def ping(self) -> None:
+        pass
+
     def submit(self, chunk: ChunkRequest) -> None:
         self.worker.submit(chunk)
 
@@ -145,6 +149,8 @@ class RayInstance(InstanceHandle):
         self._step_ref = None  # the step in flight
         self._step_deadline: float | None = None  # by when it must answer (reply_timeout_s)
         self._submits: list = []  # refs of submits not yet seen to succeed
+        self._ping_ref = None  # poll_alive's ping in flight
+        self._ping_at = 0.0  # when it was sent (monotonic)
         self._cpus = config.num_threads or 1
         self._gpus = 1 if _wants_gpu(config, ray) else 0
         actor_class = ray.remote(_InstanceActor)
@@ -259,6 +265,22 @@ class RayInstance(InstanceHandle):
         ref, self._step_ref = self._step_ref, None
         self.stepping = False
         return self._get(ref, "step")
+
+    def poll_alive(self) -> bool:
+        """Never blocks: a ping kept in flight (one per ``PING_S``) fails once the actor
+        is gone, so one that dies while idle is noticed (a stepping one by its step)."""
+        if not self.alive or self.stepping:
+            return self.alive
+        try:
+            if self._ping_ref is None:
+                if time.monotonic() - self._ping_at >= PING_S:
+                    self._ping_ref, self._ping_at = self._remote("ping"), time.monotonic()
+            elif self._ray.wait([self._ping_ref], timeout=0)[0]:
+                ref, self._ping_ref = self._ping_ref, None
+                self._get(ref, "ping")
+        except InstanceDied:
+            return False
+        return self.alive
 
     @staticmethod
     def wait_any(handles: Sequence[RayInstance], timeout: float) -> None:
