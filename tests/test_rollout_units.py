@@ -239,3 +239,25 @@ def test_auto_order_ranks_known_prompts_by_estimate_only_when_prompts_differ_far
     assert keys == (["p7/1", "p0/1"] if expected == "estimate" else ["p0/1", "p7/1"])
     assert ctx.spread.prompts == AUTO_MIN_PROMPTS
     assert ContextManager(history=store, order="wait").effective_order == "wait"
+
+
+# -- Engine pool -------------------------------------------------------------------------
+
+
+def test_a_lost_instance_collects_no_finished_groups():
+    """With a draft server, finished group ids ride on each instance's next step; a lost
+    instance takes no step again, so it must not collect them (a server runs for days)."""
+    from types import SimpleNamespace
+
+    from seer_engine.kv_connector.factory import KVPool
+    from seer_engine.rollout.pool import EnginePool, WallClock
+    from seer_engine.spec_decode.draft_server import DraftServer
+
+    instances = [_instance(0), _instance(1)]
+    config = SimpleNamespace(speculative_config=None)
+    pool = EnginePool(config, instances, KVPool.recompute(), WallClock(), "mp", draft_server=DraftServer())
+    instances[1].alive = False
+    for i in range(3):
+        pool.finish_group(f"g{i}")
+    assert pool._draft_traffic(instances[0])[1] == ["g0", "g1", "g2"]
+    assert pool._finished_groups[1] == []

@@ -324,8 +324,8 @@ class EnginePool:
             self.proposer.finish_group(group_id)
         if self.draft_server is not None:
             self.draft_server.finish_group(group_id)
-            for pending in self._finished_groups.values():
-                pending.append(group_id)
+            for inst in self.alive:  # a lost instance steps no more: it would hoard them
+                self._finished_groups[inst.index].append(group_id)
 
     # -- the instances -------------------------------------------------------------------
 
