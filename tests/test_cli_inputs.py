@@ -60,6 +60,7 @@ def test_an_empty_prompts_file_is_an_error_not_the_demo_prompts(tmp_path, capsys
         (["--port", "70000"], "--port must be in 0..65535 (0: a free one), got 70000"),
         (["--port", "-1"], "--port must be in 0..65535 (0: a free one), got -1"),
         (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be >= 0, got -1"),
+        (["--served-model-name", "m", " "], "--served-model-name must not be blank, got ['m', ' ']"),
     ],
 )
 def test_serve_flags_are_checked_before_the_model_loads(args, message, capsys):

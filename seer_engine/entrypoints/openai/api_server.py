@@ -293,6 +293,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
     if args.timeout_keep_alive < 0:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {args.timeout_keep_alive}")
+    if any(not name.strip() for name in args.served_model_name or []):  # no client could name it
+        raise ValueError(f"--served-model-name must not be blank, got {args.served_model_name!r}")
     writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
