@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -109,7 +109,7 @@ class OpenAIServingChat(ServingBase):
         request_id = req.request_id or random_id("chatcmpl-")
         (stream,), release = await self.submit(req, request_id, [prompt], params)
         if req.stream:
-            return EventStream(self._stream(req, request_id, stream, release), [stream], release)
+            return EventStream(self._stream(req, request_id, stream), [stream], release)
         try:
             out = await final_output(stream)
         finally:
@@ -146,9 +146,7 @@ class OpenAIServingChat(ServingBase):
             return None
         return {"content": chat_logprobs(token_ids, sample.logprobs[start:], req.top_logprobs or 0)}
 
-    async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, stream, release: Callable[[], None]
-    ) -> AsyncGenerator[str, None]:
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, stream) -> AsyncGenerator[str, None]:
         created = int(time.time())
         deltas: dict[int, TextDeltas] = {}
         sent_tokens: dict[int, int] = {}
@@ -197,6 +195,4 @@ class OpenAIServingChat(ServingBase):
                 yield chunk([], usage(prompt_tokens, sum(sent_tokens.values())))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
-        finally:
-            release()
         yield "data: [DONE]\n\n"

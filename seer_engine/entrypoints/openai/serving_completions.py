@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import CompletionRequest
@@ -47,7 +47,7 @@ class OpenAIServingCompletion(ServingBase):
         request_id = req.request_id or random_id("cmpl-")
         streams, release = await self.submit(req, request_id, prompts, params)
         if req.stream:
-            return EventStream(self._stream(req, request_id, prompts, streams, release), streams, release)
+            return EventStream(self._stream(req, request_id, prompts, streams), streams, release)
         try:
             outputs = [await final_output(s) for s in streams]
         finally:
@@ -118,7 +118,6 @@ class OpenAIServingCompletion(ServingBase):
         request_id: str,
         prompts: list,
         streams: list,
-        release: Callable[[], None],
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         n = req.n
@@ -180,8 +179,6 @@ class OpenAIServingCompletion(ServingBase):
                 yield chunk([], usage(sum(prompt_tokens.values()), sum(sent_tokens.values())))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
-        finally:
-            release()
         yield "data: [DONE]\n\n"
 
 
