@@ -128,6 +128,7 @@ class _SamplingFields(_Strict):
     group_id: str | None = Field(default=None, description="Group of related samples (a GRPO group).")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
 
 
 class CompletionRequest(_SamplingFields):
@@ -137,7 +138,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
 
 
 class ContentPart(_Strict):

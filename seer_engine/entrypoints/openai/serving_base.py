@@ -15,12 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from seer_engine.engine.client import EngineClient
 from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
-from seer_engine.entrypoints.openai.protocol import (
-    UNSUPPORTED_OPTIONS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    _SamplingFields,
-)
+from seer_engine.entrypoints.openai.protocol import UNSUPPORTED_OPTIONS, _SamplingFields
 from seer_engine.outputs import RequestOutput, SampleLogprobs
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -153,7 +148,7 @@ class ServingBase:
         return APIError(400, message, param=param)
 
     def sampling_params(
-        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+        self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """Build and validate engine sampling parameters; unsupported options are refused."""
         for name, value in (req.model_extra or {}).items():
