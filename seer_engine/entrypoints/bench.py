@@ -252,8 +252,8 @@ def _open_history(args: argparse.Namespace, policy: str, processor: InputProcess
     bound to the model's tokenizer (one kept under another is refused)."""
     if _split(policy)[0] not in HISTORY_POLICIES:
         return None
-    store = open_history(_history_dir(args, policy))
-    bind_history(store, _history_dir(args, policy), processor)
+    spec = _history_dir(args, policy)
+    bind_history(store := open_history(spec), spec, processor)
     return store
 
 
