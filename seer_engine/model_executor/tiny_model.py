@@ -136,6 +136,17 @@ def resolve_tokenizer_file(tokenizer: str | os.PathLike[str]) -> Path:
     return path
 
 
+def read_tokenizer_file(path: str | os.PathLike[str]) -> Any:
+    """The `tokenizers.Tokenizer` in a tokenizer.json; a file it cannot parse is a
+    ValueError naming it (tokenizers raises a bare Exception)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{path} is not a tokenizer.json file: {e}") from None
+
+
 def _special_ids(tok: Any) -> dict[str, int]:
     """Ids of the three required specials; a clear error if one is missing."""
     ids = {}
@@ -151,17 +162,14 @@ def _write_tokenizer(
     out: Path, tokenizer: str | os.PathLike[str] | None, max_position_embeddings: int, add_bos: bool = False
 ) -> tuple[int, dict[str, int]]:
     """Write tokenizer.json + tokenizer_config.json; return (vocab size, special ids)."""
-    from tokenizers import Tokenizer, processors
+    from tokenizers import processors
 
     if tokenizer is None:
         tok = build_default_tokenizer()
         (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     else:
         src = resolve_tokenizer_file(tokenizer)
-        try:
-            tok = Tokenizer.from_file(str(src))
-        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-            raise ValueError(f"{src} is not a tokenizer.json file: {e}") from None
+        tok = read_tokenizer_file(src)
         shutil.copyfile(src, out / "tokenizer.json")
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     ids_present = set(tok.get_vocab(with_added_tokens=True).values())

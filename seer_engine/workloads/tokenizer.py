@@ -85,15 +85,12 @@ class TraceTokenizer:
     _SPOT_CHECKS = 4
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from tokenizers import Tokenizer
+        from seer_engine.model_executor.tiny_model import read_tokenizer_file
 
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"trace tokenizer not found: {self.path}")
-        try:
-            self.tokenizer = Tokenizer.from_file(str(self.path))
-        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-            raise ValueError(f"{self.path} is not a tokenizer.json file: {e}") from None
+        self.tokenizer = read_tokenizer_file(self.path)
         self.vocab_size: int = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self._specials = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
         self._pieces: dict[str, tuple[int, ...]] = {}
