@@ -36,7 +36,7 @@ from seer_engine.engine.client import (
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.streams import RequestStream, Sink, TokenRate, deliver, resolve
-from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class AsyncEngine:
 
     def check_health(self) -> Health:
         if self._fatal is not None:
-            raise EngineDeadError(f"the engine failed: {self._fatal!r}")
+            raise self._death()
         if self._closed or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down")
         return self._stats.health
@@ -280,7 +280,7 @@ class AsyncEngine:
             pass
 
     def _fail_queued(self) -> None:
-        error = EngineDeadError("the engine is shut down" if self._fatal is None else repr(self._fatal))
+        error = self._death()
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -288,6 +288,15 @@ class AsyncEngine:
                 return
             if isinstance(cmd, (_Add, _Call)):
                 resolve(cmd.future, error=error)
+
+    def _death(self) -> EngineDeadError:
+        """What callers learn once the thread has stopped: a backend's EngineDeadError in
+        its own words, any other failure named with its type."""
+        if self._fatal is None:
+            return EngineDeadError("the engine is shut down")
+        if isinstance(self._fatal, EngineDeadError):
+            return EngineDeadError(str(self._fatal))
+        return EngineDeadError(f"the engine failed: {self._fatal!r}")
 
     # -- the engine thread -------------------------------------------------------------------
 
@@ -310,10 +319,14 @@ class AsyncEngine:
         reason: BaseException = EngineDeadError("the engine is shut down")
         try:
             self._loop()
+        except EngineDeadError as e:  # the backend can serve nothing more; it says why
+            logger.error("engine stopped: %s", e)
+            self._fatal = e
+            reason = self._death()
         except BaseException as e:  # noqa: BLE001 - a crashed step must not hang callers
             logger.exception("engine thread failed")
             self._fatal = e
-            reason = EngineDeadError(f"the engine failed: {e!r}")
+            reason = self._death()
         finally:
             self._closed = True
             self._fail_everyone(reason)
@@ -403,7 +416,7 @@ class AsyncEngine:
         self._held = [c for c in self._held if c.request_id not in wanted]
         in_engine = sorted(wanted - {c.request_id for c in held})
         outputs = self._engine.abort_request(in_engine) if in_engine else []
-        outputs += [_aborted_output(c) for c in held]
+        outputs += [c.checked.aborted_output(c.request_id) for c in held]
         self._dispatch(outputs)
         self._check_drained()
         resolve(fut, len(outputs))
@@ -479,22 +492,3 @@ class AsyncEngine:
             return str(int(self._weight_version) + 1)
         except ValueError:
             return "1"
-
-
-def _aborted_output(cmd: _Add) -> RequestOutput:
-    """The final output of a request aborted before it reached the engine: no tokens."""
-    params = cmd.checked.params
-    samples = [
-        CompletionOutput(
-            index=i,
-            text="",
-            token_ids=[],
-            cumulative_logprob=None,
-            logprobs=[] if params.logprobs is not None else None,
-            finish_reason="abort",
-        )
-        for i in range(params.n)
-    ]
-    return RequestOutput(
-        cmd.request_id, cmd.checked.prompt, cmd.checked.prompt_token_ids, samples, finished=True
-    )

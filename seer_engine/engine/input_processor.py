@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from seer_engine.engine.detokenizer import Detokenizer
+from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 # A token is rarely longer than this many characters; a text prompt longer than
@@ -30,6 +31,15 @@ class CheckedRequest:
     params: SamplingParams
     max_tokens: int  # resolved: never None, never beyond the model's context
     prior_output_token_ids: list[int] = field(default_factory=list)  # a resumed response's tokens
+
+    def aborted_output(self, request_id: str) -> RequestOutput:
+        """The final output of this request aborted before it reached an engine: no tokens."""
+        logprobs = [] if self.params.logprobs is not None else None
+        samples = [
+            CompletionOutput(i, "", [], None, logprobs=logprobs, finish_reason="abort")
+            for i in range(self.params.n)
+        ]
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, samples, finished=True)
 
 
 @dataclass
