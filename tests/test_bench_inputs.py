@@ -50,6 +50,8 @@ def loads(monkeypatch) -> list[tuple]:
         (["--tokenizer", "/nonexistent/tok.json"], "tokenizer '/nonexistent/tok.json' not found"),
         (["--report", "/dev/null"], "--report '/dev/null' is not a directory this run can write to"),
         (["--history", "/dev/null"], "--history '/dev/null' is not a directory this run can write to"),
+        (["--seed", "3"], "--seed and --temperature go with --task: a trace replay emits the trace's tokens"),
+        (["--temperature", "1.0"], "--seed and --temperature go with --task"),
     ],
 )
 def test_bench_names_bad_arguments_before_loading(args, message, tmp_path, capsys, loads):

@@ -66,8 +66,8 @@ def add_cli(subparsers) -> None:
     p = kinds.add_parser("rollout", help="rollout benchmark of the scheduling policies (trace or task)")
     p.add_argument("--trace", default=None, help="a traces .jsonl.gz file to replay (or use --task)")
     add_task_args(p)
-    p.add_argument("--seed", type=int, default=0, help="--task: picks the problems and sampling seeds")
-    p.add_argument("--temperature", type=float, default=0.7, help="--task: sampling temperature")
+    p.add_argument("--seed", type=int, default=None, help="--task: picks the problems and sampling seeds (0)")
+    p.add_argument("--temperature", type=float, default=None, help="--task: sampling temperature (0.7)")
     p.add_argument(
         "--policy",
         default="baseline,divided,context,seer,oracle",
@@ -140,12 +140,9 @@ def _trace_model(args: argparse.Namespace, max_len: int) -> str:
     from seer_engine.model_executor.tiny_model import make_tiny_model
 
     out = Path(tempfile.mkdtemp(prefix="seer-bench-model-"))
-    return str(
-        make_tiny_model(
-            out, tokenizer=args.tokenizer, num_layers=args.layers, hidden_size=args.hidden,
-            max_position_embeddings=max(4096, max_len),
-        )
-    )  # fmt: skip
+    model = make_tiny_model(out, tokenizer=args.tokenizer, num_layers=args.layers, hidden_size=args.hidden,
+                            max_position_embeddings=max(4096, max_len))  # fmt: skip
+    return str(model)
 
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
@@ -166,6 +163,9 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         writable_dir(args.report, "--report")
     if args.history not in ("off", "memory"):
         writable_dir(args.history, "--history")
+    if args.task is None and (args.seed, args.temperature) != (None, None):
+        raise ValueError("--seed and --temperature go with --task: a trace replay emits the trace's tokens")
+    args.seed, args.temperature = (args.seed or 0), (0.7 if args.temperature is None else args.temperature)
     if args.task is not None:
         return _run_task_bench(args, policies, machine, timer)
     from seer_engine.workloads.groups import select_groups
