@@ -112,11 +112,16 @@ class _InstanceActor:
             config = dataclasses.replace(config, device="cuda")  # Ray shows the actor only its GPU
         threads = config.num_threads or int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(max(1, threads))
-        replica = replica_spec.open() if replica_spec is not None else None
-        self.worker = build_worker(config, token_source, kv_spec.open(), replica)
+        self.worker = None
+        self.config_error: ValueError | None = None
+        try:
+            replica = replica_spec.open() if replica_spec is not None else None
+            self.worker = build_worker(config, token_source, kv_spec.open(), replica)
+        except ValueError as e:  # the caller's configuration: Ray would pass it on only as text
+            self.config_error = e
 
-    def info(self) -> InstanceInfo:
-        return self.worker.info
+    def info(self) -> InstanceInfo | ValueError:
+        return self.worker.info if self.worker is not None else self.config_error
 
     def ping(self) -> None:
         pass
@@ -134,7 +139,8 @@ class _InstanceActor:
         return self.worker.call(method, *args)
 
     def close(self) -> None:
-        self.worker.connector.close()
+        if self.worker is not None:
+            self.worker.connector.close()
 
 
 class RayInstance(InstanceHandle):
@@ -177,6 +183,9 @@ class RayInstance(InstanceHandle):
             self.close()
             raise RuntimeError(f"engine instance {self.index} failed to start:\n{_text(e)}") from None
         self._ready_ref = None
+        if isinstance(info, ValueError):
+            self.close()
+            raise info  # a configuration error (max_model_len, the KV budget): the caller's
         self.info = info
 
     # -- calls on the actor --------------------------------------------------------------
