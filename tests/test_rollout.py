@@ -93,6 +93,21 @@ def test_sampled_outputs_do_not_depend_on_chunking(model):
     assert len({tuple(x) for x in a["g0"]}) > 1, "samples of a group must differ"
 
 
+def test_min_tokens_holds_across_chunks(model):
+    """min_tokens bounds the whole response: every chunk bans the stop ids until the
+    response (not the chunk) has min_tokens tokens, so chunking changes no output."""
+    params = SamplingParams(
+        temperature=1.0, max_tokens=40, min_tokens=40, seed=5, stop_token_ids=list(range(0, 1000, 2))
+    )
+    groups = lambda: [Group(f"g{i}", g.prompt_token_ids, params, 4, 40) for i, g in enumerate(_groups())]
+    _, whole = _run(model, "baseline", 1, 10_000, kv_blocks=256, groups=groups())
+    _, chunked = _run(model, "context", 2, 8, groups=groups())
+    for result in (whole, chunked):
+        assert all(s.num_generated == 40 for v in result.samples.values() for s in v)
+    outs = lambda r: {k: [s.output_token_ids for s in v] for k, v in r.samples.items()}
+    assert outs(whole) == outs(chunked)
+
+
 def test_peak_admission_keeps_seeded_outputs_and_never_preempts(model):
     """Tight KV, so the admission rule decides what runs together: every policy returns
     every sample once with the same seeded tokens, and the divided ones never preempt."""

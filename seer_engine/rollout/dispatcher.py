@@ -365,9 +365,9 @@ class Dispatcher:
             load = self.pooled and self.placement.should_pull(missing)
             if not load:
                 self.counters.migrated_tokens += missing
-        remaining_min = max(0, (sample.params.min_tokens or 0) - sample.num_generated)
+        # The engine counts the resumed output towards both limits: they bound the whole response.
         params = sample.params.clone(
-            n=1, seed=sample.seed, max_tokens=limit, min_tokens=min(remaining_min, limit)
+            n=1, seed=sample.seed, max_tokens=limit, min_tokens=min(sample.params.min_tokens, limit)
         )
         sample.chunks += 1
         sample.chunk_start = sample.num_generated
