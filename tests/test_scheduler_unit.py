@@ -343,6 +343,20 @@ def test_a_draft_never_preempts() -> None:
     assert a.draft is None and sched.stats.preemptions == 0
 
 
+def test_a_draft_never_takes_a_block_a_later_decode_row_needs() -> None:
+    """The last free block would hold a's draft or b's next token: b's token comes
+    first, so the draft is dropped and nobody is preempted for it."""
+    sched = make_scheduler(num_blocks=3)
+    a, b = make_request("a", 3), make_request("b", 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a: 4 tokens in one block; b: 5 tokens, its fifth needs a second block
+    a.draft = path([5, 6])
+    out, _ = step(sched)
+    assert out.preempted == [] and spans(out) == [("a", 1), ("b", 1)]
+    assert a.draft is None and sched.stats.preemptions == 0
+
+
 def test_accepted_draft_tokens_advance_and_rejected_slots_are_trimmed() -> None:
     sched = make_scheduler(num_blocks=16)
     r = make_request("r", 6)

@@ -143,25 +143,25 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_draft = self._fit_draft(request, num_new, budget)
-            if num_draft:
-                num_new += num_draft
-            else:
-                while not self.kv.allocate_slots(request, num_new):
-                    scheduled = {id(r) for r, _ in out.scheduled}
-                    victim = self.policy.select_victim([r for r in self.running if id(r) not in scheduled])
-                    if victim.cut_after is not None and victim.num_output_tokens > victim.cut_after:
-                        self._finish(victim, RequestStatus.FINISHED_LENGTH)
-                        self.stats.chunk_cuts += 1
-                        out.cut.append(victim)
-                    else:
-                        self._preempt(victim)
-                        out.preempted.append(victim)
-                    if victim is request:
-                        break
+            while not self.kv.allocate_slots(request, num_new):
+                scheduled = {id(r) for r, _ in out.scheduled}
+                victim = self.policy.select_victim([r for r in self.running if id(r) not in scheduled])
+                if victim.cut_after is not None and victim.num_output_tokens > victim.cut_after:
+                    self._finish(victim, RequestStatus.FINISHED_LENGTH)
+                    self.stats.chunk_cuts += 1
+                    out.cut.append(victim)
+                else:
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                if victim is request:
+                    break
             if request.status is RequestStatus.RUNNING:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
+        for i, (request, num_new) in enumerate(out.scheduled):
+            num_draft = self._fit_draft(request, num_new, budget)
+            out.scheduled[i] = (request, num_new + num_draft)
+            budget -= num_draft
         if not out.preempted and not out.cut:
             budget = self._admit_waiting(out, budget)
         self.stats.steps += 1
@@ -172,13 +172,14 @@ class Scheduler:
         """Make room for the request's draft on top of its decode token; returns how
         many draft nodes fit (the draft is shortened to them, or dropped).
 
-        Drafts ride only on a decode row, only in the token budget that is left and
-        only in free KV blocks: speculation never preempts anyone.
+        Drafts ride only on a decode row, only in the token budget and free KV blocks
+        left once every running request has its own tokens: speculation never
+        preempts anyone, nor takes a block another running request needs this step.
         """
         draft = request.draft
         if not draft:
             return 0
-        room = min(len(draft), budget - num_new) if num_new == 1 else 0
+        room = min(len(draft), budget) if num_new == 1 else 0
         if room > 0 and self.kv.allocate_slots(request, num_new + room):
             request.draft = draft.truncated(room)
             self.stats.draft_tokens_verified += room
