@@ -229,6 +229,23 @@ def test_bad_model_folders_are_named(tmp_path, model_path):
         LLM(str(partial))
 
 
+def test_eos_ids_outside_the_vocabulary_are_ignored(tmp_path, model_path):
+    """A generation config may list EOS ids the model cannot emit (past its vocabulary,
+    or negative): they never stop an output, and min_tokens does not ban them (which
+    indexed past the logits, or banned the last token)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "odd-eos"
+    shutil.copytree(model_path, folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, vocab + 5, -1]}))
+    llm = LLM(str(folder))
+    assert 2 in llm.engine.eos_token_ids and all(0 <= e < vocab for e in llm.engine.eos_token_ids)
+    out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, min_tokens=8))[0].outputs[0]
+    assert len(out.token_ids) == 8
+
+
 def test_streaming_reports_progress_every_step(llm):
     engine = llm.engine
     engine.reset_prefix_cache()  # sample 1 then waits one step for sample 0's prompt block

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from seer_engine.core.numbers import is_int
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -171,7 +173,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             sliding_window=sliding,
-            eos_token_ids=_eos_ids(path, cfg),
+            eos_token_ids=_eos_ids(path, cfg, need("vocab_size")),
             bos_token_id=cfg.get("bos_token_id"),
         )
 
@@ -219,8 +221,10 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> int | None:
     return window if slides else None
 
 
-def _eos_ids(path: Path, cfg: dict[str, Any]) -> list[int]:
-    """EOS ids from generation_config.json (which may list several) and config.json."""
+def _eos_ids(path: Path, cfg: dict[str, Any], vocab_size: int) -> list[int]:
+    """EOS ids from generation_config.json (which may list several) and config.json.
+    Ids outside the vocabulary are left out: the model never emits them, and banning
+    them before min_tokens would index past (or, negative, wrap around) the logits."""
     ids: list[int] = []
     gen_file = path / "generation_config.json"
     sources = [cfg]
@@ -229,6 +233,6 @@ def _eos_ids(path: Path, cfg: dict[str, Any]) -> list[int]:
     for src in sources:
         eos = src.get("eos_token_id")
         for e in eos if isinstance(eos, list) else [eos]:
-            if isinstance(e, int) and e not in ids:
+            if is_int(e) and 0 <= e < vocab_size and e not in ids:
                 ids.append(e)
     return ids
