@@ -17,6 +17,7 @@ from conftest import make_engine as _engine
 from conftest import run_waves as _run_waves
 
 from seer_engine.core.draft import DraftTree, accept
+from seer_engine.core.request import RequestStatus
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.model_executor import cpu_kernels
@@ -193,6 +194,23 @@ def test_high_priority_requests_draft_deeper_and_take_nodes_from_the_rest():
     alike = drafter.budget.allocate(reqs, lambda r: 0.6, 16)
     assert weighted[0] > alike[0] == alike[1] >= weighted[1]
     assert len(set(weighted[1:])) == 1
+
+
+def test_a_draft_the_step_left_unverified_is_not_kept_past_a_budget_of_none():
+    """A request the token budget left out keeps its draft until the drafter runs
+    again; when the budget then gives it no nodes (drafts do not pay in this batch),
+    the old draft goes too, rather than being verified against the budget's verdict."""
+    from seer_engine.core.request import Request
+    from seer_engine.spec_decode.drafter import Drafter
+
+    never_pays = AdaptiveBudget(StepCostModel(fixed_s=1e-9, per_token_s=1.0))
+    drafter = Drafter(SpeculativeConfig(), proposers.make_proposer(SpeculativeConfig()), never_pays)
+    req = Request("r", [1, 2, 3], SamplingParams(), 8, seed=0)
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = req.num_tokens - 1
+    req.draft = DraftTree([4, 5], [-1, 0])
+    drafter.propose([req])
+    assert req.draft is None
 
 
 def test_the_engine_keeps_a_chunks_priority_for_its_drafter(model):

@@ -116,7 +116,9 @@ class Drafter:
         e.accepted, e.tried = learn(e.accepted, e.tried, len(verdict.nodes), verdict.draft_depth)
 
     def propose(self, running: Sequence[Request]) -> None:
-        """Set ``request.draft`` on every request that decodes next step and gets a budget."""
+        """Set ``request.draft`` on every request that decodes next step and gets a
+        budget; the others get none, even one that a step's token budget left out still
+        holding the draft it was given then (this step's budget decides, not that one)."""
         ready = [
             r
             for r in running
@@ -126,6 +128,7 @@ class Drafter:
         ]
         cap = self.config.num_speculative_tokens
         for req, budget in zip(ready, self.budget.allocate(ready, self.acceptance, cap, self.weight)):
+            req.draft = None
             budget = min(budget, req.max_tokens - req.num_output_tokens - 1)
             if budget <= 0:
                 continue
