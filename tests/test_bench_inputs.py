@@ -128,3 +128,19 @@ def test_a_history_dir_written_under_another_tokenizer_is_refused(tmp_path, caps
     args = [*BENCH, "--trace", str(game24_trace), "--policy", "context+history", "--history", str(tmp_path)]
     err = _error(args, capsys)
     assert "the history store was written under another tokenizer (1024:another-tokenizer" in err
+
+
+def test_a_model_that_names_no_eos_is_refused_by_name(tmp_path, capsys, game24_trace):
+    """A trace replay ends each response with the model's EOS id: a model whose configs name
+    none in its vocabulary gets an error naming the folder, not min()'s empty sequence."""
+    from seer_engine.model_executor.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", tokenizer=game24_trace.parent / "bpe32k-tokenizer.json",
+                            num_layers=1, hidden_size=32)  # fmt: skip
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": config["vocab_size"] + 1}))
+    (model / "generation_config.json").unlink(missing_ok=True)
+    args = [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--model", str(model)]
+    err = _error(args, capsys)
+    assert f"{model}: neither config.json nor generation_config.json names an EOS token id" in err
+    assert "Traceback" not in err

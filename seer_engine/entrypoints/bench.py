@@ -192,7 +192,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     cfg = _engine_config(args, model, max_len)
     path = resolve_model_path(model)
     model_cfg = ModelConfig.from_pretrained(path)
-    eos = min(model_cfg.eos_token_ids)
+    eos = model_cfg.replay_eos()
     tokenizer = Detokenizer.from_pretrained(path)  # the stores' binding, as rollout and serve bind them
     processor = InputProcessor(tokenizer, model_cfg.vocab_size, max_len, args.kv_blocks, args.block_size)
     cluster = _cluster(args)

@@ -99,6 +99,15 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
 
+    def replay_eos(self) -> int:
+        """The EOS id a trace replay ends its responses with (the lowest the model lists)."""
+        if not self.eos_token_ids:
+            raise ModelLoadError(
+                f"{self.path}: neither config.json nor generation_config.json names an EOS token id "
+                "in the vocabulary, and a trace replay ends each response with one"
+            )
+        return min(self.eos_token_ids)
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)

@@ -106,7 +106,7 @@ def real_rollouts(
     cfg = EngineConfig(model=str(model), num_kv_blocks=w.kv_blocks, block_size=w.block_size,
                        max_num_seqs=w.max_num_seqs, num_threads=1, max_model_len=max_len)  # fmt: skip
     workload = ReplayWorkload(trace, w.samples, w.max_tokens)
-    replay = workload.replay(min(ModelConfig.from_pretrained(Path(model)).eos_token_ids))
+    replay = workload.replay(ModelConfig.from_pretrained(Path(model)).replay_eos())
     metrics, points = {}, []
     for name in policies:
         runs = []
