@@ -233,6 +233,7 @@ def countdown_problem():
         ("<answer>=</answer>", "no_answer"),
         ("<answer> 25 × 4 − 7 </answer>", "correct"),
         ("Try <answer>25 * 4</answer>, no: <answer>25*4-7</answer>", "correct"),
+        ("<answer>25 * 4 + 7 <answer>25 * 4 - 7</answer>", "correct"),  # an unclosed tag before
         ("<answer>25 * 4 - 7 + 25 - 25</answer>", "numbers_not_allowed"),  # 25 used three times
         ("<answer>25 * 4 - 7 / (7 - 7)</answer>", "division_by_zero"),
         ("<answer>2 ** 10</answer>", "invalid_expression"),
@@ -252,6 +253,18 @@ def test_countdown_grading(countdown_problem, response, verdict):
     grade = get_task("countdown").grade(countdown_problem, response)
     assert grade.verdict == verdict
     assert grade.reward == (1.0 if verdict == "correct" else 0.0)
+
+
+def test_countdown_grading_is_linear_in_a_degenerate_response():
+    """A model stuck repeating an unclosed ``<answer>`` (a megabyte of it) is graded at
+    once: the tag scan must not go back over the rest of the text for every tag."""
+    code = (
+        "from seer_engine.tasks import get_task; t = get_task('countdown'); p = t.problems(1)[0]; "
+        "print(t.grade(p, '<answer>' * 125_000).verdict, t.grade(p, '<answer>1 + ' * 80_000).verdict)"
+    )
+    run = [sys.executable, "-c", code]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120, check=True)  # hours if quadratic
+    assert out.stdout.split() == ["no_answer", "no_answer"]
 
 
 def test_countdown_exact_fractions(countdown_problem):

@@ -21,7 +21,9 @@ from typing import Any
 from seer_engine.tasks.base import Gradable, Grade, Task, check_positive
 
 MAX_EXPRESSION_CHARS = 200
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# A tag's text ends at the next opening tag: a scan from every unclosed tag to the end of
+# the response would make grading quadratic in a model's degenerate repetitions.
+_ANSWER = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL | re.IGNORECASE)
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _LOOKALIKES = str.maketrans({"×": "*", "÷": "/", "−": "-", "–": "-"})
 
@@ -65,8 +67,9 @@ def evaluate(expression: str) -> tuple[Fraction, list[int]]:
 
 
 def extract_answer(response: str) -> str | None:
-    """The expression in the last ``<answer>...</answer>``, without the ``$`` or backtick
-    delimiters around it and an ``= N`` after or before it (``93 = 25 * 4 - 7``)."""
+    """The expression in the last ``<answer>...</answer>`` (from the last opening tag before
+    it), without the ``$`` or backtick delimiters around it and an ``= N`` after or before
+    it (``93 = 25 * 4 - 7``)."""
     found = _ANSWER.findall(response)
     if not found:
         return None
