@@ -94,6 +94,23 @@ def test_countdown_problems_are_solvable(knobs):
         assert str(nums) in p.question and "<answer>" in p.messages[-1]["content"]
 
 
+def test_countdown_with_many_numbers_grades_its_own_answers():
+    """The longest answer graded grows with the numbers given: a problem of 40 numbers
+    (its solution over 200 characters) is still solved by its reference answer, and a
+    long chain of literals is refused as an expression, never a RecursionError."""
+    task = get_task("countdown", numbers=40, min_used=40, max_target=10**200)
+    problems = task.problems(5, seed=1)
+    assert max(len(p.answer) for p in problems) > 200
+    for p in problems:
+        assert task.grade(p, f"<answer>{p.answer}</answer>").verdict == "correct"
+    for terms in (1500, 5000):  # too deep for the evaluator, and for Python's parser
+        chain = "+".join(["1"] * terms)
+        problem = TaskPrompt("c", "countdown", [], "1 + 1", {"numbers": [1] * terms, "target": terms})
+        assert task.grade(problem, f"<answer>{chain}</answer>").verdict == "invalid_expression"
+        with pytest.raises(ExpressionError, match="nested too deeply"):
+            evaluate(chain, max_chars=len(chain))
+
+
 @pytest.mark.parametrize("name", list(TASKS))
 def test_seeded_and_prefix_stable(name):
     task = get_task(name)

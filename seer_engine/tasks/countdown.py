@@ -14,6 +14,7 @@ import ast
 import random
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -32,19 +33,29 @@ class ExpressionError(ValueError):
     """An expression the grader refuses: the message says what is not allowed."""
 
 
-def evaluate(expression: str) -> tuple[Fraction, list[int]]:
+def answer_limit(numbers: Sequence[int]) -> int:
+    """The longest answer graded for these numbers: MAX_EXPRESSION_CHARS, or room for each
+    number with an operator, parentheses and spaces when that is more (a problem of many
+    numbers has solutions longer than a fixed limit)."""
+    return max(MAX_EXPRESSION_CHARS, sum(len(str(x)) + 8 for x in numbers))
+
+
+def evaluate(expression: str, max_chars: int = MAX_EXPRESSION_CHARS) -> tuple[Fraction, list[int]]:
     """(exact value, integer literals used) of an arithmetic expression.
 
     Raises ExpressionError for anything but non-negative integer literals combined
-    with + - * / and parentheses, and ZeroDivisionError for a division by zero.
+    with + - * / and parentheses (or more than ``max_chars`` characters, or nested
+    deeper than Python's recursion allows), and ZeroDivisionError for a division by zero.
     """
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ExpressionError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    if len(expression) > max_chars:
+        raise ExpressionError(f"expression longer than {max_chars} characters")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError) as e:
         detail = e.msg if isinstance(e, SyntaxError) else str(e)
         raise ExpressionError(f"not an arithmetic expression: {detail}") from None
+    except RecursionError:
+        raise ExpressionError("expression nested too deeply") from None
     used: list[int] = []
 
     def walk(node: ast.AST) -> Fraction:
@@ -63,7 +74,10 @@ def evaluate(expression: str) -> tuple[Fraction, list[int]]:
         kind = type(node).__name__
         raise ExpressionError(f"{kind} is not allowed (only integers, + - * / and parentheses)")
 
-    return walk(tree.body), used
+    try:
+        return walk(tree.body), used
+    except RecursionError:
+        raise ExpressionError("expression nested too deeply") from None
 
 
 def extract_answer(response: str) -> str | None:
@@ -135,7 +149,7 @@ class CountdownTask(Task):
         if expr is None:
             return Grade(0.0, None, "no_answer")
         try:
-            value, used = evaluate(expr)
+            value, used = evaluate(expr, answer_limit(problem.data["numbers"]))
         except ExpressionError:
             return Grade(0.0, expr, "invalid_expression")
         except ZeroDivisionError:
