@@ -154,6 +154,25 @@ def test_registry_and_knob_errors():
         get_task("countdown", numbers=2, max_number=3, min_target=500, max_target=600).problems(1)
 
 
+@pytest.mark.parametrize(
+    ("name", "knob", "value", "wants"),
+    [
+        ("arith", "steps", "3", "int"),
+        ("arith", "steps", 2.5, "int"),
+        ("arith", "steps", True, "int"),
+        ("arith", "ops", "add", "tuple of str"),  # not the letters a, d, d
+        ("arith", "ops", None, "tuple of str"),
+        ("arith", "require_marker", "false", "bool"),  # a truthy string: it would require the marker
+        ("countdown", "numbers", 4.0, "int"),
+        ("countdown", "max_target", "200", "int"),
+    ],
+)
+def test_knobs_of_the_wrong_type_are_errors_naming_the_knob(name, knob, value, wants):
+    with pytest.raises(ValueError, match=f"{name}: knob {knob} wants {wants}, got {re.escape(repr(value))}"):
+        get_task(name, **{knob: value})
+    assert get_task("arith", ops=["add", "sub"]).ops == ("add", "sub")  # a list is fine
+
+
 def test_task_prompts_for_the_rollout(tiny_model):
     from seer_engine.engine.detokenizer import Detokenizer
 

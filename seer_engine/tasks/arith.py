@@ -37,13 +37,13 @@ class ArithTask(Task):
     name = "arith"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(self.name, steps=self.steps, max_operand=self.max_operand, max_total=self.max_total)
         if self.max_operand < 2 or self.max_total < 2 * self.max_operand:
             raise ValueError(
                 f"arith: need max_operand >= 2 and max_total >= 2 * max_operand, "
                 f"got max_operand={self.max_operand}, max_total={self.max_total}"
             )
-        self.ops = tuple(self.ops)
         unknown = sorted(set(self.ops) - set(OPS))
         if unknown or not self.ops:
             raise ValueError(f"arith: ops must be a non-empty subset of {', '.join(OPS)}, got {self.ops}")

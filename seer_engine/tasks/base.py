@@ -58,6 +58,26 @@ class Task(ABC):
 
     name: ClassVar[str]
 
+    def __post_init__(self) -> None:
+        """Each knob of its default's type (a tuple knob may come as a list): a wrong type
+        is an error naming the knob, not a TypeError later or a silently different task
+        (the string "false" is truthy; the string "add" is the ops a, d, d)."""
+        for f in fields(self):  # type: ignore[arg-type]
+            value, default = getattr(self, f.name), f.default
+            if isinstance(default, bool):
+                ok, wants = isinstance(value, bool), "bool"
+            elif isinstance(default, int):
+                ok, wants = isinstance(value, int) and not isinstance(value, bool), "int"
+            elif isinstance(default, tuple):
+                ok = isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)
+                wants = "tuple of str"
+                if ok:
+                    setattr(self, f.name, tuple(value))
+            else:
+                continue
+            if not ok:
+                raise ValueError(f"{self.name}: knob {f.name} wants {wants}, got {value!r}")
+
     def problems(self, n: int, seed: int = 0) -> list[Problem]:
         if n < 0:
             raise ValueError(f"number of problems must be >= 0, got {n}")

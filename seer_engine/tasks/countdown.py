@@ -105,6 +105,7 @@ class CountdownTask(Task):
     _ATTEMPTS = 1000
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(
             self.name, numbers=self.numbers, max_number=self.max_number, min_target=self.min_target
         )
