@@ -227,6 +227,8 @@ def arith_problem():
         ("#### 1000\nWait, I was wrong.\n#### 1234", 1.0, "1234", "correct"),
         ("#### 1233", 0.0, "1233", "wrong"),
         ("#### -1234", 0.0, "-1234", "wrong"),
+        ("#### \u22121234", 0.0, "-1234", "wrong"),  # the unicode minus sign is a minus too
+        ("So it is \u22121234.", 0.0, "-1234", "wrong"),
         ("So the answer is 1234.", 1.0, "1234", "correct"),  # no marker: the last number
         ("1234 at first, but the answer is 99", 0.0, "99", "wrong"),
         ("#### many", 0.0, None, "no_answer"),

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 
 Message = dict[str, str]
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"[-\u2212]?\d[\d,]*(?:\.\d+)?")  # U+2212: the minus sign of typeset math
 
 
 @dataclass
@@ -110,13 +110,19 @@ class Task(ABC):
 def last_number(text: str) -> str | None:
     """The last number written in ``text`` (thousands commas dropped), or None."""
     found = _NUMBER.findall(text)
-    return found[-1].replace(",", "") if found else None
+    return _plain(found[-1]) if found else None
 
 
 def first_number(text: str) -> str | None:
     """The first number written in ``text`` (thousands commas dropped), or None."""
     match = _NUMBER.search(text)
-    return match.group(0).replace(",", "") if match else None
+    return _plain(match.group(0)) if match else None
+
+
+def _plain(number: str) -> str:
+    """A number as read, without thousands commas and with an ASCII minus: a typeset
+    minus sign (U+2212) before 7 makes it -7, not a 7 after an unknown character."""
+    return number.replace(",", "").replace("\u2212", "-")
 
 
 def check_positive(task: str, **values: int) -> None:
