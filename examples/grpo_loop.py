@@ -363,6 +363,10 @@ class Trainer:
                 loss.backward()
                 loss_sum += float(loss.detach())
             norm = torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), self.cfg.max_grad_norm)
+            if not math.isfinite(float(norm)):  # a step would make the weights, then the server's, nan
+                raise GRPOError(
+                    f"the gradient is not finite (norm {float(norm)}); the weights are left as they were"
+                )
             self.optimizer.step()
             out.update(loss=loss_sum, grad_norm=float(norm), clip_frac=clipped / tokens, kl=kl_sum / tokens)
         out["logp_gap"] = statistics.fmean(gaps) if gaps else float("nan")
@@ -388,8 +392,11 @@ def _strip(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """GRPO: each reward against its group's mean, in units of the group's std (0 if all equal)."""
-    mean = statistics.fmean(rewards)
+    """GRPO: each reward against its group's mean, in units of the group's std (0 if all equal).
+    A reward that is not a finite number is an error: it would make every advantage nan."""
+    if not all(math.isfinite(r) for r in rewards):
+        raise GRPOError(f"rewards must be finite numbers, got {list(rewards)}")
+    mean = statistics.mean(rewards)  # exact: no overflow however large the rewards
     std = statistics.pstdev(rewards)
     return [0.0 if std < eps else (r - mean) / (std + eps) for r in rewards]
 

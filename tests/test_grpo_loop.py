@@ -140,6 +140,27 @@ def test_command_line_errors(grpo, capsys):
     assert grpo.group_advantages([0.5, 0.5]) == [0.0, 0.0]
 
 
+def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_model, tmp_path):
+    """A reward function that returns nan or inf is named, not a crash deep in statistics;
+    a step whose gradient is not finite leaves the weights as they were (they would be
+    written to a checkpoint and loaded by the server)."""
+    import torch
+
+    for rewards in ([float("nan"), 1.0], [float("inf"), float("inf")], [1.0, -float("inf")]):
+        with pytest.raises(grpo.GRPOError, match="rewards must be finite"):
+            grpo.group_advantages(rewards)
+    assert grpo.group_advantages([1e308, 1e308]) == [0.0, 0.0]
+    assert grpo.group_advantages([1e308, -1e308]) == pytest.approx([1.0, -1.0])
+
+    cfg = grpo.GRPOConfig(model=str(tiny_model("qwen3")), lr=1e-3, num_threads=1, out_dir=tmp_path)
+    trainer = grpo.Trainer(Path(cfg.model), cfg)
+    before = {n: p.detach().clone() for n, p in trainer.trainable.items()}
+    sample = grpo.Sample([5, 6, 7], [8, 9], "", "length", [0.0, 0.0], advantage=float("inf"))
+    with pytest.raises(grpo.GRPOError, match="gradient is not finite"):
+        trainer.step([sample])
+    assert all(torch.equal(p, before[n]) for n, p in trainer.trainable.items())
+
+
 def test_an_interrupted_loop_stops_its_batch_and_resumes_from_its_checkpoint(
     grpo, served, tmp_path, monkeypatch
 ):
