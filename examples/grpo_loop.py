@@ -412,8 +412,14 @@ def task_reward(task, format_bonus: float) -> Reward:
     return reward
 
 
-def run_grpo(cfg: GRPOConfig, reward: Reward | None = None, log: Callable[[str], None] = print) -> list[dict]:
-    """``cfg.iterations`` iterations; one record per iteration (what the table prints)."""
+def run_grpo(
+    cfg: GRPOConfig,
+    reward: Reward | None = None,
+    log: Callable[[str], None] = print,
+    records: list[dict] | None = None,
+) -> list[dict]:
+    """``cfg.iterations`` iterations; one record per iteration (what the table prints),
+    appended to ``records`` as each ends, so a caller keeps those done if the loop stops."""
     from transformers import AutoTokenizer
 
     from seer_engine.engine.llm_engine import resolve_model_path
@@ -446,7 +452,7 @@ def run_grpo(cfg: GRPOConfig, reward: Reward | None = None, log: Callable[[str],
             f"per iteration via {cfg.via}"
         )
         log(HEADER)
-        records: list[dict] = []
+        records = [] if records is None else records
         previous: Path | None = None
         for it in range(1, cfg.iterations + 1):
             chosen = [((it - 1) * cfg.batch_prompts + j) % cfg.prompts for j in range(cfg.batch_prompts)]
@@ -542,19 +548,28 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine_info(),  # the load as the run starts
     }
+    log_json: Path | None = None
+    cfg: GRPOConfig | None = None
+    records: list[dict] = []
+    error: str | None = None
     try:
         log_json = Path(args.log_json) if args.log_json else None
         if log_json is not None and (log_json.is_dir() or not log_json.parent.is_dir()):
             raise ValueError(f"cannot write --log-json {args.log_json!r}: not a file in an existing folder")
         values = {k: v for k, v in vars(args).items() if k not in ("knob", "log_json")}
         cfg = GRPOConfig(**values, knobs=parse_knobs(args.task, args.knob))
-        records = run_grpo(cfg)
+        run_grpo(cfg, records=records)
     except (GRPOError, ValueError) as e:
+        error = str(e)
         print(f"grpo_loop: error: {e}", file=sys.stderr)
+        if records:  # what the server last loaded: where a restarted loop goes on from
+            last = records[-1]["checkpoint"]
+            print(f"grpo_loop: the server took {last} last; resume with --model {last}", file=sys.stderr)
         return 1
-    if log_json is not None:
-        log = {"meta": meta, "config": asdict(cfg), "iterations": records}
-        log_json.write_text(json.dumps(_jsonable(log), indent=2) + "\n")
+    finally:  # a loop stopped part way (an error, Ctrl-C) keeps the iterations it did
+        if log_json is not None and cfg is not None:
+            log = {"meta": meta, "config": asdict(cfg), "iterations": records, "error": error}
+            log_json.write_text(json.dumps(_jsonable(log), indent=2) + "\n")
     return 0
 
 

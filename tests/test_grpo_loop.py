@@ -161,6 +161,36 @@ def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_mode
     assert all(torch.equal(p, before[n]) for n, p in trainer.trainable.items())
 
 
+def test_a_loop_whose_server_dies_keeps_its_log_and_says_where_to_resume(
+    grpo, served, tmp_path, monkeypatch, capsys
+):
+    """The server killed during the second weight update: the loop stops with the error,
+    names the checkpoint the server last took (what to resume from), and --log-json
+    still holds the iterations that were done."""
+    import json
+
+    server, model = served
+    real_update, calls = grpo.ServerClient.update_weights, []
+
+    def update_then_die(self, path):
+        calls.append(path)
+        if len(calls) == 2:
+            server.kill()
+        return real_update(self, path)
+
+    monkeypatch.setattr(grpo.ServerClient, "update_weights", update_then_die)
+    log, out = tmp_path / "log.json", tmp_path / "out"
+    argv = ["--server", server.url, "--api-key", API_KEY, "--model", str(model), "--knob", "steps=1",
+            "--prompts", "2", "--batch-prompts", "2", "--n", "2", "--iterations", "3", "--max-tokens", "8",
+            "--out-dir", str(out), "--num-threads", "1", "--log-json", str(log)]  # fmt: skip
+    assert grpo.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the seer_engine server" in err and f"resume with --model {out / 'iter-1'}" in err
+    saved = json.loads(log.read_text())
+    assert [r["iteration"] for r in saved["iterations"]] == [1]
+    assert saved["iterations"][0]["checkpoint"] == str(out / "iter-1") and "cannot reach" in saved["error"]
+
+
 def test_an_interrupted_loop_stops_its_batch_and_resumes_from_its_checkpoint(
     grpo, served, tmp_path, monkeypatch
 ):
