@@ -46,6 +46,9 @@ from seer_engine.tasks import TASKS, TaskPrompt, get_task, parse_knobs, task_pro
 
 BATCH_TERMINAL = ("completed", "failed", "cancelled", "expired")
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.gguf")
+# Written into each checkpoint: a loop resumed from it goes on with the next iteration
+# (its prompts, its seeds, its checkpoint's name), not from iteration 1 again.
+PROGRESS_FILE = "grpo_progress.json"
 
 Reward = Callable[[TaskPrompt, str], float]
 
@@ -80,6 +83,7 @@ class GRPOConfig:
     seed: int = 0
     out_dir: Path = Path("grpo-checkpoints")
     keep_checkpoints: bool = False
+    resume: bool = False  # --model is a checkpoint of this loop: go on after the iteration it ends
     num_threads: int | None = None
     timeout_s: float = 1800.0
 
@@ -372,15 +376,16 @@ class Trainer:
         out["logp_gap"] = statistics.fmean(gaps) if gaps else float("nan")
         return out
 
-    def save(self, out: Path) -> Path:
+    def save(self, out: Path, iteration: int) -> Path:
         """A full Hugging Face folder: these weights in safetensors, every other file
         (config, tokenizer, notices) as in the source folder, so the server's
-        architecture check sees the same config."""
+        architecture check sees the same config, and the iteration it ends."""
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(str(tmp), safe_serialization=True)
         for name, data in self.files.items():
             (tmp / name).write_bytes(data)
+        (tmp / PROGRESS_FILE).write_text(json.dumps({"iteration": iteration}) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         return out
@@ -389,6 +394,20 @@ class Trainer:
 def _strip(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Parameter names of the full model as names inside its decoder (``model.`` dropped)."""
     return {n.removeprefix("model."): p for n, p in params.items()}
+
+
+def iterations_done(path: Path) -> int:
+    """The iteration a checkpoint of this loop ends (its PROGRESS_FILE); 0 for other weights."""
+    file = path / PROGRESS_FILE
+    if not file.is_file():
+        return 0
+    try:
+        done = json.loads(file.read_text())["iteration"]
+    except (ValueError, KeyError, TypeError):
+        done = None
+    if not isinstance(done, int) or isinstance(done, bool) or done < 1:
+        raise GRPOError(f'{file} is damaged: expected {{"iteration": K}} with K >= 1')
+    return done
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
@@ -445,16 +464,25 @@ def run_grpo(
             cfg.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise GRPOError(f"cannot make --out-dir {str(cfg.out_dir)!r}: {e}") from None
+        done = iterations_done(path) if cfg.resume else 0
+        if cfg.resume and not done:
+            raise GRPOError(f"--resume: {path} has no {PROGRESS_FILE}; it is not a checkpoint of this loop")
+        if done >= cfg.iterations:
+            raise GRPOError(
+                f"--model {cfg.model} ends iteration {done}: --iterations {cfg.iterations} (the total, "
+                "counted from the first run) leaves nothing to run"
+            )
         trainer = Trainer(path, cfg)
         log(
             f"GRPO: {served} at {cfg.server} (weight version {version}), trainer copy {path}, "
             f"{cfg.task} {task.knobs()}, {cfg.prompts} prompts, {cfg.batch_prompts} x n={cfg.n} "
-            f"per iteration via {cfg.via}"
+            f"per iteration via {cfg.via}" + (f"; resuming after iteration {done}" if done else "")
         )
         log(HEADER)
         records = [] if records is None else records
-        previous: Path | None = None
-        for it in range(1, cfg.iterations + 1):
+        # A resumed loop's source checkpoint in --out-dir is superseded like its own.
+        previous = path if done and path.parent.resolve() == cfg.out_dir.resolve() else None
+        for it in range(done + 1, cfg.iterations + 1):
             chosen = [((it - 1) * cfg.batch_prompts + j) % cfg.prompts for j in range(cfg.batch_prompts)]
             bodies = [{
                 "model": served, "prompt": prompt_ids[k], "n": cfg.n, "max_tokens": cfg.max_tokens,
@@ -473,7 +501,7 @@ def run_grpo(
             samples = [s for g in groups for s in g]
             start = time.perf_counter()
             figures = trainer.step(samples)
-            checkpoint = trainer.save(cfg.out_dir / f"iter-{it}")
+            checkpoint = trainer.save(cfg.out_dir / f"iter-{it}", it)
             train_s = time.perf_counter() - start
             start = time.perf_counter()
             new_version = client.update_weights(checkpoint)
@@ -537,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-json", default=None, help="write the per-iteration records here")
     p.add_argument("--out-dir", default=str(d.out_dir), help="checkpoints (the latest is kept)")
     p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="--model is a checkpoint of this loop (OUT_DIR/iter-K): run iterations K+1..--iterations",
+    )  # fmt: skip
     for name in ("prompts", "batch_prompts", "n", "iterations", "max_tokens", "train_layers", "epochs",
                  "micro_batch", "seed", "num_threads"):  # fmt: skip
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
@@ -564,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo_loop: error: {e}", file=sys.stderr)
         if records:  # what the server last loaded: where a restarted loop goes on from
             last = records[-1]["checkpoint"]
-            print(f"grpo_loop: the server took {last} last; resume with --model {last}", file=sys.stderr)
+            print(f"grpo_loop: the server took {last} last; resume with --model {last} --resume",
+                  file=sys.stderr)  # fmt: skip
         return 1
     finally:  # a loop stopped part way (an error, Ctrl-C) keeps the iterations it did
         if log_json is not None and cfg is not None:

@@ -185,7 +185,8 @@ def test_a_loop_whose_server_dies_keeps_its_log_and_says_where_to_resume(
             "--out-dir", str(out), "--num-threads", "1", "--log-json", str(log)]  # fmt: skip
     assert grpo.main(argv) == 1
     err = capsys.readouterr().err
-    assert "cannot reach the seer_engine server" in err and f"resume with --model {out / 'iter-1'}" in err
+    assert "cannot reach the seer_engine server" in err
+    assert f"resume with --model {out / 'iter-1'} --resume" in err
     saved = json.loads(log.read_text())
     assert [r["iteration"] for r in saved["iterations"]] == [1]
     assert saved["iterations"][0]["checkpoint"] == str(out / "iter-1") and "cannot reach" in saved["error"]
@@ -223,3 +224,23 @@ def test_an_interrupted_loop_stops_its_batch_and_resumes_from_its_checkpoint(
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert sorted(p.name for p in out.iterdir()) == ["iter-3"]
     assert (out / "iter-3" / "tokenizer.json").is_file() and (out / "iter-3" / "config.json").is_file()
+
+
+def test_a_loop_resumed_from_its_checkpoint_goes_on_with_the_next_iteration(grpo, served, tmp_path):
+    """A checkpoint records the iteration it ends: the loop resumed from it (--resume) runs
+    the iterations left of --iterations (with their prompts), supersedes it in --out-dir;
+    one that has nothing left to run, or weights that are no checkpoint, say so."""
+    server, model = served
+    out = tmp_path / "out"
+    first = grpo.run_grpo(_config(grpo, server, model, out, iterations=1), log=lambda line: None)
+    assert [r["iteration"] for r in first] == [1] and grpo.iterations_done(out / "iter-1") == 1
+    cfg = _config(grpo, server, out / "iter-1", out, iterations=3, resume=True)
+    resumed = grpo.run_grpo(cfg, log=lambda line: None)
+    assert [r["iteration"] for r in resumed] == [2, 3]
+    ids = [f"arith-3-{k}" for k in range(6)]  # an epoch of 6 prompts, 4 per iteration
+    assert [r["prompts"] for r in resumed] == [ids[4:] + ids[:2], ids[2:]]
+    assert sorted(p.name for p in out.iterdir()) == ["iter-3"] and grpo.iterations_done(out / "iter-3") == 3
+    with pytest.raises(grpo.GRPOError, match="ends iteration 3: --iterations 3 .* leaves nothing to run"):
+        grpo.run_grpo(replace(cfg, model=str(out / "iter-3")), log=lambda line: None)
+    with pytest.raises(grpo.GRPOError, match="it is not a checkpoint of this loop"):
+        grpo.run_grpo(replace(cfg, model=str(model)), log=lambda line: None)
