@@ -293,3 +293,66 @@ def test_a_line_may_hold_unicode_line_separators(server, client, model):
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     batch = _wait(server, client, batch.id)
     assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+
+
+def test_a_second_server_on_the_data_dir_leaves_the_first_ones_batches_alone(tiny_model, tmp_path):
+    """Servers on one host share the default --data-dir. A second one used to load the
+    first one's batches and run its unfinished ones again beside it (each then pointing
+    the batch at its own output file); now only the server holding the folder's claim
+    serves the Batch and Files APIs, the other answers 503 naming the folder, and once the
+    first one stops the next server takes the folder over."""
+    import asyncio
+
+    import httpx
+
+    from seer_engine.engine.config import EngineConfig
+    from seer_engine.entrypoints.openai.api_server import ServerSettings, build_engine_client, create_app
+
+    settings = ServerSettings(served_model_names=["m"], data_dir=tmp_path)
+    engine = build_engine_client(EngineConfig(model=str(tiny_model("qwen3")), num_kv_blocks=32), settings)
+
+    def client(app) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
+
+    async def run() -> None:
+        first = create_app(engine, settings)
+        async with first.router.lifespan_context(first), client(first) as one:
+            assert (await one.post("/pause_generation", json={"mode": "keep"})).status_code == 200
+            upload = await one.post(
+                "/v1/files", files={"file": ("in.jsonl", _jsonl([_completion_line("a", "m")]))},
+                data={"purpose": "batch"},
+            )  # fmt: skip
+            body = {
+                "input_file_id": upload.json()["id"],
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+            }
+            batch = (await one.post("/v1/batches", json=body)).json()
+
+            second = create_app(engine, settings)
+            async with second.router.lifespan_context(second), client(second) as two:
+                for path in ("/v1/batches", f"/v1/batches/{batch['id']}", "/v1/files"):
+                    resp = await two.get(path)
+                    assert resp.status_code == 503, resp.text
+                    error = resp.json()["error"]
+                    assert error["code"] == "batch_api_unavailable" and str(tmp_path) in error["message"]
+                assert (await one.post("/resume_generation")).status_code == 200
+                completion = {"model": "m", "prompt": [1], "max_tokens": 1}
+                assert (await two.post("/v1/completions", json=completion)).status_code == 200, "it serves"
+
+            for _ in range(600):
+                done = (await one.get(f"/v1/batches/{batch['id']}")).json()
+                if done["status"] in TERMINAL:
+                    break
+                await asyncio.sleep(0.05)
+            assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
+
+        third = create_app(engine, settings)  # the first one stopped: its folder is free
+        async with third.router.lifespan_context(third), client(third) as three:
+            again = (await three.get(f"/v1/batches/{batch['id']}")).json()
+            assert again["output_file_id"] == done["output_file_id"]
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()

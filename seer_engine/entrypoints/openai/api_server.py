@@ -30,8 +30,8 @@ from seer_engine.engine.client import EngineClient
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.entrypoints.openai.admin import admin_router
-from seer_engine.entrypoints.openai.batch import BatchManager, batches_router
-from seer_engine.entrypoints.openai.batch_store import BatchStore
+from seer_engine.entrypoints.openai.batch import BatchManager, batches_router, refusing_router
+from seer_engine.entrypoints.openai.batch_store import BatchAPIClaim, BatchStore
 from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers
 from seer_engine.entrypoints.openai.files import FileStore, files_router
 from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
@@ -140,7 +140,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     completions = OpenAIServingCompletion(engine, settings.served_model_names, registry)
     chat = OpenAIServingChat(engine, settings.served_model_names, registry)
     data_dir = settings.data_dir.expanduser()
-    files = FileStore(data_dir / "files")
+    claim = BatchAPIClaim(data_dir)
     bounds = RequestBounds(engine.max_model_len)
     limits = BodyLimits.for_model(engine.max_model_len, settings.max_body_bytes, settings.max_upload_bytes)
 
@@ -159,18 +159,27 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def bound_chat(request: JSONRequest) -> None:
         bounds.chat(request.parsed)
 
-    batches = BatchManager(
-        BatchStore(data_dir / "batches"),
-        files,
-        {"/v1/completions": completion_line, "/v1/chat/completions": chat_line},
-        settings.served_model_names[0],
-    )
+    batches: BatchManager | None = None
+    if claim.refusal is None:
+        batches = BatchManager(
+            BatchStore(data_dir / "batches"),
+            FileStore(data_dir / "files"),
+            {"/v1/completions": completion_line, "/v1/chat/completions": chat_line},
+            settings.served_model_names[0],
+        )
+    else:
+        logger.warning("%s", claim.refusal)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        batches.start()
-        yield
-        await batches.stop()
+        try:
+            if batches is not None:
+                batches.start()
+            yield
+            if batches is not None:
+                await batches.stop()
+        finally:
+            claim.release()
 
     app = FastAPI(title="seer_engine", version="0.1.0", lifespan=lifespan)
     app.router.route_class = JSONRoute
@@ -218,8 +227,11 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat.create(req))
 
-    app.include_router(files_router(files, batches.reader_of))
-    app.include_router(batches_router(batches))
+    if batches is not None:
+        app.include_router(files_router(batches.files, batches.reader_of))
+        app.include_router(batches_router(batches))
+    else:
+        app.include_router(refusing_router(claim.refusal or ""))
     app.include_router(admin_router(engine, registry.expand))
     app.add_middleware(BodySizeLimitMiddleware, limits=limits)
     if settings.api_key:

@@ -417,6 +417,19 @@ def _usage(input_tokens: int, output_tokens: int) -> dict:
     }
 
 
+def refusing_router(message: str) -> APIRouter:
+    """The Batch and Files APIs of a server that does not hold its data folder's claim
+    (``BatchAPIClaim``): every call is a 503 that says why."""
+    router = APIRouter(tags=["batches"], responses=ERROR_RESPONSES, route_class=JSONRoute)
+
+    async def refuse() -> None:
+        raise APIError(503, message, code="batch_api_unavailable")
+
+    for path in ("/v1/files", "/v1/files/{rest:path}", "/v1/batches", "/v1/batches/{rest:path}"):
+        router.add_api_route(path, refuse, methods=["GET", "POST", "DELETE"])
+    return router
+
+
 def batches_router(manager: BatchManager) -> APIRouter:
     router = APIRouter(tags=["batches"], responses=ERROR_RESPONSES, route_class=JSONRoute)
 

@@ -8,11 +8,14 @@ complete files, and a server killed at any point leaves something a restart can
 settle (``BatchManager.start``): a plan whose files all exist is applied (the batch
 is finished without running again); a plan with a file missing has its files
 removed and the batch is run again; no plan means no result file was written.
+
+One server at a time keeps a data folder's files and batches (``BatchAPIClaim``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
@@ -37,6 +40,45 @@ async def pause_for_test(stage: str) -> None:
         logger.warning("finalization paused at %r for a test (%s)", stage, TEST_PAUSE_ENV)
         Path(marker).touch()
         await asyncio.Event().wait()
+
+
+class BatchAPIClaim:
+    """This server's hold on the files and batches of a data folder, for as long as it runs.
+
+    Servers on one host share the default ``--data-dir`` (and may share one for their
+    history store). A second one that loaded the folder's batches would run the first
+    one's unfinished batches again beside it (each then points the batch at its own
+    output file) and remove its uploads in progress as leftovers; so only the server
+    holding the claim serves the Batch and Files APIs, and ``refusal`` says why another
+    does not. The lock goes with the process, so a restart after a kill takes it.
+    """
+
+    LOCK_FILE = ".batch_api.lock"
+
+    def __init__(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.refusal: str | None = None
+        self._lock: Any = open(data_dir / self.LOCK_FILE, "a+")  # noqa: SIM115 - held while serving
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            owner = self._lock.read().strip() or "?"
+            self.release()
+            self.refusal = (
+                f"the files and batches in --data-dir {str(data_dir)!r} are served by another running "
+                f"server (pid {owner}); start this server with a --data-dir of its own to use the "
+                "Batch and Files APIs here"
+            )
+            return
+        self._lock.truncate(0)
+        self._lock.write(f"{os.getpid()}\n")
+        self._lock.flush()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
 
 class BatchStore:
