@@ -236,3 +236,18 @@ def test_server_killed_while_finalizing_reports_each_batch_whole(batch_server, t
     on_disk = {p.name for p in (data / "files").iterdir()}
     assert on_disk == {f"{f}.{ext}" for f in listed for ext in ("data", "json")}
     assert not (data / "batches" / f"{batch_id}.plan").exists()
+
+
+@pytest.mark.parametrize("damaged", ["null", "[]", '"text"', "{}", '{"id": 5, "status": "in_progress"}'])
+def test_a_record_that_is_json_but_not_a_record_is_skipped_at_start(tmp_path, damaged):
+    """A batch or file record that parses but is not one this server wrote (damaged, or of
+    another version) used to stop the server from starting (a TypeError or KeyError); it is
+    skipped with a warning, and the other batches and files come back and run."""
+    batch_id, _ = _stop_at(tmp_path, "files", pytest.MonkeyPatch(), _lines(2, bad=0))
+    (tmp_path / "batches" / "batch_damaged.json").write_text(damaged)
+    (tmp_path / "files" / "file-damaged.json").write_text(damaged)
+    (tmp_path / "files" / "file-damaged.data").write_bytes(b"{}\n")
+    batch, files = _restart(tmp_path, batch_id)
+    assert batch["request_counts"]["completed"] == 2 and files.exists(batch["output_file_id"])
+    listed = {f["id"] for f in files.list(None, None, 100, "asc")["data"]}
+    assert listed == {batch["input_file_id"], batch["output_file_id"]}

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from seer_engine.entrypoints.openai.files import atomic_write, remove_partial_writes
+from seer_engine.entrypoints.openai.files import atomic_write, read_record, remove_partial_writes
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 # record not yet), creates <path>, and waits there until the process is killed. This
 # lets a test SIGKILL a server at a known point of finalization instead of racing it.
 TEST_PAUSE_ENV = "SEER_ENGINE_TEST_PAUSE_FINALIZING"
+# What resuming, listing and serving a batch read from its record.
+_BATCH_FIELDS = ("id", "status", "endpoint", "input_file_id", "created_at", "request_counts")
 
 
 async def pause_for_test(stage: str) -> None:
@@ -95,11 +97,9 @@ class BatchStore:
     def load_all(self) -> dict[str, dict]:
         out = {}
         for path in self.root.glob("batch_*.json"):
-            try:
-                batch = json.loads(path.read_text())
+            batch = read_record(path, _BATCH_FIELDS)
+            if batch is not None:
                 out[batch["id"]] = batch
-            except (OSError, ValueError, KeyError) as e:
-                logger.warning("skipping unreadable batch record %s: %s", path, e)
         return out
 
     # -- finalization plans ---------------------------------------------------------------

@@ -29,6 +29,7 @@ from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES
 logger = logging.getLogger(__name__)
 
 UPLOAD_PURPOSES = ("batch",)
+_FILE_FIELDS = ("id", "created_at", "filename", "purpose", "bytes")  # what listing and serving read
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -57,6 +58,24 @@ def remove_partial_writes(root: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def read_record(path: Path, fields: tuple[str, ...]) -> dict | None:
+    """The JSON object saved at ``path``, or None (with a warning) when it cannot be used:
+    unreadable, not an object, or without one of ``fields`` or a string ``id``. One damaged
+    or foreign record is skipped rather than keeping the server from starting."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("skipping unreadable record %s: %s", path, e)
+        return None
+    missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+    if missing or not isinstance(record["id"], str):
+        logger.warning(
+            "skipping record %s: not one this server wrote (missing or invalid: %s)", path, missing or ["id"]
+        )
+        return None
+    return record
+
+
 class FileStore:
     """Files on disk with their OpenAI file objects kept in memory for listing.
 
@@ -70,12 +89,8 @@ class FileStore:
         remove_partial_writes(root)
         self._files: dict[str, dict] = {}
         for meta_path in root.glob("file-*.json"):
-            try:
-                meta = json.loads(meta_path.read_text())
-            except (OSError, ValueError) as e:
-                logger.warning("skipping unreadable file record %s: %s", meta_path, e)
-                continue
-            if self.data_path(meta["id"]).is_file():
+            meta = read_record(meta_path, _FILE_FIELDS)
+            if meta is not None and self.data_path(meta["id"]).is_file():
                 self._files[meta["id"]] = meta
         for data in root.glob("file-*.data"):
             if data.stem not in self._files:
