@@ -232,3 +232,30 @@ def test_history_store_is_bound_to_its_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="holds token id 2, beyond this model's vocabulary of 2"):
         unbound.bind_tokenizer(fingerprint, 2)
     assert unbound.tokenizer is None
+
+
+def test_a_save_cut_off_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
+    """A stop signal (SystemExit) in the middle of a save left its temporary file behind,
+    and so does a save killed outright (SIGKILL, a daemon thread cut off at exit); each
+    stayed in the history directory for good. The old store stays whole, the signal's
+    temporary file is removed, and the next save clears what a killed one left."""
+    path = tmp_path / "history.json"
+    store = HistoryStore()
+    store.record([1, 2], 5)
+    store.save(path)
+    before = path.read_bytes()
+    store.record([3, 4], 7)
+
+    def stopped(*args, **kwargs) -> None:
+        raise SystemExit(143)
+
+    monkeypatch.setattr(json, "dump", stopped)
+    with pytest.raises(SystemExit):
+        store.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["history.json"]
+
+    (tmp_path / "history.json.k1ll3d.tmp").write_text('{"half": ')  # a save killed outright
+    store.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.json"]
+    assert HistoryStore.load(path).lengths([3, 4], before=1) == [(7, 1.0)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -248,14 +249,20 @@ class HistoryStore:
                 for k, e in self._prompts.items()
             },
         }
+        # Called under the directory's lock, so no other writer is mid-save: a temporary
+        # file there was left by a save that was killed (SIGKILL, a daemon thread cut off).
+        for left in p.parent.glob(f"{glob.escape(p.name)}.*.tmp"):
+            left.unlink(missing_ok=True)
         tmp = None
         try:
             # A temporary file of its own: writers sharing a directory never touch each other's.
             fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename: a power cut leaves old or new
             os.replace(tmp, p)
-        except OSError:
+        except BaseException:  # also a stop signal: the old file stays, no temporary one
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
             raise
