@@ -306,3 +306,55 @@ def test_losing_every_instance_while_idle_refuses_requests_clearly(model, start_
         os.kill(inst["pid"], signal.SIGKILL)
     _wait_engine_dead(server)
     _assert_engine_dead(_post_completion(server))
+
+
+def test_a_stop_signal_ends_the_requests_still_running_with_a_clear_error(model, start_server):
+    """Requests that have not finished when the drain after SIGTERM ends (here: held by a
+    ``keep`` pause) used to be cancelled by uvicorn: a plain-text 500 and a stream cut off
+    mid-message. The engine now stops first: each ends with a 503 ``engine_dead`` error
+    object (in-band on a stream), and a batch under way is left for the next start, which
+    runs it to the end."""
+    import json
+
+    import httpx
+
+    server = start_server("--model", str(model), "--instances", "2", *COMMON)
+    body = {"model": server.model, "prompt": [3, 7, 11, 5], "max_tokens": 4}
+    with server.http() as http:
+        assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+        line = {"custom_id": "b0", "method": "POST", "url": "/v1/completions", "body": body}
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line).encode())},
+                           data={"purpose": "batch"})  # fmt: skip
+        batch_body = {
+            "input_file_id": upload.json()["id"],
+            "endpoint": "/v1/completions",
+            "completion_window": "24h",
+        }
+        batch_id = http.post("/v1/batches", json=batch_body).json()["id"]
+
+    def plain() -> httpx.Response:
+        with server.http() as http:
+            return http.post("/v1/completions", json=body)
+
+    def streamed() -> list[str]:
+        with (
+            server.http() as http,
+            http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
+        ):
+            return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = pool.submit(plain), pool.submit(streamed)
+        server.wait_until(lambda: server.metrics()["num_requests_held"] == 3, what="the held requests")
+        server.stop(timeout=60)
+        resp, events = answers[0].result(timeout=60), answers[1].result(timeout=60)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead", resp.text
+    assert json.loads(events[0].removeprefix("data: "))["error"]["code"] == "engine_dead", events
+    assert "Exception in ASGI application" not in server.log_tail(20000), server.log_tail()
+
+    server.start(timeout=240)
+    with server.openai() as client:
+        done = server.wait_until(
+            lambda: (b := client.batches.retrieve(batch_id)).status == "completed" and b, timeout=120
+        )
+        assert done.request_counts.completed == 1 and done.request_counts.failed == 0

@@ -15,11 +15,13 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -285,13 +287,36 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+# A stop signal lets the requests in flight finish for this long; then the engine stops,
+# which ends each one still running with a 503 ``engine_dead`` (in-band on a stream).
+DRAIN_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with what is still running at the end of the drain ended by the engine.
+
+    uvicorn itself cancels the requests left when its graceful period ends: a plain-text
+    500 and a stream cut off mid-message, with a traceback in the log. Here the engine
+    stops ``DRAIN_S`` after the signal, before that period ends, so their handlers send a
+    clear error in time (and the Batch API leaves its batches to the next start).
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient) -> None:
+        super().__init__(config)
+        self._stop_engine = threading.Timer(DRAIN_S, engine.shutdown)
+        self._stop_engine.daemon = True
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            self._stop_engine.start()
+        super().handle_exit(sig, frame)
+
+
 def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
 def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
-
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -344,14 +369,15 @@ def run_server(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        server = uvicorn.Server(
+        server = _Server(
             uvicorn.Config(
                 app,
                 log_level=args.log_level,
                 access_log=False,
                 timeout_keep_alive=args.timeout_keep_alive,
-                timeout_graceful_shutdown=5,
-            )
+                timeout_graceful_shutdown=int(DRAIN_S) + 10,  # the engine ends what is left first
+            ),
+            engine,
         )
         server.run(sockets=[sock])
     finally:

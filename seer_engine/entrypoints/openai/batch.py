@@ -27,6 +27,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
+from seer_engine.engine.client import EngineDeadError
 from seer_engine.entrypoints.openai.batch_store import BatchStore, pause_for_test, plan_fields
 from seer_engine.entrypoints.openai.errors import APIError, BodyError, as_api_error, error_body
 from seer_engine.entrypoints.openai.files import FileStore, new_file_id, page
@@ -325,6 +326,9 @@ class BatchManager:
             for t in tasks:
                 t.cancel()
             raise
+        if any(isinstance(r, EngineDeadError) for r in results):
+            logger.warning("the engine stopped under batch %s: the next start runs it again", batch["id"])
+            return  # as for a server stopped under it: its status stays
         cancelled = batch["status"] == "cancelling"
         if not cancelled:
             self._set(batch, "finalizing", finalizing_at=int(time.time()))
@@ -373,6 +377,8 @@ class BatchManager:
         try:
             body = await handler(line["body"], request_id)
             status, ok, usage = 200, True, body.get("usage") or {}
+        except EngineDeadError:
+            raise  # not the line's failure: the batch is left for the next start (see _execute)
         except Exception as e:  # noqa: BLE001 - one line's failure is that line's error record
             err = as_api_error(e)
             body = error_body(err.status, err.message, err.param, err.code)
