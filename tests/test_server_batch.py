@@ -340,7 +340,7 @@ def test_a_second_server_on_the_data_dir_leaves_the_first_ones_batches_alone(tin
                 completion = {"model": "m", "prompt": [1], "max_tokens": 1}
                 assert (await two.post("/v1/completions", json=completion)).status_code == 200, "it serves"
 
-            for _ in range(600):
+            for _ in range(2400):  # a condition, polled for up to 2 minutes
                 done = (await one.get(f"/v1/batches/{batch['id']}")).json()
                 if done["status"] in TERMINAL:
                     break
