@@ -52,6 +52,14 @@ def _rollout(pool: EnginePool) -> Dispatcher:
     return Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement)
 
 
+def test_an_engine_config_error_in_an_actor_is_the_callers_value_error(cluster, model):
+    """A configuration error raised while an actor builds its engine reaches the caller as
+    that ValueError (the CLIs' exit 2 naming it), not a RuntimeError around Ray's text."""
+    cfg = pool_config(model, 10, max_model_len=100_000)
+    with pytest.raises(ValueError, match=r"max_model_len 100000 exceeds what the model supports \(4096\)"):
+        EnginePool.start(cfg, 1, backend="ray")
+
+
 def test_actors_migrate_through_the_local_pool_and_keep_outputs(ray_pool, reference):
     assert all(isinstance(inst, RayInstance) and inst.backend == "ray" for inst in ray_pool)
     result = _rollout(ray_pool).run(pool_groups())

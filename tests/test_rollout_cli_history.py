@@ -159,14 +159,11 @@ def test_context_order_reaches_the_context_manager_of_serve_and_rollout(model, t
     assert outputs["estimate"][0] == outputs["estimate"][1] == outputs["wait"][0]
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
-def test_an_engine_config_error_in_an_instance_is_named_not_a_traceback(model, tmp_path, capsys, backend):
-    """With --instances N > 1 each engine starts in a process (or Ray actor) of its own: a
-    configuration error it raises there is the command's error (exit 2), as with one
-    in-process engine."""
-    if backend == "ray":
-        pytest.importorskip("ray")
-    extra = ["--instances", "2", "--distributed-backend", backend, "--max-model-len", "100000"]
+def test_an_engine_config_error_in_an_instance_process_is_named_not_a_traceback(model, tmp_path, capsys):
+    """With --instances N > 1 each engine starts in a process of its own: a configuration
+    error it raises there is the command's error (exit 2), as with one in-process engine
+    (Ray actors: ``tests/test_ray_backend.py``)."""
+    extra = ["--instances", "2", "--distributed-backend", "mp", "--max-model-len", "100000"]
     args = _args(model, tmp_path, *extra)
     err = _error(args, capsys)
     assert "max_model_len 100000 exceeds what the model supports (4096)" in err
