@@ -65,6 +65,33 @@ def test_every_response_finishes_once_with_its_length_and_kv_stays_within_capaci
         assert result.metrics.preemptions == 0, "divided rollout reserves KV per chunk: it never preempts"
 
 
+@pytest.mark.parametrize(
+    "seed,kv_tokens,max_tokens,prompt_len,instances,batched",
+    [(24, 129, 64, 1, 1, 4096), (27, 365, 300, 1, 2, 48), (11, 464, 300, 100, 2, 48)],
+    ids=["part-filled-blocks", "prefill-past-the-token-budget", "long-prompts"],
+)  # fmt: skip
+def test_the_baselines_engines_keep_kv_within_capacity(
+    seed, kv_tokens, max_tokens, prompt_len, instances, batched, monkeypatch
+):
+    """The modeled engine admits a row only where its part-filled last block fits too, and
+    preempts when the next step's prefill spans (not only its decode tokens) have no KV."""
+    sims: list[SimInstance] = []
+    real_init = SimInstance.__init__
+
+    def spy(self, *args, **kw):
+        real_init(self, *args, **kw)
+        sims.append(self)
+
+    monkeypatch.setattr(SimInstance, "__init__", spy)
+    groups = synthetic_groups(5, 4, max_tokens, prompt_len=prompt_len, seed=seed)
+    profile = InstanceProfile("test", StepTimeModel(0.02, 2e-5, 2e-9), kv_capacity_tokens=kv_tokens,
+                              max_num_seqs=16, max_num_batched_tokens=batched)  # fmt: skip
+    policy = policy_for("baseline", groups, max_tokens, 3600.0)
+    result = simulate(groups, policy, profile, instances, max_tokens, chunk_tokens=16)
+    assert [inst.peak_kv_tokens for inst in sims if inst.peak_kv_tokens > inst.capacity] == []
+    assert result.metrics.output_tokens == sum(simulator.true_lengths(groups, max_tokens).values())
+
+
 def test_baseline_preempts_when_kv_runs_out_and_divided_does_not():
     groups = _groups()
     tight = _profile(kv_tokens=12_000)

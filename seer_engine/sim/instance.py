@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from seer_engine.core.policies import SchedulingPolicy
 from seer_engine.core.scheduler import SchedulerStats
@@ -32,7 +32,7 @@ from seer_engine.rollout.instances.base import InstanceHandle
 from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
 from seer_engine.sim.decode_band import EPS, DecodeBand
 from seer_engine.sim.profile import InstanceProfile
-from seer_engine.sim.requests import Segment, SimRequest
+from seer_engine.sim.requests import Segment, SimRequest, prefill_spans
 from seer_engine.sim.running_groups import RunningGroups
 from seer_engine.sim.speculation import BandShape, SimSpeculation
 from seer_engine.sim.world import SimWorld
@@ -170,10 +170,10 @@ class SimInstance(InstanceHandle):
             nxt = self._plan()
             if outputs or nxt is None or nxt.end > horizon:
                 break
-        loads, self._loads = self._loads, []
+        loads, self._loads, elapsed, self._elapsed = self._loads, [], self._elapsed, 0.0
         # Rows still prefilling are where they were dispatched (the admission rule's default).
         done = {rid: int(self.bands[r.band].written(r)) for rid, r in self.decoding.items()}
-        return StepReply(outputs, self._take_elapsed(), self._engine_stats(), None, self._connector, loads,
+        return StepReply(outputs, elapsed, self._engine_stats(), None, self._connector, loads,
                          progress=done)  # fmt: skip
 
     def _engine_stats(self) -> EngineStats:
@@ -194,25 +194,18 @@ class SimInstance(InstanceHandle):
 
     def _next_segment(self) -> Segment | None:
         stopped = self._preempt_until_growth_fits()
-        rows = tuple(len(band) for band in self.bands)
-        gain, drafted, steady_tokens = self._rates(rows)
-        decode = Segment(0, 0.0, 0.0, rows, gain, drafted)
-        budget = self.profile.max_num_batched_tokens - decode.decode_tokens
-        prefill = []
-        for req in self.prefilling:
-            n = min(req.context - req.computed, max(budget, 0))
-            if n > 0:
-                prefill.append((req, n))
-                budget -= n
+        decode, steady_tokens, prefill = self._next_step()
+        prefilled = sum(n for _, n in prefill)
+        budget = self.profile.max_num_batched_tokens - decode.decode_tokens - prefilled
         # As the engine's scheduler: a step that preempted or cut admits nobody new.
-        admit = [] if stopped else self._admissible(budget, decode.growth)
+        admit = [] if stopped else self._admissible(budget, decode.growth + prefilled)
         if not prefill and not admit:
             if not decode.decoding_rows:
                 return None
             return self._decode_segment(decode, steady_tokens)
-        tokens = decode.decode_tokens + sum(n for _, n in prefill)
+        tokens = decode.decode_tokens + prefilled
         m = self.profile.step
-        kv_read = self._decode_kv(drafted) + sum(m.kv_read(r.computed, n) for r, n in prefill)
+        kv_read = self._decode_kv(decode.drafted) + sum(m.kv_read(r.computed, n) for r, n in prefill)
         for req in admit:
             n = min(req.context - req.hit, max(budget, 0))
             prefill.append((req, n))
@@ -222,7 +215,18 @@ class SimInstance(InstanceHandle):
         ending = sum(r.computed + n >= r.context - EPS for r, n in prefill if r not in admit)
         ending += sum(r.hit + n >= r.context - EPS for r, n in prefill if r in admit)
         seconds = m.step_s(tokens, kv_read, decode.decode_tokens + ending) + self._carried_s
-        return Segment(1, seconds, self.clock + seconds, rows, gain, drafted, prefill, admit)
+        return replace(
+            decode, steps=1, seconds=seconds, end=self.clock + seconds, prefill=prefill, admit=admit
+        )
+
+    def _next_step(self) -> tuple[Segment, float, list[tuple[SimRequest, float]]]:
+        """The next step's decoding rows at their rates (and for how many of their chunks'
+        tokens those hold), and the spans of rows already prefilling: both take KV."""
+        rows = tuple(len(band) for band in self.bands)
+        gain, drafted, steady_tokens = self._rates(rows)
+        decode = Segment(0, 0.0, 0.0, rows, gain, drafted)
+        budget = self.profile.max_num_batched_tokens - decode.decode_tokens
+        return decode, steady_tokens, prefill_spans(self.prefilling, budget)
 
     def _decode_segment(self, seg: Segment, steady_tokens: float) -> Segment:
         """Steps until a row ends, the KV fills or the rows' drafting changes (``seg``: the
@@ -298,7 +302,8 @@ class SimInstance(InstanceHandle):
         return tuple(1.0 + r.accepted for r in rates), tuple(r.drafted for r in rates), steady
 
     def _admissible(self, budget: float, growth: float) -> list[SimRequest]:
-        """Waiting chunks the engine would admit this step, in its policy's order."""
+        """Waiting chunks the engine would admit this step, in its policy's order, while
+        each one's KV fits (its last block part-filled, as ``_running_kv`` counts a row)."""
         if not self.waiting or budget <= 0:
             return []
         self.waiting.sort(key=self.scheduling.sort_key)
@@ -311,10 +316,11 @@ class SimInstance(InstanceHandle):
             req.hit = self._hit(req)
             n = min(req.context - req.hit, budget)
             shared = req.prompt_len if req.group_id in self.groups and req.hit >= req.prompt_len else 0
-            if req.hit + n - shared > free:
+            need = req.hit + n - shared + self.profile.partial_block_tokens
+            if need > free:
                 break
             admit.append(req)
-            free -= req.hit + n - shared
+            free -= need
             budget -= n
             seats -= 1
         return admit
@@ -326,13 +332,12 @@ class SimInstance(InstanceHandle):
         return max(req.hit, cached)
 
     def _preempt_until_growth_fits(self) -> bool:
-        """The engine preempts its policy's victim when the next step's tokens have no KV
-        (True if it stopped a row: preempted or cut)."""
+        """The engine preempts its policy's victim when the next step's tokens (decoded or
+        prefilled) have no KV (True if it stopped a row: preempted or cut)."""
         stopped = False
         while self.decoding or self.prefilling:
-            rows = tuple(len(band) for band in self.bands)
-            growth = sum(n * g for n, g in zip(rows, self._rates(rows)[0]))
-            if self._running_kv() + growth <= self.capacity:
+            decode, _, prefill = self._next_step()
+            if self._running_kv() + decode.growth + sum(n for _, n in prefill) <= self.capacity:
                 return stopped
             stopped = True
             running = list(self.decoding.values()) + self.prefilling
@@ -451,10 +456,6 @@ class SimInstance(InstanceHandle):
 
     def _note_kv(self) -> None:
         self.peak_kv_tokens = max(self.peak_kv_tokens, self._running_kv())
-
-    def _take_elapsed(self) -> float:
-        elapsed, self._elapsed = self._elapsed, 0.0
-        return elapsed
 
     # -- decoding rows and KV ------------------------------------------------------------
 

@@ -69,3 +69,15 @@ class Segment:
     def growth(self) -> float:
         """Tokens the decoding rows gain each step, all together."""
         return sum(n * g for n, g in zip(self.rows, self.gain))
+
+
+def prefill_spans(prefilling: list[SimRequest], budget: float) -> list[tuple[SimRequest, float]]:
+    """The context tokens each row still prefilling computes in the next step, in order,
+    within the step's token ``budget``."""
+    spans = []
+    for req in prefilling:
+        n = min(req.context - req.computed, max(budget, 0))
+        if n > 0:
+            spans.append((req, n))
+            budget -= n
+    return spans
