@@ -221,3 +221,19 @@ def test_speculative_config_reaches_the_modeled_drafters(tmp_path):
         seer = report["policies"]["seer"]
         verified[nodes] = seer["draft_tokens_verified"]
     assert verified[16] > 4 * verified[1] > 0
+
+
+def test_the_mean_tail_reduction_skips_iterations_whose_baseline_has_no_tail():
+    """As ``vs_baseline`` per iteration: no baseline tail, no reduction to average in."""
+    from types import SimpleNamespace
+
+    from seer_engine.entrypoints.simulate import _summary
+
+    def run(tail_s: float) -> SimpleNamespace:
+        figures = {"throughput_tokens_per_s": 10.0, "makespan_s": 5.0, "tail_s": tail_s, "preemptions": 0,
+                   "chunk_cuts": 0, "idle_fraction": 0.0}  # fmt: skip
+        return SimpleNamespace(metrics=SimpleNamespace(**figures))
+
+    runs = [{"baseline": run(0.0), "seer": run(1.0)}, {"baseline": run(4.0), "seer": run(2.0)}]
+    assert _summary(runs)["seer"]["tail_reduction_vs_baseline"] == 0.5
+    assert _summary(runs[:1])["seer"]["tail_reduction_vs_baseline"] is None

@@ -261,7 +261,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _summary(runs: list[dict[str, RolloutResult]]) -> dict[str, dict]:
-    """Per policy over the iterations: mean throughput, makespan, tail, and vs baseline."""
+    """Per policy over the iterations: mean throughput, makespan, tail, and vs baseline.
+    The tail reduction is the mean over the iterations whose baseline has a tail (as
+    ``vs_baseline`` has it per iteration); None where none has."""
     out = {}
     for name in runs[0]:
         ms = [r[name].metrics for r in runs]
@@ -278,15 +280,14 @@ def _summary(runs: list[dict[str, RolloutResult]]) -> dict[str, dict]:
             row["throughput_x_baseline"] = statistics.mean(
                 m.throughput_tokens_per_s / b.throughput_tokens_per_s for m, b in zip(ms, base)
             )
-            row["tail_reduction_vs_baseline"] = statistics.mean(
-                1 - m.tail_s / b.tail_s if b.tail_s else 0.0 for m, b in zip(ms, base)
-            )
+            cuts = [1 - m.tail_s / b.tail_s for m, b in zip(ms, base) if b.tail_s]
+            row["tail_reduction_vs_baseline"] = statistics.mean(cuts) if cuts else None
         if "oracle" in runs[0]:
             row["throughput_x_oracle"] = statistics.mean(
                 m.throughput_tokens_per_s / r["oracle"].metrics.throughput_tokens_per_s
                 for m, r in zip(ms, runs)
             )
-        out[name] = {k: round(v, 4) for k, v in row.items()}
+        out[name] = {k: None if v is None else round(v, 4) for k, v in row.items()}
     return out
 
 
