@@ -78,12 +78,14 @@ def test_simulate_names_a_bad_profile_field(tmp_path, capsys, change, message):
     assert f"instance profile {str(path)!r} is not valid" in err and message in err
 
 
-def test_an_instance_too_small_for_a_prompt_is_a_clear_error(tmp_path, capsys):
-    # baseline pins whole groups up front: its chunks reach an instance that can never run them
+@pytest.mark.parametrize("policy", ["baseline", "context"])
+def test_an_instance_too_small_for_a_response_is_a_clear_error(tmp_path, capsys, policy):
+    """Named before anything runs, with the remedy that helps: no chunk size lets a
+    response whose context outgrows an instance finish."""
     path = tmp_path / "small.json"
     path.write_text(json.dumps({**PROFILE, "kv_capacity_tokens": 512}))
-    err = _error([*SMALL, "--profile", str(path), "--policy", "baseline"], capsys)
-    assert "a chunk needs more KV than an instance has" in err
+    err = _error([*SMALL, "--profile", str(path), "--policy", policy], capsys)
+    assert "tokens but an instance holds 512 (kv_capacity_tokens): raise it or lower max_tokens" in err
 
 
 def test_a_one_token_max_runs_every_response_to_one_token(tmp_path):

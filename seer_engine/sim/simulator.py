@@ -120,6 +120,7 @@ def simulate(
     with speculative decoding only; default: the one fitted on the Qwen3 trace).
     ``admission``: a rule of ``rollout/admission.py``, or ``peak-known`` (``sim/admission.py``).
     """
+    _check_kv_holds(groups, max_tokens, profile)
     max_prompt = max(g.prompt_len for g in groups)
     world = SimWorld(
         lengths=true_lengths(groups, max_tokens),
@@ -183,6 +184,20 @@ def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculat
         acceptance = default_acceptance(samples)
     pinned = StepCostModel(*spec.step_cost) if spec.step_cost else None
     return SimSpeculation(acceptance, spec.budget, spec.num_speculative_tokens, pinned, spec.priority_weight)
+
+
+def _check_kv_holds(groups: Sequence[SimGroup], max_tokens: int, profile: InstanceProfile) -> None:
+    """Every response's prompt and tokens fit one instance's KV: one that does not can never
+    finish, whatever the chunk size (its context alone outgrows the instance)."""
+    capacity = profile.kv_capacity_tokens
+    for g in groups:
+        longest = min(max(g.lengths, default=0), max_tokens)
+        if g.prompt_len + longest > capacity:
+            raise ValueError(
+                f"group {g.group_id}: its {g.prompt_len}-token prompt and {longest}-token response need KV "
+                f"for {g.prompt_len + longest} tokens but an instance holds {capacity} "
+                "(kv_capacity_tokens): raise it or lower max_tokens"
+            )
 
 
 def true_lengths(groups: Sequence[SimGroup], max_tokens: int) -> dict[str, int]:
