@@ -218,6 +218,13 @@ def _completion_ids(client, model, text: str, **body) -> list[int]:
     return resp.choices[0].prompt_token_ids
 
 
+def test_text_parts_are_joined_by_newlines_as_vllm_does(client, model):
+    """vLLM renders a message's text parts as one string joined by newlines."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    ids = _chat_prompt_ids(client, model, [{"role": "user", "content": parts}])
+    assert ids == _chat_prompt_ids(client, model, [{"role": "user", "content": "Hello\nWorld"}])
+
+
 def test_chat_template_options_render_as_vllm_does(client, model):
     """A request's own chat_template, the variables in chat_template_kwargs, message fields
     the template reads (name, tool_call_id) and continue_final_message all reach the prompt."""

@@ -25,6 +25,8 @@ from seer_engine.outputs import CompletionOutput
 
 
 def _content_text(message: ChatMessage, index: int) -> str:
+    """A message's text; text parts are joined by newlines, as vLLM renders them for a
+    template that reads ``content`` as a string (the same prompt tokens as under vLLM)."""
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
@@ -34,7 +36,7 @@ def _content_text(message: ChatMessage, index: int) -> str:
                 400, f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}"
             )
         texts.append(part.text)
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict:
