@@ -291,6 +291,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search is not supported"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json is not supported"),
     ({"prompt": "x", "length_penalty": 0.5}, 400, "length_penalty is not supported"),
+    ({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
     ({"prompt": "x", "n": "two"}, 422, "n"),
@@ -449,7 +450,8 @@ def test_neutral_values_of_unsupported_options_and_unknown_fields_are_served(htt
     use_beam_search false) and OpenAI fields that change nothing here (store): served;
     a chat asking for JSON output is refused rather than answered in free text."""
     body = {"model": model, "prompt": "x", "max_tokens": 2, "prompt_logprobs": None, "use_beam_search": False,
-            "length_penalty": 1.0, "bad_words": [], "store": True, "metadata": {"k": "v"}}  # fmt: skip
+            "length_penalty": 1.0, "bad_words": [], "store": True, "metadata": {"k": "v"},
+            "return_tokens_as_token_ids": False}  # fmt: skip
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

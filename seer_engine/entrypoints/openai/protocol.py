@@ -88,6 +88,7 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "prediction": (None,),
     "spaces_between_special_tokens": (None, True),
     "echo": (None, False),  # chat only: completions implement it
+    "return_tokens_as_token_ids": (None, False),  # logprobs tokens as "token_id:<id>"
     # Tool calls (``tools`` itself is a chat field, refused when not empty): asking for one
     # by ``tool_choice``, or by the deprecated ``functions`` / ``function_call``.
     "tool_choice": (None, "none", "auto"),
