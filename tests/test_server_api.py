@@ -272,6 +272,7 @@ def test_bad_chat_template_options_are_refused_by_name(http, body, param):
 # ----------------------------------------------------------------------- bad input
 
 
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's
 BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": 1000}, 400, "n"),
@@ -293,6 +294,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "length_penalty": 0.5}, 400, "length_penalty is not supported"),
     ({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": CONTINUOUS_USAGE}, 400, "continuous_usage_stats"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
     ({"prompt": "x", "n": "two"}, 422, "n"),
     ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),

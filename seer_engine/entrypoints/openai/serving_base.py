@@ -157,6 +157,9 @@ class ServingBase:
                 raise APIError(400, f"{name} is not supported", param=name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            param = "stream_options.continuous_usage_stats"
+            raise APIError(400, f"{param} is not supported", param=param)
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
         if req.logit_bias:
