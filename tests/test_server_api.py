@@ -285,6 +285,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [[1, 2], [-3]]}, 400, "vocabulary"),
     ({"prompt": []}, 400, "empty"),
     ({"prompt": "x", "stop_token_ids": [99999]}, 400, "vocabulary"),
+    ({"prompt": "x", "stop": ""}, 400, "stop"),
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 10]"),

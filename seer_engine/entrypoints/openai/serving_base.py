@@ -169,7 +169,7 @@ class ServingBase:
             "max_tokens": max_tokens,
             "min_tokens": req.min_tokens,
             "seed": req.seed,
-            "stop": req.stop or [],
+            "stop": stop_strings(req.stop),
             "stop_token_ids": req.stop_token_ids or [],
             "ignore_eos": req.ignore_eos,
             "logprobs": logprobs,
@@ -304,6 +304,7 @@ class TextDeltas:
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """``stop`` as a list; ``""`` is a list of one empty string, refused as vLLM refuses it."""
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
