@@ -114,6 +114,11 @@ class ServingBase:
     def model_name(self) -> str:
         return self.served_names[0]
 
+    def response_model(self, req: _SamplingFields) -> str:
+        """The model a response names: the served name the request used (any of them may
+        be), as vLLM answers; the first served name when the request names none."""
+        return req.model or self.model_name
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_names:
             raise APIError(

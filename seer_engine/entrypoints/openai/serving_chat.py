@@ -121,7 +121,7 @@ class OpenAIServingChat(ServingBase):
             "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": self.response_model(req),
             "choices": choices,
             "usage": usage(len(out.prompt_token_ids), sum(len(s.token_ids) for s in out.outputs)),
             "system_fingerprint": None,
@@ -157,7 +157,7 @@ class OpenAIServingChat(ServingBase):
 
         def chunk(choices: list[dict], usage_obj: dict | None = None) -> str:
             obj = "chat.completion.chunk"
-            return sse_event(request_id, obj, created, self.model_name, choices, usage_obj)
+            return sse_event(request_id, obj, created, self.response_model(req), choices, usage_obj)
 
         try:
             async for out in stream:

@@ -84,7 +84,7 @@ class OpenAIServingCompletion(ServingBase):
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": self.response_model(req),
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
             "system_fingerprint": None,
@@ -127,8 +127,10 @@ class OpenAIServingCompletion(ServingBase):
         done: set[int] = set()
         prompt_tokens: dict[int, int] = {}
 
+        model = self.response_model(req)
+
         def chunk(choices: list[dict], usage_obj: dict | None = None) -> str:
-            return sse_event(request_id, "text_completion", created, self.model_name, choices, usage_obj)
+            return sse_event(request_id, "text_completion", created, model, choices, usage_obj)
 
         try:
             async for p, out in merge_outputs(streams):
