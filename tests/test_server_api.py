@@ -464,6 +464,17 @@ def test_neutral_values_of_unsupported_options_and_unknown_fields_are_served(htt
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format", resp.text
 
 
+def test_top_logprobs_0_without_logprobs_is_served_as_by_vllm(http, model):
+    """vLLM refuses top_logprobs > 0 without logprobs; 0 asks for nothing and is served."""
+    body = {"model": model, "messages": HI, "max_tokens": 2, "top_logprobs": 0}
+    for logprobs in ({}, {"logprobs": False}):
+        resp = http.post("/v1/chat/completions", json={**body, **logprobs})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["logprobs"] is None
+    resp = http.post("/v1/chat/completions", json={**body, "top_logprobs": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "top_logprobs", resp.text
+
+
 def test_still_serving_after_bad_input(client, model):
     resp = client.completions.create(
         model=model, prompt="still here", max_tokens=4, extra_body={"repetition_penalty": 1.0}

@@ -103,7 +103,7 @@ class OpenAIServingChat(ServingBase):
         self.check_model(req.model)
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: served, as by vLLM
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         prompt = await self.render_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
