@@ -491,7 +491,7 @@ def test_a_model_can_be_retrieved_by_name(client, model):
 
 def test_a_response_names_the_model_the_request_named(server_models, start_server):
     """As vLLM: a request may use any served name and its response (each streamed chunk
-    too) carries that name; a request that names none gets the first."""
+    too) carries that name; a request that names none (no model, or "") gets the first."""
     server = start_server("--model", str(server_models[0]), "--served-model-name", "main", "alias",
                           "--max-model-len", "256", "--num-threads", "1")  # fmt: skip
     with server.openai() as client:
@@ -502,8 +502,11 @@ def test_a_response_names_the_model_the_request_named(server_models, start_serve
             chunks += list(client.chat.completions.create(model=name, messages=HI, max_tokens=1, stream=True))
             assert {chunk.model for chunk in chunks} == {name}
     with server.http() as http:
-        resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert resp.status_code == 200 and resp.json()["model"] == "main", resp.text
+        for unnamed in ({}, {"model": ""}, {"model": None}):
+            resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **unnamed})
+            assert resp.status_code == 200 and resp.json()["model"] == "main", resp.text
+            resp = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1, **unnamed})
+            assert resp.status_code == 200 and resp.json()["model"] == "main", resp.text
 
 
 def test_text_prompts_take_the_tokenizers_bos_and_chat_prompts_do_not(tiny_model, start_server):

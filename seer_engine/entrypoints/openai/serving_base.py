@@ -119,6 +119,11 @@ class ServingBase:
         be), as vLLM answers; the first served name when the request names none."""
         return req.model or self.model_name
 
+    def check_request_model(self, req: _SamplingFields) -> None:
+        """A request names a served model, or none: absent or "" (vLLM's default) is the first."""
+        if req.model:
+            self.check_model(req.model)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_names:
             raise APIError(

@@ -100,7 +100,7 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, f"cannot apply the chat template: {e}", param=param) from None
 
     async def create(self, req: ChatCompletionRequest) -> dict | EventStream:
-        self.check_model(req.model)
+        self.check_request_model(req)
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
         if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: served, as by vLLM

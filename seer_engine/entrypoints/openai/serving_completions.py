@@ -37,7 +37,7 @@ def normalize_prompts(prompt: str | list) -> list[str | list[int]]:
 class OpenAIServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest) -> dict | EventStream:
         """A response dict, or SSE lines when ``req.stream``. Refusals raise before any output."""
-        self.check_model(req.model)
+        self.check_request_model(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
