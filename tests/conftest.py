@@ -47,6 +47,22 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def sim_instances(monkeypatch) -> list:
+    """Every ``SimInstance`` the test's simulations make, in order (to read their peak KV)."""
+    from seer_engine.sim.instance import SimInstance
+
+    made: list[SimInstance] = []
+    real_init = SimInstance.__init__
+
+    def spy(self, *args, **kw):
+        real_init(self, *args, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(SimInstance, "__init__", spy)
+    return made
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     """``hf_model(path, dtype) -> transformers model``, cached."""

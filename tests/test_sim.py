@@ -42,15 +42,7 @@ def _run(name: str, groups, profile=None, instances: int = 3, chunk: int = 1024)
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_every_response_finishes_once_with_its_length_and_kv_stays_within_capacity(name, monkeypatch):
-    peaks: list[SimInstance] = []
-    real_init = SimInstance.__init__
-
-    def spy(self, *args, **kw):
-        real_init(self, *args, **kw)
-        peaks.append(self)
-
-    monkeypatch.setattr(SimInstance, "__init__", spy)
+def test_every_response_finishes_once_with_its_length_and_kv_stays_within_capacity(name, sim_instances):
     groups = _groups()
     finished: list[str] = []
     result = simulate(groups, policy_for(name, groups, MAX_TOKENS, 3600.0), _profile(), 3, MAX_TOKENS, 1024,
@@ -60,7 +52,7 @@ def test_every_response_finishes_once_with_its_length_and_kv_stays_within_capaci
     got = {s.key: s.num_generated for ss in result.samples.values() for s in ss}
     assert got == expected
     assert result.metrics.output_tokens == sum(expected.values())
-    assert all(0 < inst.peak_kv_tokens <= inst.capacity for inst in peaks)
+    assert sim_instances and all(0 < inst.peak_kv_tokens <= inst.capacity for inst in sim_instances)
     if name != "baseline":
         assert result.metrics.preemptions == 0, "divided rollout reserves KV per chunk: it never preempts"
 
@@ -71,24 +63,16 @@ def test_every_response_finishes_once_with_its_length_and_kv_stays_within_capaci
     ids=["part-filled-blocks", "prefill-past-the-token-budget", "long-prompts"],
 )  # fmt: skip
 def test_the_baselines_engines_keep_kv_within_capacity(
-    seed, kv_tokens, max_tokens, prompt_len, instances, batched, monkeypatch
+    seed, kv_tokens, max_tokens, prompt_len, instances, batched, sim_instances
 ):
     """The modeled engine admits a row only where its part-filled last block fits too, and
     preempts when the next step's prefill spans (not only its decode tokens) have no KV."""
-    sims: list[SimInstance] = []
-    real_init = SimInstance.__init__
-
-    def spy(self, *args, **kw):
-        real_init(self, *args, **kw)
-        sims.append(self)
-
-    monkeypatch.setattr(SimInstance, "__init__", spy)
     groups = synthetic_groups(5, 4, max_tokens, prompt_len=prompt_len, seed=seed)
     profile = InstanceProfile("test", StepTimeModel(0.02, 2e-5, 2e-9), kv_capacity_tokens=kv_tokens,
                               max_num_seqs=16, max_num_batched_tokens=batched)  # fmt: skip
     policy = policy_for("baseline", groups, max_tokens, 3600.0)
     result = simulate(groups, policy, profile, instances, max_tokens, chunk_tokens=16)
-    assert [inst.peak_kv_tokens for inst in sims if inst.peak_kv_tokens > inst.capacity] == []
+    assert sim_instances and [i.peak_kv_tokens for i in sim_instances if i.peak_kv_tokens > i.capacity] == []
     assert result.metrics.output_tokens == sum(simulator.true_lengths(groups, max_tokens).values())
 
 

@@ -218,15 +218,7 @@ def test_peak_admission_counts_progress_and_chunks_that_end_first():
 
 @pytest.mark.parametrize("admission", ["reserve-per-response", "reserve", "peak", "peak:256", "peak-known"])
 @pytest.mark.parametrize("name", ["divided", "context", "seer", "context+history", "oracle"])
-def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, monkeypatch):
-    made: list[SimInstance] = []
-    real_init = SimInstance.__init__
-
-    def spy(self, *args, **kw):
-        real_init(self, *args, **kw)
-        made.append(self)
-
-    monkeypatch.setattr(SimInstance, "__init__", spy)
+def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, sim_instances):
     groups = synthetic_groups(12, 8, MAX_TOKENS, prompt_len=200, seed=4)
     tight = _profile(kv_tokens=14_000)
     finished: list[str] = []
@@ -236,7 +228,7 @@ def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, monke
     assert sorted(finished) == sorted(expected), "every sample exactly once"
     assert {s.key: s.num_generated for ss in result.samples.values() for s in ss} == expected
     assert result.metrics.preemptions == 0
-    assert all(inst.peak_kv_tokens <= inst.capacity for inst in made)
+    assert sim_instances and all(inst.peak_kv_tokens <= inst.capacity for inst in sim_instances)
     if admission == "peak:256":
         assert result.metrics.chunk_cuts > 0, "a short horizon overfills: the engine cuts chunks"
     else:
