@@ -146,8 +146,15 @@ def test_seer_accepts_more_where_siblings_have_written_ahead():
 
 
 def test_a_chunk_larger_than_an_instance_is_a_clear_error():
-    groups = [SimGroup("g", 100, [3000])]
+    # The response fits the instance (100 + 900 tokens), a 2048-token chunk of it does not.
+    groups = [SimGroup("g", 100, [900])]
     with pytest.raises(RuntimeError, match="more KV blocks than an instance has"):
+        simulate(groups, policy_for("divided", groups, 4096, 60.0), _profile(kv_tokens=1024), 1, 4096, 2048)
+
+
+def test_a_response_larger_than_an_instance_is_named_before_anything_runs():
+    groups = [SimGroup("g", 100, [3000])]
+    with pytest.raises(ValueError, match="response need KV for 3100 tokens but an instance holds 1024"):
         simulate(groups, policy_for("divided", groups, 4096, 60.0), _profile(kv_tokens=1024), 1, 4096, 2048)
 
 
