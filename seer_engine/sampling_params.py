@@ -47,6 +47,10 @@ class SamplingParams:
     # transformers and vLLM's completions do; a chat template writes its own, so chat
     # turns this off. Token-id prompts are taken as they are.
     add_special_tokens: bool = True
+    # A max_tokens past what the context leaves after the prompt is cut to fit, as vLLM's
+    # offline LLM does; False refuses it, as vLLM's OpenAI server does (the server's
+    # requests set it).
+    fit_max_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

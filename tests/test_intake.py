@@ -104,6 +104,24 @@ def test_prompts_are_bounded_before_they_are_tokenized(model, encode_calls):
     assert checked.max_tokens == engine_processor.max_model_len - len(checked.prompt_token_ids)
 
 
+def test_a_max_tokens_past_the_context_is_cut_or_refused(model):
+    """Offline a max_tokens past the context is cut to what the prompt leaves (vLLM's LLM);
+    with ``fit_max_tokens`` off (the server's requests) it is refused, naming the numbers."""
+    processor = _processor(model)
+    room = processor.max_model_len - 3
+    assert processor.process([1, 2, 3], SamplingParams(max_tokens=room + 5)).max_tokens == room
+    strict = SamplingParams(max_tokens=room + 5, fit_max_tokens=False)
+    with pytest.raises(InvalidRequestError) as refused:
+        processor.process([1, 2, 3], strict)
+    assert refused.value.param == "max_tokens"
+    assert str(refused.value) == (
+        f"max_tokens is too large: {room + 5}. This model's maximum context length is "
+        f"{processor.max_model_len} tokens and the prompt has 3 tokens "
+        f"({room + 5} > {processor.max_model_len} - 3)"
+    )
+    assert processor.process([1, 2, 3], strict.clone(max_tokens=room)).max_tokens == room
+
+
 def _processor(model) -> InputProcessor:
     from seer_engine.engine.llm_engine import LLMEngine
 

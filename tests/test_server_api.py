@@ -297,12 +297,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "stream": True, "stream_options": CONTINUOUS_USAGE}, 400, "continuous_usage_stats"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
-    ({"prompt": "x", "n": "two"}, 422, "n"),
-    ({"prompt": "x", "temperature": "hot"}, 422, "temperature"),
-    ({"prompt": 12}, 422, "prompt"),
-    ({"prompt": [1.5, 2]}, 422, "prompt"),
-    ({"max_tokens": 3}, 422, "prompt"),
-    ({"prompt": "x", "stream": "yes"}, 422, "stream"),
+    ({"prompt": "x", "n": "two"}, 400, "n"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": 12}, 400, "prompt"),
+    ({"prompt": [1.5, 2]}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
 ]
 
 
@@ -336,6 +336,15 @@ OUT_OF_VOCABULARY = "stop token id 99999 is out of the vocabulary"
          "the prompt rendered from messages has", "messages"),
         ("/v1/chat/completions", {"messages": HI, "chat_template": "{{ '' }}"},
          "the prompt rendered from messages is empty", "messages"),
+        # A max_tokens past the context is refused, as vLLM's server does (offline, it is cut).
+        ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 510},
+         "max_tokens is too large: 510. This model's maximum context length is 512 tokens and "
+         "the prompt has 3 tokens (510 > 512 - 3)", "max_tokens"),
+        ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 512},
+         "max_completion_tokens is too large: 512. This model's maximum context length",
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": HI, "max_tokens": 10**6},
+         "max_tokens is too large", "max_tokens"),
     ],
 )  # fmt: skip
 def test_intake_refusals_name_their_param(http, model, route, body, message, param):
@@ -351,8 +360,8 @@ def test_intake_refusals_name_their_param(http, model, route, body, message, par
         ({"messages": []}, 400),
         ({"messages": [{"role": "user"}], "top_logprobs": 2}, 400),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
-        ({"messages": [{"content": "hi"}]}, 422),
-        ({"messages": "hi"}, 422),
+        ({"messages": [{"content": "hi"}]}, 400),
+        ({"messages": "hi"}, 400),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400),
     ],
 )
@@ -414,7 +423,7 @@ def test_malformed_json_and_routes(http):
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["message"].startswith(message), resp.text
     resp = http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
-    assert resp.status_code == 422
+    assert resp.status_code == 400
     assert http.get("/v1/nothing-here").status_code == 404
     assert http.get("/v1/nothing-here").json()["error"]["type"] == "not_found_error"
     assert http.delete("/v1/completions").status_code == 405
@@ -424,6 +433,15 @@ def test_openai_client_errors(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", top_p=2.0)
     assert "top_p" in e.value.body["message"]
+    # A body of the wrong shape is a 400 as well, as OpenAI and vLLM answer it.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", extra_body={"temperature": "hot"})
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=600)
+    assert e.value.body["param"] == "max_tokens" and "maximum context length" in e.value.body["message"]
+    fits = client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=509, temperature=0, stop=None)
+    assert fits.usage.prompt_tokens == 3
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
 
@@ -536,5 +554,5 @@ def test_text_prompts_take_the_tokenizers_bos_and_chat_prompts_do_not(tiny_model
     with server.http() as http:
         body = {"model": server.model, "prompt": text, "add_special_tokens": "yes"}
         resp = http.post("/v1/completions", json=body)
-        assert resp.status_code in (400, 422)
+        assert resp.status_code == 400
         assert resp.json()["error"]["param"] == "add_special_tokens"

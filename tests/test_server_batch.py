@@ -146,14 +146,14 @@ def test_batch_create_errors(client, http):
     for body, status in [
         ({"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400),
         ({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "1h"}, 400),
-        ({"input_file_id": 5, "endpoint": "/v1/completions"}, 422),
-        ({"endpoint": "/v1/completions"}, 422),
+        ({"input_file_id": 5, "endpoint": "/v1/completions"}, 400),
+        ({"endpoint": "/v1/completions"}, 400),
     ]:
         resp = http.post("/v1/batches", json=body)
         assert resp.status_code == status and "message" in resp.json()["error"], resp.text
     assert http.get("/v1/batches/batch_missing").status_code == 404
     assert http.post("/v1/batches/batch_missing/cancel").status_code == 404
-    assert http.get("/v1/batches", params={"limit": 0}).status_code == 422
+    assert http.get("/v1/batches", params={"limit": 0}).status_code == 400
 
 
 def test_files_api(client, http):
@@ -168,8 +168,8 @@ def test_files_api(client, http):
     assert http.get(f"/v1/files/{uploaded.id}/content").status_code == 404
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
-    assert http.post("/v1/files", data={"purpose": "batch"}).status_code == 422  # no file part
-    assert http.post("/v1/files", json={"purpose": "batch"}).status_code == 422
+    assert http.post("/v1/files", data={"purpose": "batch"}).status_code == 400  # no file part
+    assert http.post("/v1/files", json={"purpose": "batch"}).status_code == 400
 
 
 def test_cancel_batch(server, client, http, model):

@@ -120,7 +120,8 @@ def test_the_default_body_limit_is_sized_to_the_model(http, model):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt.1", resp.text
     chat = json.dumps({"messages": [{"role": "user", "content": "hi"}] * MAX_MODEL_LEN})
     resp = http.post("/v1/chat/completions", content=chat, headers=JSON)
-    assert resp.status_code == 400 and "max_model_len is 512" in resp.json()["error"]["message"]
+    assert resp.status_code == 400, resp.text
+    assert "maximum context length (max_model_len) is 512 tokens" in resp.json()["error"]["message"]
 
 
 def test_uploads_have_their_own_limit(http):

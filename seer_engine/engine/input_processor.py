@@ -22,6 +22,15 @@ from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 MAX_CHARS_PER_TOKEN = 32
 
 
+def too_long_for_context(what: str, count: int, max_model_len: int, unit: str = "tokens") -> str:
+    """The refusal of an input that leaves no room for an output token, in the words
+    vLLM's and OpenAI's refusals use ("maximum context length")."""
+    return (
+        f"{what} has {count} {unit} but the model's maximum context length (max_model_len) is "
+        f"{max_model_len} tokens; at least one output token must fit"
+    )
+
+
 @dataclass(frozen=True)
 class CheckedRequest:
     """A request that passed every check: engines take it as it is."""
@@ -62,9 +71,7 @@ class InputProcessor:
                 raise InvalidRequestError("prior_output_token_ids needs n == 1", param="n")
         if len(ids) + len(prior) >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(ids) + len(prior)} tokens but max_model_len is {self.max_model_len} "
-                "(at least one output token must fit)",
-                param="prompt",
+                too_long_for_context("prompt", len(ids) + len(prior), self.max_model_len), param="prompt"
             )
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
@@ -72,6 +79,13 @@ class InputProcessor:
                     f"stop token id {t} is out of the vocabulary", param="stop_token_ids"
                 )
         room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room and not params.fit_max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and the prompt has {len(ids)} tokens "
+                f"({params.max_tokens} > {self.max_model_len} - {len(ids)})",
+                param="max_tokens",
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if len(prior) >= max_tokens:
             raise InvalidRequestError(
@@ -127,11 +141,7 @@ class InputProcessor:
 
     def _check_ids(self, ids: list[int], what: str, param: str | None) -> None:
         if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"{what} has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                "(at least one output token must fit)",
-                param=param,
-            )
+            raise InvalidRequestError(too_long_for_context(what, len(ids), self.max_model_len), param=param)
         outside = self._first_outside_vocabulary(ids)
         if outside is not None:
             raise InvalidRequestError(

@@ -131,7 +131,7 @@ def parse_body(model: type[M], body: dict, request_id: str) -> M:
     except ValidationError as e:
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise APIError(422, f"{where}: {first.get('msg', 'invalid')}", param=where) from None
+        raise APIError(400, f"{where}: {first.get('msg', 'invalid')}", param=where) from None
     if req.stream:
         raise APIError(400, "stream is not supported in a batch", param="stream")
     return req.model_copy(update={"request_id": request_id})

@@ -1,8 +1,8 @@
 """Every failure becomes an OpenAI error object with a fitting status code.
 
-Bad input is always a 4xx: malformed JSON 400, a body not sent as JSON 415, a body of
-the wrong shape 422, a refused value 400, unknown ids 404, state conflicts 409. Only a
-bug is a 500.
+Bad input is always a 4xx: malformed JSON, a body of the wrong shape or a refused value
+400 (as OpenAI and vLLM answer them, so clients raise ``BadRequestError``), a body not sent
+as JSON 415, unknown ids 404, state conflicts 409. Only a bug is a 500.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ _TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
-    422: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -99,7 +98,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
     for e in errors[:5]:
         where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
         parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    return 422, "; ".join(parts) or "invalid request body", param
+    return 400, "; ".join(parts) or "invalid request body", param
 
 
 def _not_json(content_type: str | None) -> JSONResponse:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from seer_engine.engine.input_processor import MAX_CHARS_PER_TOKEN
+from seer_engine.engine.input_processor import MAX_CHARS_PER_TOKEN, too_long_for_context
 from seer_engine.entrypoints.openai.errors import APIError
 
 # A character of a JSON string takes at most 6 bytes on the wire: a \uXXXX escape, as
@@ -115,12 +115,8 @@ class RequestBounds:
         messages = body.get("messages")
         if isinstance(messages, list):
             if len(messages) >= self.max_model_len:
-                raise APIError(
-                    400,
-                    f"messages has {len(messages)} messages but max_model_len is {self.max_model_len} "
-                    "(each message takes at least one token)",
-                    param="messages",
-                )
+                message = too_long_for_context("messages", len(messages), self.max_model_len, "messages")
+                raise APIError(400, f"{message} (each message takes at least one token)", param="messages")
             chars = sum(_content_chars(m) for m in messages)
             if chars > self.max_chars:
                 raise APIError(
@@ -142,12 +138,8 @@ class RequestBounds:
 
     def _ids(self, ids: list, name: str) -> None:
         if len(ids) >= self.max_model_len:
-            raise APIError(
-                400,
-                f"{name} has {len(ids)} token ids but max_model_len is {self.max_model_len} "
-                "(at least one output token must fit)",
-                param=name,
-            )
+            message = too_long_for_context(name, len(ids), self.max_model_len, "token ids")
+            raise APIError(400, message, param=name)
 
     @staticmethod
     def _sampling(body: dict) -> None:

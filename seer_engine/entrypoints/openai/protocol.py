@@ -57,7 +57,7 @@ class ErrorResponse(BaseModel):
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 415, 422, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 415, 503)
 }
 
 

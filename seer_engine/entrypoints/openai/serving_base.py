@@ -186,6 +186,7 @@ class ServingBase:
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens,
             "add_special_tokens": req.add_special_tokens,
+            "fit_max_tokens": False,
         }
         for name in (
             "temperature", "top_p", "top_k", "min_p",
