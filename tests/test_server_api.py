@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -429,6 +430,44 @@ def test_malformed_json_and_routes(http):
     assert http.delete("/v1/completions").status_code == 405
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-nope"}, 404, "model"),
+        ("/tokenize", {"prompt": "x " * 20_000}, 400, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         400, "messages.0"),
+        ("/tokenize", {"messages": "hi"}, 400, "messages"),
+        ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ],
+)  # fmt: skip
+def test_tokenize_refusals(http, route, body, status, param):
+    resp = http.post(route, json=body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
+
+
+def test_tokenize_counts_what_generation_counts(client, http, model):
+    """A conversation's /tokenize count is the prompt a chat completion is charged for,
+    and /detokenize gives back the text of a completion's token ids; both are guarded by
+    the API key like every route but /health."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    tokenized = http.post("/tokenize", json={"model": model, "messages": messages}).json()
+    assert tokenized["count"] == chat.usage.prompt_tokens == len(tokenized["tokens"])
+    done = client.completions.create(
+        model=model, prompt="Once upon", max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    ).choices[0]
+    text = http.post("/detokenize", json={"tokens": done.token_ids}).json()["prompt"]
+    assert text == done.text
+    with httpx.Client(base_url=str(http.base_url)) as anon:
+        assert anon.post("/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def test_openai_client_errors(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", top_p=2.0)
@@ -556,3 +595,17 @@ def test_text_prompts_take_the_tokenizers_bos_and_chat_prompts_do_not(tiny_model
         resp = http.post("/v1/completions", json=body)
         assert resp.status_code == 400
         assert resp.json()["error"]["param"] == "add_special_tokens"
+        # /tokenize and /detokenize (vLLM's) tokenize as generation does, by the same rules.
+        tokenized = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+        assert tokenized["tokens"] == [bos, *plain] and tokenized["count"] == len(plain) + 1
+        assert tokenized["token_strs"] == tok.convert_ids_to_tokens([bos, *plain])
+        assert tokenized["max_model_len"] == 256
+        body = {"model": server.model, "prompt": text, "add_special_tokens": False}
+        resp = http.post("/tokenize", json=body)
+        assert resp.json()["tokens"] == plain and resp.json()["token_strs"] is None
+        assert http.post("/tokenize", json={"messages": messages}).json()["tokens"] == chat
+        body = {"messages": messages, "add_special_tokens": True, "add_generation_prompt": False}
+        no_prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        assert http.post("/tokenize", json=body).json()["tokens"] == tok(no_prompt).input_ids
+        resp = http.post("/detokenize", json={"model": server.model, "tokens": [bos, *plain]})
+        assert resp.json() == {"prompt": tok.decode([bos, *plain])}

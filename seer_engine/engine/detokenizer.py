@@ -39,6 +39,10 @@ class Detokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level marks included)."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(token_ids))]
+
     def piece(self, token_id: int) -> str:
         text = self._piece_cache.get(token_id)
         if text is None:

@@ -34,7 +34,7 @@ from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.entrypoints.openai.admin import admin_router
 from seer_engine.entrypoints.openai.batch import BatchManager, batches_router, refusing_router
 from seer_engine.entrypoints.openai.batch_store import BatchAPIClaim, BatchStore
-from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers
+from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers, invalid_body
 from seer_engine.entrypoints.openai.files import FileStore, files_router
 from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
 from seer_engine.entrypoints.openai.limits import DEFAULT_MAX_UPLOAD_BYTES, BodyLimits, RequestBounds
@@ -43,6 +43,7 @@ from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatComplet
 from seer_engine.entrypoints.openai.serving_base import EventStream, RequestRegistry
 from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from seer_engine.entrypoints.openai.serving_tokenize import ServingTokenize, tokenize_router
 from seer_engine.rollout.backend import RolloutBackend
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.report import writable_dir
@@ -129,9 +130,7 @@ def parse_body(model: type[M], body: dict, request_id: str) -> M:
     try:
         req = model.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise APIError(400, f"{where}: {first.get('msg', 'invalid')}", param=where) from None
+        raise invalid_body(e) from None
     if req.stream:
         raise APIError(400, "stream is not supported in a batch", param="stream")
     return req.model_copy(update={"request_id": request_id})
@@ -161,6 +160,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def bound_chat(request: JSONRequest) -> None:
         bounds.chat(request.parsed)
 
+    tokenizing = ServingTokenize(engine, chat, bounds)
     batches: BatchManager | None = None
     if claim.refusal is None:
         batches = BatchManager(
@@ -181,6 +181,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             if batches is not None:
                 await batches.stop()
         finally:
+            tokenizing.close()
             claim.release()
 
     app = FastAPI(title="seer_engine", version="0.1.0", lifespan=lifespan)
@@ -234,6 +235,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         app.include_router(batches_router(batches))
     else:
         app.include_router(refusing_router(claim.refusal or ""))
+    app.include_router(tokenize_router(tokenizing))
     app.include_router(admin_router(engine, registry.expand))
     app.add_middleware(BodySizeLimitMiddleware, limits=limits)
     if settings.api_key:

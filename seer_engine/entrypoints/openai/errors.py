@@ -13,6 +13,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from seer_engine.engine.client import EngineBusyError, EngineDeadError
@@ -83,6 +84,14 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc))
     logger.error("internal error", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+
+
+def invalid_body(exc: ValidationError) -> APIError:
+    """A body validated outside a route's signature (batch lines, /tokenize's two shapes)
+    refused as a route's body is: a 400 naming the first field at fault."""
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+    return APIError(400, f"{where}: {first.get('msg', 'invalid')}", param=where)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:

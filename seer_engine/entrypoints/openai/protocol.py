@@ -172,6 +172,36 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
 
 
+# -------------------------------------------------------------------------- tokenize
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's /tokenize for a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's /tokenize for a conversation, rendered as /v1/chat/completions renders it."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 # --------------------------------------------------------------------------- batches
 
 
