@@ -232,6 +232,11 @@ def arith_problem():
         ("So the answer is 1234.", 1.0, "1234", "correct"),  # no marker: the last number
         ("1234 at first, but the answer is 99", 0.0, "99", "wrong"),
         ("#### many", 0.0, None, "no_answer"),
+        ("#### The answer is 1234", 1.0, "1234", "correct"),  # a marker that ends the response
+        # Markdown headings are not answers: the answer marker after them, else the last number.
+        ("#### Step 1: 1000 apples\n#### Step 2: add 234\n#### 1234", 1.0, "1234", "correct"),
+        ("#### Step 1: 1000 apples\n#### Step 2: add 234\n1000 + 234 = 1234", 1.0, "1234", "correct"),
+        ("#### **1234**\n\n#### Step 3: check it", 1.0, "1234", "correct"),
         ("I do not know.", 0.0, None, "no_answer"),
         ("", 0.0, None, "no_answer"),
     ],
@@ -245,6 +250,7 @@ def test_arith_require_marker(arith_problem):
     strict = get_task("arith", require_marker=True)
     assert strict.grade(arith_problem, "The answer is 1234").verdict == "no_marker"
     assert strict.reward(arith_problem, "#### 1234") == 1.0
+    assert strict.grade(arith_problem, "#### Step 1: add\n1000 + 234 = 1234").verdict == "no_marker"
 
 
 @pytest.fixture

@@ -20,7 +20,22 @@ NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sofia", "
 ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "shells", "cards", "stamps")
 OPS = ("add", "sub", "groups", "mul", "div")
 MARKER = "####"
-_AFTER_MARKER = re.compile(re.escape(MARKER) + r"\s*([^\n]*)")
+_AFTER_MARKER = re.compile(re.escape(MARKER) + r"[ \t]*([^\n]*)")
+# What follows an answer marker: a number, maybe after symbols ("$1234", "**42**", "-7").
+# "#### Step 2: ..." is a Markdown heading, which small chat models write, not an answer.
+_NUMBER_FIRST = re.compile(r"[^\w\n]*[-\u2212]?\d")
+
+
+def _answer_after_marker(response: str) -> str | None:
+    """The text after the last marker followed by a number; else after a marker that ends
+    the response, whatever follows it ("#### The answer is 42"); else None."""
+    marks = list(_AFTER_MARKER.finditer(response))
+    numbered = [m.group(1) for m in marks if _NUMBER_FIRST.match(m.group(1))]
+    if numbered:
+        return numbered[-1]
+    if marks and not response[marks[-1].end() :].strip():
+        return marks[-1].group(1)
+    return None
 
 
 @dataclass
@@ -109,11 +124,11 @@ class ArithTask(Task):
         )
 
     def grade(self, problem: Gradable, response: str) -> Grade:
-        """1 when the number after the last ``####`` (else, unless ``require_marker``,
+        """1 when the number after the last ``####`` answer (else, unless ``require_marker``,
         the last number of the response) equals the answer; 0 otherwise."""
-        marked = _AFTER_MARKER.findall(response)
-        if marked:
-            parsed = first_number(marked[-1])  # "#### 42 apples (or 43)" answers 42
+        marked = _answer_after_marker(response)
+        if marked is not None:
+            parsed = first_number(marked)  # "#### 42 apples (or 43)" answers 42
         elif self.require_marker:
             return Grade(0.0, None, "no_marker")
         else:
