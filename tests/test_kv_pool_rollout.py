@@ -49,6 +49,30 @@ def test_migration_through_the_pool_keeps_outputs_and_skips_prefill(model, refer
     assert m.pool_saved_blocks > 0 and m.kv_connector == kv and m.backend == backend
 
 
+def test_a_modeled_clock_prices_pool_loads_as_the_simulator_does(model, reference):
+    """On a modeled clock a pool load costs the instance that loads ``pool_load_s`` of
+    the tokens it pulled, saves run in the background, and the pool time reported is
+    that modeled time (never the CPU's seconds beside modeled ones)."""
+    from seer_engine.sim.profile import StepTimeModel
+
+    per_token = 1e-3
+    cfg = pool_config(model, 10)
+    step = StepTimeModel(a_s=0.01, b_s_per_token=1e-4, c_s_per_kv_token=1e-6, d_s_per_logit=0.0)
+    kv_pool = kv_pool_for("local", cfg, capacity_gib=0.05)
+    pool = EnginePool.start(cfg, 2, kv_pool=kv_pool, step_timer=step, pool_load_s=lambda n: n * per_token)
+    placement = SeerPlacement(spread_threshold=32, pull_threshold_tokens=0)
+    with pool:
+        result = Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement).run(
+            pool_groups()
+        )
+    m = result.metrics
+    assert outputs_of(result.samples) == reference
+    assert m.pool_loads > 0 and m.pool_save_s == 0.0
+    assert m.pool_load_s == pytest.approx(m.pool_loaded_tokens * per_token)
+    # every step costs at least the fixed term, and the loads come on top of the steps
+    assert sum(m.instance_busy_s) >= m.steps * step.a_s + m.pool_load_s
+
+
 def test_without_a_pool_moves_recompute(model, reference):
     pool, rollout = _pooled_rollout(model, "inproc", kv="none")
     with pool:

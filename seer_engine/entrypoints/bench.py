@@ -53,7 +53,7 @@ from seer_engine.rollout.policies import (
 from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, writable_dir, write_report
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
-from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.setups import SETUPS
 from seer_engine.tasks import get_task, parse_knobs
 from seer_engine.tasks.summary import format_summary
@@ -106,7 +106,7 @@ def add_cli(subparsers) -> None:
         help="wall: instances' clocks follow measured step times; or a modeled clock, a setup name "
         f"({', '.join(SETUPS)}) or an instance profile JSON (seer_engine profile): the engines run and "
         "decide everything for real, each instance's clock advances by the profile's price of the work "
-        "its step did (instances then step one at a time, in modeled-time order)",
+        "its step did and of the KV it pulled from the pool (instances step one at a time, in modeled time)",
     )
     p.add_argument(
         "--iterations", type=int, default=1,
@@ -121,14 +121,14 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run_bench_rollout)
 
 
-def step_timer(clock: str) -> StepTimeModel | None:
-    """``--clock``: None for the wall clock, else the step-time model to run on."""
+def clock_profile(clock: str) -> InstanceProfile | None:
+    """``--clock``: None for the wall clock, else the profile whose steps and pool run it."""
     if clock == "wall":
         return None
     if clock in SETUPS:
-        return SETUPS[clock].profile.step
+        return SETUPS[clock].profile
     if Path(clock).suffix == ".json" or Path(clock).is_file():
-        return InstanceProfile.load(clock).step
+        return InstanceProfile.load(clock)
     raise ValueError(
         f"--clock must be 'wall', a setup ({', '.join(SETUPS)}) or a profile JSON, got {clock!r}"
     )
@@ -155,7 +155,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     machine = machine_info()
     policies = _parse_policies(args.policy)
-    timer = step_timer(args.clock)  # a bad --clock fails before anything is loaded
+    timer = clock_profile(args.clock)  # a bad --clock fails before anything is loaded
     args.admission = check_dispatch_rules(args.admission, args.backfill)
     if args.history == "off" and any(_split(p)[0] in HISTORY_POLICIES for p in policies):
         raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
@@ -322,7 +322,7 @@ def _run_policy(
     groups: list[Group],
     true_lengths: dict[str, int],
     token_source=None,
-    timer: StepTimeModel | None = None,
+    timer: InstanceProfile | None = None,
     history: HistoryStore | None = None,
     iteration: int = 0,
 ) -> RolloutResult:
@@ -333,11 +333,11 @@ def _run_policy(
     if timer is not None and spec is not None and "step_cost" not in spec:
         # On a modeled clock the adaptive budget prices drafts with that clock's step,
         # not with a profile of this machine's.
-        cost = [max(timer.a_s, 1e-9), timer.b_s_per_token + timer.d_s_per_logit]
+        cost = [max(timer.step.a_s, 1e-9), timer.step.b_s_per_token + timer.step.d_s_per_logit]
         policy.speculative = {**spec, "step_cost": cost}
     label = name if args.iterations == 1 else f"{name} iter {iteration + 1}"
     progress = Progress(label, sum(g.n for g in groups))
-    with cluster.make_pool(cfg, policy, token_source, step_timer=timer, history=history) as pool:
+    with cluster.make_pool(cfg, policy, token_source, timer, history) as pool:
         pool.reset_clocks()
         start = time.perf_counter()
         dispatcher = Dispatcher(
@@ -370,7 +370,7 @@ def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutC
 
 
 def _run_task_bench(
-    args: argparse.Namespace, policies: list[str], machine: dict, timer: StepTimeModel | None
+    args: argparse.Namespace, policies: list[str], machine: dict, timer: InstanceProfile | None
 ) -> int:
     """Every policy samples the same problems with the same seeds; ``oracle`` runs last,
     handed the lengths the first policy's responses came out at."""

@@ -22,7 +22,7 @@ from seer_engine.rollout.policies import (
     RolloutPolicy,
     make_rollout_policy,
 )
-from seer_engine.rollout.pool import BACKENDS, EnginePool, StepTimer
+from seer_engine.rollout.pool import BACKENDS, ClockProfile, EnginePool
 
 # An instance process or actor that answers no step in this long is taken as hung
 # (stopped, deadlocked): killed, its responses finish elsewhere. A step is a forward
@@ -302,16 +302,18 @@ class RolloutConfig:
         config: EngineConfig,
         policy: RolloutPolicy,
         token_source: TokenSource | None = None,
-        timeline_points: int | None = None,
-        step_timer: StepTimer | None = None,
+        clock: ClockProfile | None = None,
         history: HistoryStore | None = None,
+        timeline_points: int | None = None,
     ) -> EnginePool:
-        """The engine pool (with its KV pool) this configuration describes; ``step_timer``
-        runs it on a modeled clock; ``history``: the store it fills and seeds drafts from."""
+        """The engine pool (with its KV pool) this configuration describes; ``clock``: a
+        profile whose step times and pool transfers run it on a modeled clock;
+        ``history``: the store it fills and seeds drafts from."""
         kv_pool = kv_pool_for(
             self.kv_connector, config, mooncake_master=self.mooncake_master, capacity_gib=self.kv_pool_gib
         )
         return EnginePool.start(
             config, self.instances, token_source, self.distributed_backend, kv_pool, policy, timeline_points,
-            step_timer, history, reply_timeout_s=self.instance_timeout_s,
+            clock.step if clock else None, history, reply_timeout_s=self.instance_timeout_s,
+            pool_load_s=clock.pool_load_s if clock else None,
         )  # fmt: skip

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -90,15 +90,33 @@ class StepTimer(Protocol):
     def step_s(self, scheduled_tokens: float, kv_tokens_read: float, logit_tokens: float = 0.0) -> float: ...
 
 
+class ClockProfile(Protocol):
+    """What a modeled clock runs on: step times and pool transfers (the simulator's
+    ``InstanceProfile``)."""
+
+    step: StepTimer
+
+    def pool_load_s(self, tokens: int) -> float: ...
+
+
 class SimulatedClock:
     """Instances step one at a time, the earliest clock first, and each clock advances
     by its own step's duration: measured, or, with a ``timer``, what the timer says
     the step's shape costs (a CPU then shows what the policies do on a GPU). An
     instance must not run work in its own past, and an idle one waits for the work it
-    gets."""
+    gets.
 
-    def __init__(self, timer: StepTimer | None = None) -> None:
+    On a modeled clock the KV pool is modeled too, as the simulator models it: the
+    instance that loads a response's KV pays ``pool_load_s(tokens)`` (none without it),
+    saves run in the background, and the pool time reported is that modeled time, not
+    the CPU's."""
+
+    def __init__(
+        self, timer: StepTimer | None = None, pool_load_s: Callable[[int], float] | None = None
+    ) -> None:
         self.timer = timer
+        self.pool_load_s = pool_load_s
+        self._pool_s: dict[int, float] = {}  # instance index -> modeled pool time so far
 
     def to_start(self, busy: Sequence[InstanceHandle]) -> list[InstanceHandle]:
         return [min(busy, key=lambda i: i.books.clock)]
@@ -110,6 +128,11 @@ class SimulatedClock:
                 t.step_s(s.scheduled_tokens, s.kv_pairs if t.kv_per_query else s.kv_tokens, s.logit_tokens)
                 for s in reply.shapes
             )
+            price = self.pool_load_s or (lambda tokens: 0.0)
+            pulled = sum(price(r.loaded_tokens) for _, _, r in reply.loads if r.loaded_tokens)
+            reply.elapsed_s += pulled
+            pool_s = self._pool_s[inst.index] = self._pool_s.get(inst.index, 0.0) + pulled
+            reply.connector = dataclasses.replace(reply.connector, save_s=0.0, load_s=pool_s)
         return inst.books.clock + reply.elapsed_s
 
     def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
@@ -120,7 +143,7 @@ class SimulatedClock:
             inst.books.clock = max(inst.books.clock, t)
 
     def reset(self) -> None:
-        pass
+        self._pool_s.clear()
 
 
 class WallClock:
@@ -205,13 +228,15 @@ class EnginePool:
         step_timer: StepTimer | None = None,
         history: HistoryStore | None = None,
         reply_timeout_s: float | None = None,
+        pool_load_s: Callable[[int], float] | None = None,
     ) -> EnginePool:
         """Start ``num_instances`` engines on ``backend``, with the speculative decoding
         ``policy`` asks for (``seer``: grouped suffix trees) unless the config names one,
         and ``history`` (default: the policy's store, if any) kept up to date and
         seeding the draft trees.
         ``step_timer``: run the instances on a modeled clock (one step at a time, in
-        modeled-time order, whatever the backend). ``reply_timeout_s``: an instance in a
+        modeled-time order, whatever the backend), with pool loads priced by
+        ``pool_load_s`` (seconds for a number of tokens). ``reply_timeout_s``: an instance in a
         process or actor that answers no step in this long is killed and lost (None: wait
         forever). On failure everything started is stopped again."""
         if num_instances < 1:
@@ -230,10 +255,10 @@ class EnginePool:
                 for i in range(num_instances):
                     worker = build_worker(config, token_source, kv_pool.connector, proposer=proposer)
                     instances.append(LocalInstance(i, worker))
-                clock: SimulatedClock | WallClock = SimulatedClock(step_timer)
+                clock: SimulatedClock | WallClock = SimulatedClock(step_timer, pool_load_s)
             else:
                 draft_server = _start_remote(config, num_instances, token_source, backend, kv_pool, instances)
-                clock = WallClock() if step_timer is None else SimulatedClock(step_timer)
+                clock = WallClock() if step_timer is None else SimulatedClock(step_timer, pool_load_s)
         except BaseException:
             for inst in instances:
                 inst.close()

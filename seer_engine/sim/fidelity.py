@@ -28,7 +28,7 @@ from seer_engine.rollout.metrics import RolloutMetrics
 from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import RolloutPolicy, make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
-from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+from seer_engine.sim.profile import InstanceProfile
 from seer_engine.sim.profiler import StepPoint, fit_step_time, recording_steps
 from seer_engine.sim.simulator import bench_groups, policy_for, simulate
 from seer_engine.workloads.groups import select_groups
@@ -93,13 +93,13 @@ def real_rollouts(
     model: str | os.PathLike,
     policies=POLICIES,
     repeats: int = 1,
-    clock: StepTimeModel | None = None,
+    clock: InstanceProfile | None = None,
 ) -> tuple[dict[str, RolloutMetrics], list[StepPoint]]:
     """Every policy on the real engine, the fastest of ``repeats`` runs (a run slowed by
     other work on the machine says nothing about scheduling); their metrics and steps.
 
-    ``clock``: charge each step what this model says its shape costs instead of its
-    wall time. The engines still run for real and decide everything as before; only
+    ``clock``: charge each step (and pool load) what this profile says its shape costs
+    instead of its wall time. The engines still run for real and decide everything as before; only
     the instance clocks become free of the machine's noise."""
     trace = select_groups(load_trace(w.trace), w.groups)
     max_len = max(len(g.prompt_token_ids) for g in trace) + w.max_tokens + 1
@@ -115,7 +115,14 @@ def real_rollouts(
                 make_rollout_policy(name, true_lengths=workload.true_lengths, starvation_s=w.starvation_s), w
             )
             with (
-                EnginePool.start(cfg, w.instances, replay, policy=policy, step_timer=clock) as pool,
+                EnginePool.start(
+                    cfg,
+                    w.instances,
+                    replay,
+                    policy=policy,
+                    step_timer=clock.step if clock else None,
+                    pool_load_s=clock.pool_load_s if clock else None,
+                ) as pool,
                 ExitStack() as stack,
             ):
                 steps = [
@@ -165,6 +172,6 @@ def compare(
     real, points = real_rollouts(w, model, policies, repeats)
     profile = fitted_profile(w, points)
     if modeled_clock:
-        real, _ = real_rollouts(w, model, policies, clock=profile.step)
+        real, _ = real_rollouts(w, model, policies, clock=profile)
     sim = simulated(w, profile, policies)
     return [Comparison(name, real[name], sim[name]) for name in policies], profile
