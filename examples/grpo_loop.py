@@ -49,6 +49,9 @@ WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*
 # Written into each checkpoint: a loop resumed from it goes on with the next iteration
 # (its prompts, its seeds, its checkpoint's name), not from iteration 1 again.
 PROGRESS_FILE = "grpo_progress.json"
+# Beside it, what the weights alone do not carry: the optimizer's moments and the KL
+# reference (the first run's initial policy), so a resumed loop trains as one that went on.
+TRAINER_STATE_FILE = "grpo_trainer_state.pt"
 
 Reward = Callable[[TaskPrompt, str], float]
 
@@ -295,6 +298,8 @@ class Trainer:
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(list(self.trainable.values()), lr=cfg.lr, weight_decay=0.0)
         self.reference = {n: p.detach().clone() for n, p in self.trainable.items()} if cfg.kl_coef else None
+        if cfg.resume:
+            self._load_state(path / TRAINER_STATE_FILE)
         # Read now: the source may be a checkpoint of an earlier run that this run's own
         # checkpoints overwrite and remove (a loop resumed from its --out-dir).
         self.files = {
@@ -302,6 +307,26 @@ class Trainer:
             for f in path.iterdir()
             if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES)
         }
+
+    def _load_state(self, file: Path) -> None:
+        """The optimizer state and KL reference a checkpoint of this loop was saved with."""
+        if not file.is_file():
+            raise GRPOError(f"--resume: {file} is missing; the checkpoint has no trainer state to go on from")
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+        except Exception as e:  # noqa: BLE001 - a damaged file or another --train-layers
+            raise GRPOError(
+                f"--resume: cannot restore the trainer state in {file} ({e}); it must come from a run with "
+                "the same --train-layers"
+            ) from None
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr  # this run's --lr, as a fresh run would take it
+        reference = state.get("reference")
+        if self.cfg.kl_coef and reference is not None:
+            if set(reference) != set(self.trainable):
+                raise GRPOError(f"--resume: the KL reference in {file} covers other parameters")
+            self.reference = reference
 
     def logprobs(
         self, batch: list[Sample], params: dict | None = None
@@ -386,6 +411,8 @@ class Trainer:
         for name, data in self.files.items():
             (tmp / name).write_bytes(data)
         (tmp / PROGRESS_FILE).write_text(json.dumps({"iteration": iteration}) + "\n")
+        state = {"optimizer": self.optimizer.state_dict(), "reference": self.reference}
+        torch.save(state, tmp / TRAINER_STATE_FILE)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         return out
@@ -567,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument(
         "--resume", action="store_true",
-        help="--model is a checkpoint of this loop (OUT_DIR/iter-K): run iterations K+1..--iterations",
+        help="--model is a checkpoint of this loop (OUT_DIR/iter-K): run iterations K+1..--iterations, "
+        "with its optimizer state and KL reference",
     )  # fmt: skip
     for name in ("prompts", "batch_prompts", "n", "iterations", "max_tokens", "train_layers", "epochs",
                  "micro_batch", "seed", "num_threads"):  # fmt: skip

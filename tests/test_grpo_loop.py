@@ -161,6 +161,41 @@ def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_mode
     assert all(torch.equal(p, before[n]) for n, p in trainer.trainable.items())
 
 
+def test_a_resumed_trainer_trains_as_one_that_went_on(grpo, tiny_model, tmp_path):
+    """A checkpoint carries the optimizer's moments and the KL reference: a trainer resumed
+    from it takes the same next step as the trainer that saved it, and keeps the first
+    run's reference, not the checkpoint's weights. A checkpoint without that state, or
+    one trained on other layers, is refused by name."""
+    import torch
+
+    model = str(tiny_model("qwen3"))
+    cfg = grpo.GRPOConfig(model=model, lr=1e-2, kl_coef=0.5, num_threads=1, out_dir=tmp_path)
+    first = grpo.Trainer(Path(cfg.model), cfg)
+    initial = {n: p.detach().clone() for n, p in first.trainable.items()}
+    batch = [
+        grpo.Sample([5, 6, 7], [8, 9, 10], "", "length", [-2.0, -2.0, -2.0], advantage=1.0),
+        grpo.Sample([5, 6, 7], [11, 12], "", "length", [-2.5, -2.5], advantage=-1.0),
+    ]
+    first.step(batch)
+    checkpoint = first.save(tmp_path / "iter-1", 1)
+    resumed = grpo.Trainer(checkpoint, replace(cfg, model=str(checkpoint), resume=True))
+    assert all(torch.equal(resumed.reference[n], initial[n]) for n in initial)
+    assert not all(torch.equal(p, initial[n]) for n, p in resumed.trainable.items()), "the step moved weights"
+    first.step(batch)
+    resumed.step(batch)
+    for name, p in first.trainable.items():
+        torch.testing.assert_close(resumed.trainable[name], p, rtol=0, atol=1e-6)
+    fresh = grpo.Trainer(checkpoint, replace(cfg, model=str(checkpoint)))  # without --resume: no state read
+    assert not all(torch.equal(fresh.reference[n], initial[n]) for n in initial)
+
+    (checkpoint / grpo.TRAINER_STATE_FILE).rename(tmp_path / "state.pt")
+    with pytest.raises(grpo.GRPOError, match="grpo_trainer_state.pt is missing"):
+        grpo.Trainer(checkpoint, replace(cfg, resume=True))
+    (tmp_path / "state.pt").rename(checkpoint / grpo.TRAINER_STATE_FILE)
+    with pytest.raises(grpo.GRPOError, match="the same --train-layers"):
+        grpo.Trainer(checkpoint, replace(cfg, resume=True, train_layers=1))
+
+
 def test_a_loop_whose_server_dies_keeps_its_log_and_says_where_to_resume(
     grpo, served, tmp_path, monkeypatch, capsys
 ):
