@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -351,6 +352,79 @@ def test_a_second_server_on_the_data_dir_leaves_the_first_ones_batches_alone(tin
         async with third.router.lifespan_context(third), client(third) as three:
             again = (await three.get(f"/v1/batches/{batch['id']}")).json()
             assert again["output_file_id"] == done["output_file_id"]
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_a_batch_whose_completion_window_ends_expires(tiny_model, tmp_path, monkeypatch):
+    """When its completion window ends, a batch is ``expired``, as OpenAI's: the lines done
+    keep their results and the others end with a ``batch_expired`` error (here generation
+    is held, so they cannot finish). One whose window ended while no server ran it expires
+    at the next start instead of running again."""
+    import asyncio
+
+    import httpx
+
+    from seer_engine.engine.config import EngineConfig
+    from seer_engine.entrypoints.openai import batch as batch_module
+    from seer_engine.entrypoints.openai.api_server import ServerSettings, build_engine_client, create_app
+    from seer_engine.entrypoints.openai.batch_store import BatchStore
+
+    monkeypatch.setitem(batch_module.COMPLETION_WINDOWS, "24h", 1)  # seconds
+    settings = ServerSettings(served_model_names=["m"], data_dir=tmp_path)
+    engine = build_engine_client(EngineConfig(model=str(tiny_model("qwen3")), num_kv_blocks=32), settings)
+    lines = [_completion_line("held", "m"), _completion_line("refused", "m", temperature=-1)]
+
+    async def wait_done(http: httpx.AsyncClient, batch_id: str) -> dict:
+        for _ in range(2400):  # a condition, polled for up to 2 minutes
+            done = (await http.get(f"/v1/batches/{batch_id}")).json()
+            if done["status"] in TERMINAL:
+                return done
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"batch {batch_id} did not end: {done}")
+
+    async def errors_of(http: httpx.AsyncClient, batch: dict) -> dict[str, dict]:
+        text = (await http.get(f"/v1/files/{batch['error_file_id']}/content")).text
+        return {r["custom_id"]: r for r in map(json.loads, text.splitlines())}
+
+    async def run() -> None:
+        app = create_app(engine, settings)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+                assert (await http.post("/pause_generation", json={"mode": "keep"})).status_code == 200
+                upload = await http.post(
+                    "/v1/files", files={"file": ("in.jsonl", _jsonl(lines))}, data={"purpose": "batch"}
+                )
+                body = {"input_file_id": upload.json()["id"], "endpoint": "/v1/completions"}
+                created = (await http.post("/v1/batches", json=body)).json()
+                done = await wait_done(http, created["id"])
+                assert done["status"] == "expired" and done["expired_at"] >= created["created_at"], done
+                assert done["output_file_id"] is None
+                errors = await errors_of(http, done)
+                held = errors["held"]
+                assert held["error"]["code"] == "batch_expired" and held["response"] is None
+                refused = errors["refused"]["response"]
+                assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
+                # A window that ends while no server runs the batch (generation still held).
+                monkeypatch.setitem(batch_module.COMPLETION_WINDOWS, "24h", 3600)
+                late = (await http.post("/v1/batches", json=body)).json()
+        store = BatchStore(tmp_path / "batches")
+        record = store.load_all()[late["id"]]
+        assert record["status"] not in TERMINAL, "its lines were held: it was still running at the stop"
+        store.save({**record, "expires_at": int(time.time()) - 1})
+        app = create_app(engine, settings)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+                assert (await http.post("/resume_generation")).status_code == 200
+                done = await wait_done(http, late["id"])
+                assert done["status"] == "expired", done
+                codes = {r["error"]["code"] for r in (await errors_of(http, done)).values()}
+                assert codes == {"batch_expired"}
 
     try:
         asyncio.run(run())

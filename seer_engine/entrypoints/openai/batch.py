@@ -1,7 +1,9 @@
 """The OpenAI Batch API: a JSONL file of requests in, output and error files out.
 
 A batch goes validating -> in_progress -> finalizing -> completed (or failed when
-its file is malformed; cancelling -> cancelled when cancelled). All its lines are
+its file is malformed; cancelling -> cancelled when cancelled; expired when its
+completion window ends first: the lines done keep their results, the others get a
+``batch_expired`` error, as OpenAI's do). All its lines are
 submitted to the engine together, so a batch runs as one rollout: the scheduler
 sees every request (and every group) at once.
 
@@ -49,6 +51,10 @@ MAX_LINE_ERRORS = 100
 # the batch record and output file grow with it.
 MAX_BATCH_REQUESTS = 50_000
 _CANCELLED = {"code": "batch_cancelled", "message": "the batch was cancelled before this request finished"}
+_EXPIRED = {
+    "code": "batch_expired",
+    "message": "the batch's completion window ended before this request finished",
+}
 
 
 class BatchLineError(Exception):
@@ -316,12 +322,23 @@ class BatchManager:
             self._set(batch, "cancelled", cancelled_at=int(time.time()))
             return
         batch["request_counts"] = {"total": len(lines), "completed": 0, "failed": 0}
+        left_s = batch["expires_at"] - time.time()
+        if left_s <= 0:  # its window ended while no server ran it
+            await self._finalize(batch, lines, [TimeoutError()] * len(lines), "expired")
+            return
         self._set(batch, "in_progress", in_progress_at=int(time.time()))
         handler = self.handlers[batch["endpoint"]]
         tasks = [asyncio.create_task(self._run_line(batch, handler, i, line)) for i, line in enumerate(lines)]
         self._lines[batch["id"]] = tasks
+        gathered = asyncio.gather(*tasks, return_exceptions=True)
+        expired = False
         try:
-            results = await asyncio.gather(*tasks, return_exceptions=True)
+            results = await asyncio.wait_for(asyncio.shield(gathered), left_s)
+        except asyncio.TimeoutError:  # the lines still running end; those done keep their results
+            expired = True
+            for t in tasks:
+                t.cancel()
+            results = await gathered
         except asyncio.CancelledError:
             for t in tasks:
                 t.cancel()
@@ -329,19 +346,20 @@ class BatchManager:
         if any(isinstance(r, EngineDeadError) for r in results):
             logger.warning("the engine stopped under batch %s: the next start runs it again", batch["id"])
             return  # as for a server stopped under it: its status stays
-        cancelled = batch["status"] == "cancelling"
-        if not cancelled:
+        status = "cancelled" if batch["status"] == "cancelling" else "expired" if expired else "completed"
+        if status == "completed":
             self._set(batch, "finalizing", finalizing_at=int(time.time()))
-        await self._finalize(batch, lines, results, "cancelled" if cancelled else "completed")
+        await self._finalize(batch, lines, results, status)
 
     async def _finalize(self, batch: dict, lines: list[dict], results: list, status: str) -> None:
         """Write the result files and then the record that points at them, through a plan
         that a restart can apply or undo (batch_store.py)."""
         outputs, errors = [], []
         in_tokens = out_tokens = 0
+        unfinished = _EXPIRED if status == "expired" else _CANCELLED
         for line, result in zip(lines, results):
             if isinstance(result, BaseException):
-                errors.append(_record(line["custom_id"], None, None, _CANCELLED))
+                errors.append(_record(line["custom_id"], None, None, unfinished))
                 continue
             record, ok, usage = result
             (outputs if ok else errors).append(record)
