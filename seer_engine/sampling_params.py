@@ -41,6 +41,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs besides the sampled token's
+    # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before
+    # penalties and sampling (-100 in effect bans a token, 100 all but forces it).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # A text prompt is tokenized with the tokenizer's special tokens (a Llama BOS), as
@@ -57,6 +60,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict) or self.logit_bias is None:
+            self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     @property
@@ -114,6 +119,12 @@ class SamplingParams:
         check(
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        bias = self.logit_bias
+        check(
+            isinstance(bias, dict)
+            and all(is_int(t) and t >= 0 and is_real(b) and -100.0 <= b <= 100.0 for t, b in bias.items()),
+            f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}",
         )
         check(
             type(self.add_special_tokens) is bool,

@@ -1,10 +1,13 @@
-"""Presence, frequency and repetition penalties (vLLM's semantics): greedy output equals
-transformers (repetition) and a PyTorch reference (presence, frequency) token for token;
+"""Presence, frequency and repetition penalties (vLLM's semantics) and OpenAI's logit_bias:
+greedy output equals transformers (repetition, logit_bias as its sequence_bias) and a
+PyTorch reference (presence, frequency) token for token;
 drafts verified under penalties change neither greedy nor seeded outputs; a divided
 rollout moving responses across instances and chunks gives the same tokens; the server
 takes them and refuses values out of range."""
 
 from __future__ import annotations
+
+import collections
 
 import pytest
 import torch
@@ -103,9 +106,43 @@ def test_divided_rollout_keeps_penalized_outputs(model):
         ("frequency_penalty", float("nan"), "frequency_penalty must be in [-2, 2]"),
         ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
         ("repetition_penalty", True, "repetition_penalty must be in (0, 10]"),
+        ("logit_bias", {5: 100.5}, "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
+        ("logit_bias", {-1: 1.0}, "logit_bias must map"),
+        ("logit_bias", {"5": 1.0}, "logit_bias must map"),
+        ("logit_bias", {5: float("inf")}, "logit_bias must map"),
+        ("logit_bias", [5, 1.0], "logit_bias must map"),
     ],
 )
 def test_penalties_out_of_range_are_refused(field, value, message):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**{field: value})
     assert str(e.value).startswith(message)
+
+
+def test_logit_bias_greedy_equals_transformers(model, hf_model):
+    """OpenAI's logit_bias adds to the raw logits; transformers' sequence_bias of single
+    tokens is the same thing. One bias bans the greedy first token, another lifts a token."""
+    hf = hf_model(model)
+    plain = hf_greedy(hf, PROMPT, 32)
+    lifted = next(t for t in range(3, 40) if t not in plain)
+    bias = {plain[0]: -100.0, lifted: 4.0}
+    want = hf_greedy(hf, PROMPT, 32, sequence_bias={(t,): b for t, b in bias.items()})
+    assert want != plain and want[0] != plain[0]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logit_bias=bias)
+    assert run_waves(make_engine(model), [[("r", PROMPT, params, None)]]) == {"r": [want]}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_verified_under_logit_bias_change_no_output(model, temperature):
+    params = SamplingParams(temperature=temperature, top_k=3, max_tokens=40, ignore_eos=True, seed=7)
+    waves = [[(f"w{w}-{i}", PROMPT, params.clone(seed=7 + i), "g") for i in range(3)] for w in range(2)]
+    unbiased = run_waves(make_engine(model), waves, head_start=30)
+    counts = collections.Counter(t for outs in unbiased.values() for out in outs for t in out)
+    common = counts.most_common(1)[0][0]
+    bias = {common: -4.0, next(t for t in range(3, 60) if t not in counts): 3.0}
+    waves = [[(rid, prompt, prm.clone(logit_bias=bias), g) for rid, prompt, prm, g in wave] for wave in waves]
+    want = run_waves(make_engine(model), waves, head_start=30)
+    assert want != unbiased, "the bias must change the output for the test to mean anything"
+    engine = make_engine(model, TREE)
+    assert run_waves(engine, waves, head_start=30) == want
+    assert engine.scheduler.stats.draft_tokens_accepted > 0

@@ -468,6 +468,33 @@ def test_tokenize_counts_what_generation_counts(client, http, model):
         assert anon.post("/tokenize", json={"prompt": "x"}).status_code == 401
 
 
+def test_logit_bias_through_the_openai_client(client, http, model):
+    """OpenAI's logit_bias (token ids as strings): +100 all but forces a token, -100 bans
+    one; keys that are not token ids, values outside [-100, 100] and ids outside the
+    vocabulary are refused by name."""
+    base = dict(
+        model=model, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
+    forced = client.completions.create(**base, logit_bias={"42": 100})
+    assert forced.choices[0].token_ids == [42] * 6
+    plain = client.completions.create(**base).choices[0].token_ids
+    banned = client.completions.create(**base, logit_bias={str(plain[0]): -100}).choices[0].token_ids
+    assert plain[0] not in banned
+    for bias, needle in [
+        ({"x": 1}, "logit_bias keys must be token ids"),
+        ({"-3": 1}, "logit_bias keys must be token ids"),
+        ({"5": 101}, "numbers in [-100, 100]"),
+        ({"99999": 1}, "logit_bias token id 99999 is out of the vocabulary"),
+    ]:
+        body = {"model": model, "prompt": "x", "max_tokens": 1, "logit_bias": bias}
+        for route, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": HI})):
+            payload = {k: v for k, v in {**body, **extra}.items() if not (extra and k == "prompt")}
+            resp = http.post(route, json=payload)
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert error["param"] == "logit_bias" and needle in error["message"], error
+
+
 def test_openai_client_errors(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", top_p=2.0)

@@ -332,4 +332,5 @@ def sampling_row(request: Request, depth: int = 0, draft_path: Sequence[int] = (
         banned_token_ids=banned,
         num_logprobs=p.logprobs,
         penalties=penalties,
+        logit_bias=p.logit_bias or None,
     )

@@ -1,4 +1,4 @@
-"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Random draws use the exponential-race trick (argmax of p / q with q ~ Exp(1) is a
 sample from p) with noise seeded by (request seed, position) only, through
@@ -41,6 +41,7 @@ class SamplingRow:
     banned_token_ids: list[int]  # e.g. EOS / stop ids before min_tokens is reached
     num_logprobs: int | None
     penalties: Penalties | None = None  # only for a request that sets a penalty
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
@@ -101,6 +102,10 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()
         for i, row in enumerate(rows):
+            if row.logit_bias:  # before penalties, as vLLM applies it
+                ids = torch.tensor(list(row.logit_bias), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(list(row.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[i, ids] += bias
             if row.penalties is not None:
                 apply_penalties(logits[i], row.penalties)
             if row.banned_token_ids:

@@ -172,8 +172,6 @@ class ServingBase:
             raise APIError(400, f"{param} is not supported", param=param)
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         fields: dict = {
             "n": req.n,
             "max_tokens": max_tokens,
@@ -187,6 +185,7 @@ class ServingBase:
             "skip_special_tokens": req.skip_special_tokens,
             "add_special_tokens": req.add_special_tokens,
             "fit_max_tokens": False,
+            "logit_bias": _token_bias(req.logit_bias),
         }
         for name in (
             "temperature", "top_p", "top_k", "min_p",
@@ -231,6 +230,16 @@ class ServingBase:
             raise self.refusal(req, error, index if len(prompts) > 1 else None)
         release = self.registry.add(request_id, len(prompts))
         return list(results), release
+
+
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias, whose keys are token ids written as strings."""
+    out: dict[int, float] = {}
+    for key, value in (logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
