@@ -38,3 +38,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With prompt_logprobs: per prompt token, None for the first, then the token's and the
+    # top-N logprobs given the tokens before it (vLLM's layout).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

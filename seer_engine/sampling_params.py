@@ -41,6 +41,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs besides the sampled token's
+    # vLLM's prompt_logprobs: each prompt token's logprob (the first has none) and the
+    # top-N at its position, for the request's first sample. The prompt is then computed
+    # in full, without prefix-cache hits.
+    prompt_logprobs: int | None = None
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before
     # penalties and sampling (-100 in effect bans a token, 100 all but forces it).
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -130,10 +134,12 @@ class SamplingParams:
             type(self.add_special_tokens) is bool,
             f"add_special_tokens must be a boolean, got {self.add_special_tokens!r}",
         )
-        check(
-            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None or (is_int(value) and 0 <= value <= 20),
+                f"{name} must be an integer in [0, 20], got {value!r}",
+            )
 
     def clone(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)

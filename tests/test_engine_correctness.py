@@ -95,6 +95,34 @@ def test_logprobs_match_transformers(tiny_model, hf_model):
         assert sample.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
 
+@pytest.mark.parametrize("batched_tokens", [2048, 16], ids=["whole-prefill", "chunked-prefill"])
+def test_prompt_logprobs_match_transformers(tiny_model, hf_model, batched_tokens):
+    """prompt_logprobs (vLLM's layout: None, then each prompt token given those before it)
+    equal transformers' at every position, also when the prompt is in the prefix cache
+    (scoring computes it anyway) and when its prefill is chunked; a request that does not
+    ask gets None."""
+    path = tiny_model("qwen3")
+    model = hf_model(path)
+    prompts = _prompts(model.config.vocab_size, seed=2)
+    llm = LLM(str(path), max_num_batched_tokens=batched_tokens)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=2))  # fills the prefix cache
+    assert all(out.prompt_logprobs is None for out in plain)
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=2, prompt_logprobs=3)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row, token = ref[i - 1], prompt[i]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4, f"position {i}"
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = torch.topk(row, 3).indices.tolist()
+            assert set(entry) == {token, *top}
+            assert all(abs(entry[t].logprob - row[t].item()) < 1e-4 for t in top)
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.pool.num_blocks
+
+
 @pytest.mark.parametrize(
     "arch,kwargs",
     [

@@ -75,6 +75,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     logprobs: list[dict[int, tuple[float, int]]] | None = None
+    # Prompt tokens 1.. with their logprob entries, for a request that reports them (the
+    # first sample of one asking for prompt_logprobs, before it has any output).
+    prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     # Chained hashes of this request's full blocks, extended lazily by the KV manager.
@@ -88,12 +91,21 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
         if self.sampling_params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        wants = self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
+        if wants and not self.output_token_ids and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
         if self.sequence_id is None:
             self.sequence_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions are still to be scored: the prompt must be computed, not
+        taken from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_output_tokens(self) -> int:

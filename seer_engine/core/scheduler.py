@@ -193,9 +193,12 @@ class Scheduler:
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            hits, num_hit = self.kv.get_computed_blocks(request)
-            if self.kv.prefix_pending(request, len(hits)):
-                continue  # share the blocks a running request is computing right now
+            if request.needs_prompt_logprobs:  # it scores every prompt position: no cache hits
+                hits, num_hit = [], 0
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(request)
+                if self.kv.prefix_pending(request, len(hits)):
+                    continue  # share the blocks a running request is computing right now
             remaining = request.num_tokens - num_hit
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break

@@ -21,7 +21,7 @@ from seer_engine.engine.client import Health
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
-from seer_engine.engine.output_processor import OutputProcessor, UserRequest
+from seer_engine.engine.output_processor import OutputProcessor, UserRequest, append_logprob
 from seer_engine.engine.stats import EngineStats, StepShape
 from seer_engine.model_executor import cpu_kernels
 from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
@@ -299,6 +299,9 @@ class LLMEngine:
         ]
         result = self.runner.execute(batch)
         by_id = {req.request_id: req for req, _ in sched.scheduled}
+        for rid, scored in result.prompt_logprobs.items():
+            for token, lp in scored:
+                append_logprob(by_id[rid].prompt_logprobs, token, lp)
         if self.token_source is not None:
             result.sampled = {rid: self._replayed(by_id[rid], rows) for rid, rows in result.sampled.items()}
         verdicts = {rid: accept(by_id[rid].draft, rows) for rid, rows in result.sampled.items()}
@@ -310,8 +313,9 @@ class LLMEngine:
             num_new = req.num_output_tokens - counts[rid]
             lps = result.logprobs.get(rid)
             if lps is not None:
-                for j, row in enumerate(verdicts[rid].rows[:num_new]):
-                    self._record_logprobs(req, req.output_token_ids[counts[rid] + j], lps[row])
+                new_tokens = req.output_token_ids[counts[rid] :]
+                for token, row in zip(new_tokens, verdicts[rid].rows[:num_new]):
+                    req.cumulative_logprob += append_logprob(req.logprobs, token, lps[row])
             if req.sampling_params.stop:
                 self._check_stop_strings(req, num_new)
         if self.drafter is not None:
@@ -338,16 +342,6 @@ class LLMEngine:
         if moves:
             self.runner.move_kv(moves)
             self.drafter.stats.moved_kv_slots += len(moves)
-
-    def _record_logprobs(
-        self, req: Request, token: int, lp: tuple[float, int, list[tuple[int, float]]]
-    ) -> None:
-        chosen, rank, top = lp
-        entry = {token: (chosen, rank)}
-        for r, (tid, value) in enumerate(top, start=1):
-            entry.setdefault(tid, (value, r))
-        req.logprobs.append(entry)
-        req.cumulative_logprob += chosen
 
     def _check_stop_strings(self, req: Request, num_new: int) -> None:
         """A stop string completed by one of this step's ``num_new`` tokens finishes the

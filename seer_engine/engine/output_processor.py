@@ -17,6 +17,19 @@ from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import SamplingParams
 
 
+def append_logprob(
+    entries: list[dict[int, tuple[float, int]]], token: int, lp: tuple[float, int, list[tuple[int, float]]]
+) -> float:
+    """Append a token's logprob entry (the token and the top-N: id -> (logprob, rank));
+    returns the token's logprob."""
+    chosen, rank, top = lp
+    entry = {token: (chosen, rank)}
+    for r, (tid, value) in enumerate(top, start=1):
+        entry.setdefault(tid, (value, r))
+    entries.append(entry)
+    return chosen
+
+
 @dataclass
 class UserRequest:
     """A user request; its n samples run as separate scheduler requests."""
@@ -75,11 +88,12 @@ class OutputProcessor:
                 del self.requests[parent.request_id]
                 self.on_finished(parent)
             samples = [parent.outputs.get(c.sample_index) or self.completion(c) for c in parent.children]
-            outputs.append(
-                RequestOutput(
-                    parent.request_id, parent.prompt, parent.prompt_token_ids, samples, parent.finished
-                )
-            )
+            out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, samples)
+            out.finished = parent.finished
+            scored = parent.children[0].prompt_logprobs
+            if scored is not None:
+                out.prompt_logprobs = [None, *self.detokenizer.logprobs_to_output(scored)]
+            outputs.append(out)
         return outputs
 
     def completion(self, req: Request) -> CompletionOutput:

@@ -1,7 +1,9 @@
 """Runs one scheduled step: lays out the flattened batch, runs the model, samples.
 
 Only requests whose span reaches the end of their tokens produce logits; prefill
-spans that stop mid-prompt (chunked prefill) only fill the KV cache. A request with
+spans that stop mid-prompt (chunked prefill) only fill the KV cache, unless their
+request scores its prompt (prompt_logprobs): then each prompt position of the span
+gives the next prompt token's logprob. A request with
 a draft samples at its last token and at every draft node; which of those tokens
 are kept is decided by ``core.draft.accept``.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -43,6 +45,11 @@ class StepResult:
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]]
+    # Per request scoring its prompt: (prompt token, its logprob, rank, top-N) for the
+    # prompt tokens this step scored, in order.
+    prompt_logprobs: dict[str, list[tuple[int, tuple[float, int, list[tuple[int, float]]]]]] = field(
+        default_factory=dict
+    )
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -123,6 +130,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         samplers: list[SamplerRows] = []  # requests whose span reaches their last token
+        scored: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, rows)
         trees: list[tuple[int, list[int]]] = []  # (first row, row mask bits) of tree drafts
         for scheduled in batch:
             req, blocks, draft = scheduled.request, scheduled.block_ids, scheduled.request.draft
@@ -130,6 +138,10 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + scheduled.num_new_tokens
             committed_end = end - num_draft
+            if req.needs_prompt_logprobs and start <= len(req.prompt_logprobs) < committed_end:
+                first = len(req.prompt_logprobs)
+                count = min(committed_end, req.num_prompt_tokens - 1) - first
+                scored.append((req, len(input_ids) + first - start, first, count))
             input_ids.extend(req.all_token_ids[start:committed_end])
             positions.extend(range(start, committed_end))
             if draft:
@@ -160,20 +172,24 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, logits_rows, samplers
+        return ids, pos, meta, logits_rows, samplers, scored
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> StepResult:
         if not batch:
             return StepResult({}, {})
-        ids, pos, meta, logits_rows, samplers = self._prepare(batch)
+        ids, pos, meta, logits_rows, samplers, scored = self._prepare(batch)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
+        result = StepResult({}, {})
+        for req, row, first, count in scored:  # position p's logits score prompt token p + 1
+            targets = req.prompt_token_ids[first + 1 : first + 1 + count]
+            top_n = req.sampling_params.prompt_logprobs or 0
+            result.prompt_logprobs[req.request_id] = self._score(hidden[row : row + count], targets, top_n)
         if not samplers:
-            return StepResult({}, {})
+            return result
         logits = self.model.logits(hidden[torch.tensor(logits_rows, device=self.device)])
         rows = [row for s in samplers for row in sampling_rows(s.request)]
         out = self.sampler(logits, rows)
-        result = StepResult({}, {})
         i = 0
         for s in samplers:
             rid, n = s.request.request_id, s.num_draft + 1
@@ -182,6 +198,21 @@ class ModelRunner:
                 result.logprobs[rid] = out.logprobs[i : i + n]
             i += n
         return result
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], top_n: int, rows_per_pass: int = 256):
+        """Each target token's (token, (logprob, rank, top-N)) under the logits of the row
+        before it, a few hundred rows at a time (a row of logits is a vocabulary wide)."""
+        out = []
+        for lo in range(0, len(targets), rows_per_pass):
+            logprobs = torch.log_softmax(self.model.logits(hidden[lo : lo + rows_per_pass]).float(), dim=-1)
+            want = torch.tensor(targets[lo : lo + rows_per_pass], device=logprobs.device)
+            chosen = logprobs.gather(1, want.unsqueeze(1))
+            ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+            tops = torch.topk(logprobs, top_n) if top_n else None
+            for i, token in enumerate(want.tolist()):
+                top = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
+                out.append((token, (float(chosen[i]), ranks[i], top)))
+        return out
 
     @torch.inference_mode()
     def move_kv(self, moves: list[tuple[int, int]]) -> None:
