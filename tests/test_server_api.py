@@ -110,8 +110,9 @@ def test_stop_string_is_never_streamed_past(client, model):
 
 
 def test_streamed_echo_logprobs_match_non_streamed(client, model):
-    """With echo, the streamed logprobs start with the prompt's tokens (null logprobs) and
-    their text offsets count the echoed prompt, as in the whole response."""
+    """With echo, the streamed logprobs start with the prompt's tokens (the first one's
+    null, the others scored) and their text offsets count the echoed prompt, as in the
+    whole response."""
     kwargs = dict(model=model, prompt=["Hello", "Bye now"], n=2, max_tokens=4, echo=True, logprobs=1, seed=3)
     full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
     streamed: dict[int, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -132,6 +133,7 @@ def test_streamed_echo_logprobs_match_non_streamed(client, model):
             [v for v in c.logprobs.token_logprobs if v is not None], abs=1e-4
         )
         assert c.logprobs.token_logprobs[0] is None and c.logprobs.text_offset[0] == 0
+        assert None not in c.logprobs.token_logprobs[1:], "every prompt token after the first is scored"
 
 
 def test_stop_token_text_is_not_in_the_output(client, model):
@@ -290,7 +292,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 10]"),
-    ({"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs is not supported"),
+    (
+        {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs is not available when stream",
+    ),
+    ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs must be an integer in [0, 20]"),
     ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search is not supported"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json is not supported"),
     ({"prompt": "x", "length_penalty": 0.5}, 400, "length_penalty is not supported"),
@@ -428,6 +435,42 @@ def test_malformed_json_and_routes(http):
     assert http.get("/v1/nothing-here").status_code == 404
     assert http.get("/v1/nothing-here").json()["error"]["type"] == "not_found_error"
     assert http.delete("/v1/completions").status_code == 405
+
+
+def test_prompt_logprobs_equal_transformers_through_the_server(server, client, http, model):
+    """vLLM's prompt_logprobs (each choice; a chat's beside the choices) and an echo's
+    prompt logprobs are the model's: transformers' log-softmax at every prompt position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = server.args[server.args.index("--model") + 1]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = [3, 17, 9, 41, 8, 25, 60, 2, 33, 12]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    body = {"model": model, "prompt": prompt, "max_tokens": 3, "n": 2, "seed": 1, "prompt_logprobs": 2}
+    resp = http.post("/v1/completions", json=body).json()
+    for choice in resp["choices"]:
+        scored = choice["prompt_logprobs"]
+        assert len(scored) == len(prompt) and scored[0] is None
+        for i, entry in enumerate(scored[1:], start=1):
+            row = ref[i - 1]
+            assert entry[str(prompt[i])]["logprob"] == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+            assert entry[str(prompt[i])]["rank"] == int((row > row[prompt[i]]).sum()) + 1
+            assert {str(t) for t in torch.topk(row, 2).indices.tolist()} <= set(entry)
+    echo = client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True, logprobs=1, seed=1)
+    echoed = echo.choices[0].logprobs.token_logprobs[: len(prompt)]
+    assert echoed[0] is None
+    assert echoed[1:] == pytest.approx(
+        [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))], abs=1e-4
+    )
+    chat = http.post(
+        "/v1/chat/completions", json={"model": model, "messages": HI, "max_tokens": 1, "prompt_logprobs": 0}
+    ).json()
+    assert (
+        len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    )
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:]), "0: only the prompt token itself"
 
 
 @pytest.mark.parametrize(

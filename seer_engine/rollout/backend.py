@@ -61,6 +61,7 @@ class _UserRequest:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[_completion(i, s) for i, s in enumerate(self.samples)],
             finished=self.finished,
+            prompt_logprobs=self.samples[0].prompt_logprobs,
         )
 
 
@@ -145,9 +146,11 @@ class RolloutBackend:
         params = checked.params
         group = self._group_for(checked, group_id)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        # The first response scores the prompt (prompt_logprobs); the others need not.
+        unscored = params.clone(prompt_logprobs=None) if params.prompt_logprobs is not None else params
         samples = [
-            RolloutSample(group, group.n + i, child_seed(base_seed, i), checked.max_tokens, params, stream)
-            for i in range(params.n)
+            RolloutSample(group, group.n + i, child_seed(base_seed, i), checked.max_tokens, p, stream)
+            for i, p in enumerate([params] + [unscored] * (params.n - 1))
         ]
         group.n += params.n
         self.dispatcher.add_samples(samples)

@@ -211,6 +211,7 @@ class Dispatcher:
             if chunk is None:
                 continue  # aborted while this step ran
             sample = chunk.sample
+            sample.prompt_logprobs = out.prompt_logprobs or sample.prompt_logprobs  # from its first chunk
             if out.finished:
                 self._on_chunk_done(inst, out)
             else:  # streaming progress within a chunk

@@ -56,6 +56,7 @@ class RolloutSample:
     logprobs: list = field(default_factory=list)  # of finished chunks
     chunk_logprobs: list = field(default_factory=list)  # of the running chunk (streaming progress)
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list | None = None  # prompt_logprobs, scored by the first chunk of one asking
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     instance: int | None = None  # engine instance holding its KV (prefix cache) after a chunk

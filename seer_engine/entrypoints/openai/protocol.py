@@ -73,7 +73,6 @@ class StreamOptions(_Strict):
 # implement: a request setting one to anything but its neutral value is refused (400),
 # never served as if it had not asked. Other unknown fields are ignored, as vLLM does.
 UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None, []),
@@ -129,6 +128,7 @@ class _SamplingFields(_Strict):
     )
     group_id: str | None = Field(default=None, description="Group of related samples (a GRPO group).")
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top-N
     skip_special_tokens: bool = True
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
 

@@ -158,9 +158,14 @@ class ServingBase:
         return APIError(400, message, param=param)
 
     def sampling_params(
-        self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        req: _SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Build and validate engine sampling parameters; unsupported options are refused."""
+        """Build and validate engine sampling parameters; unsupported options are refused.
+        ``prompt_logprobs``: what to score the prompt with when the request does not say."""
         for name, value in (req.model_extra or {}).items():
             neutral = UNSUPPORTED_OPTIONS.get(name)
             if neutral is not None and not any(value == n and type(value) is type(n) for n in neutral):
@@ -170,6 +175,9 @@ class ServingBase:
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
             param = "stream_options.continuous_usage_stats"
             raise APIError(400, f"{param} is not supported", param=param)
+        if req.prompt_logprobs is not None and req.stream:  # as vLLM refuses it
+            message = "prompt_logprobs is not available when stream is true"
+            raise APIError(400, message, param="prompt_logprobs")
         if req.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
         fields: dict = {
@@ -181,6 +189,7 @@ class ServingBase:
             "stop_token_ids": req.stop_token_ids or [],
             "ignore_eos": req.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs if req.prompt_logprobs is None else req.prompt_logprobs,
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens,
             "add_special_tokens": req.add_special_tokens,
@@ -275,6 +284,22 @@ def completion_logprobs(
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_body(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then token id ->
+    logprob, rank and text for the token and the top-N at each position."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in step.items()
+        }
+        for step in out.prompt_logprobs
+    ]
 
 
 def chat_logprobs(token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int) -> list[dict]:

@@ -15,6 +15,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     TextDeltas,
     chat_logprobs,
     final_output,
+    prompt_logprobs_body,
     random_id,
     sse_error,
     sse_event,
@@ -117,7 +118,7 @@ class OpenAIServingChat(ServingBase):
         finally:
             release()
         choices = [self._choice(req, out.prompt_token_ids, s) for s in out.outputs]
-        return {
+        body = {
             "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -126,6 +127,9 @@ class OpenAIServingChat(ServingBase):
             "usage": usage(len(out.prompt_token_ids), sum(len(s.token_ids) for s in out.outputs)),
             "system_fingerprint": None,
         }
+        if req.prompt_logprobs is not None:  # vLLM's, beside the choices
+            body["prompt_logprobs"] = prompt_logprobs_body(out)
+        return body
 
     def _choice(self, req: ChatCompletionRequest, prompt_ids: list[int], sample: CompletionOutput) -> dict:
         choice = {

@@ -14,6 +14,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     completion_logprobs,
     final_output,
     merge_outputs,
+    prompt_logprobs_body,
     random_id,
     sse_error,
     sse_event,
@@ -43,7 +44,9 @@ class OpenAIServingCompletion(ServingBase):
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
         prompts = normalize_prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        # An echoed prompt with logprobs reports its tokens' logprobs too, as vLLM's does.
+        echoed = req.logprobs if req.echo and req.prompt_logprobs is None else None
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, echoed)
         request_id = req.request_id or random_id("cmpl-")
         streams, release = await self.submit(req, request_id, prompts, params)
         if req.stream:
@@ -79,6 +82,8 @@ class OpenAIServingCompletion(ServingBase):
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                     choice["token_ids"] = sample.token_ids
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_body(out)
                 choices.append(choice)
         return {
             "id": request_id,
@@ -95,20 +100,38 @@ class OpenAIServingCompletion(ServingBase):
             return None
         if not req.echo:
             return completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, 0)
-        echoed, end = self._echo_logprobs(out.prompt_token_ids)
+        echoed, end = self._echo_logprobs(out, req.logprobs)
         return _concat(echoed, completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, end))
 
-    def _echo_logprobs(self, prompt_token_ids: list[int]) -> tuple[dict, int]:
-        """The echoed prompt's tokens, which come first, and the offset after them. The
-        engine computes no prompt logprobs: theirs are null."""
-        detok = self.engine.detokenizer
-        pieces = [detok.piece(t) for t in prompt_token_ids]
-        offsets, pos = [], 0
+    def _echo_logprobs(self, out: RequestOutput, top_n: int) -> tuple[dict, int]:
+        """The echoed prompt's tokens, which come first, and the offset after them: the
+        first token has no logprob (nothing comes before it), the others the engine's."""
+        ids, scored = out.prompt_token_ids, out.prompt_logprobs
+        first = self.engine.detokenizer.piece(ids[0])
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        if scored is None or len(scored) != len(ids):  # not scored (yet): null, as before the engine does
+            rest = self._unscored(ids[1:], len(first))
+        else:
+            rest = completion_logprobs(ids[1:], scored[1:], top_n, len(first))
+        end = len(first) + sum(len(t) for t in rest["tokens"])
+        return _concat(head, rest), end
+
+    @staticmethod
+    def _unscored_yet(req: CompletionRequest, out: RequestOutput) -> bool:
+        """An echo with logprobs whose prompt is still being scored (by the first sample,
+        which another may outrun); the request's final output waits for nothing."""
+        scored = out.prompt_logprobs
+        waiting = scored is None or len(scored) != len(out.prompt_token_ids)
+        return req.echo and req.logprobs is not None and waiting and not out.finished
+
+    def _unscored(self, ids: list[int], offset: int) -> dict:
+        pieces = [self.engine.detokenizer.piece(t) for t in ids]
+        offsets = []
         for piece in pieces:
-            offsets.append(pos)
-            pos += len(piece)
+            offsets.append(offset)
+            offset += len(piece)
         nulls = [None] * len(pieces)
-        return {"tokens": pieces, "token_logprobs": nulls, "top_logprobs": nulls, "text_offset": offsets}, pos
+        return {"tokens": pieces, "token_logprobs": nulls, "top_logprobs": nulls, "text_offset": offsets}
 
     # -- streaming ---------------------------------------------------------------------------
 
@@ -142,12 +165,14 @@ class OpenAIServingCompletion(ServingBase):
                         continue
                     first = index not in deltas
                     echoed = None
+                    if first and self._unscored_yet(req, out):
+                        continue  # an echo's first chunk carries the prompt's logprobs: wait for them
                     if first:
                         deltas[index] = TextDeltas(stop_strings(req.stop))
                         sent_tokens[index] = 0
                         offsets[index] = 0
                         if req.echo and req.logprobs is not None:
-                            echoed, offsets[index] = self._echo_logprobs(out.prompt_token_ids)
+                            echoed, offsets[index] = self._echo_logprobs(out, req.logprobs)
                     text = deltas[index].delta(sample.text, sample.finished)
                     if first and req.echo:
                         text = self._prompt_text(prompts[p]) + text
