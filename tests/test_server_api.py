@@ -494,6 +494,26 @@ def test_tokenize_refusals(http, route, body, status, param):
     assert resp.json()["error"]["param"] == param, resp.text
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client, model):
+    """echo with max_tokens 0 (how evaluation harnesses score text, as vLLM serves it):
+    the prompt and its logprobs come back, nothing is generated or charged, streamed or not."""
+    prompt = [3, 17, 9, 41, 8, 25]
+    kwargs = dict(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    whole = client.completions.create(**kwargs)
+    generated = client.completions.create(**{**kwargs, "max_tokens": 2}).choices[0]
+    scored = generated.logprobs
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 0
+    assert choice.text and generated.text.startswith(choice.text) and len(scored.tokens) == len(prompt) + 2
+    assert choice.logprobs.tokens == scored.tokens[: len(prompt)]
+    assert choice.logprobs.token_logprobs == pytest.approx(scored.token_logprobs[: len(prompt)], abs=1e-4)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.text for chunk in chunks for c in chunk.choices) == choice.text
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=prompt, max_tokens=0)  # nothing to return
+
+
 def test_tokenize_counts_what_generation_counts(client, http, model):
     """A conversation's /tokenize count is the prompt a chat completion is charged for,
     and /detokenize gives back the text of a completion's token ids; both are guarded by

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 
@@ -46,13 +47,14 @@ class OpenAIServingCompletion(ServingBase):
         prompts = normalize_prompts(req.prompt)
         # An echoed prompt with logprobs reports its tokens' logprobs too, as vLLM's does.
         echoed = req.logprobs if req.echo and req.prompt_logprobs is None else None
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, echoed)
+        # echo with max_tokens 0 scores a prompt: one token is generated, none returned.
+        params = self.sampling_params(req, 1 if _scores_only(req) else req.max_tokens, req.logprobs, echoed)
         request_id = req.request_id or random_id("cmpl-")
         streams, release = await self.submit(req, request_id, prompts, params)
         if req.stream:
             return EventStream(self._stream(req, request_id, prompts, streams), streams, release)
         try:
-            outputs = [await final_output(s) for s in streams]
+            outputs = [_shown(req, await final_output(s)) for s in streams]
         finally:
             release()
         return self._response(req, request_id, prompts, outputs)
@@ -156,7 +158,8 @@ class OpenAIServingCompletion(ServingBase):
             return sse_event(request_id, "text_completion", created, model, choices, usage_obj)
 
         try:
-            async for p, out in merge_outputs(streams):
+            async for p, generated in merge_outputs(streams):
+                out = _shown(req, generated)
                 prompt_tokens[p] = len(out.prompt_token_ids)
                 choices = []
                 for sample in out.outputs:
@@ -207,6 +210,27 @@ class OpenAIServingCompletion(ServingBase):
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
         yield "data: [DONE]\n\n"
+
+
+def _scores_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated."""
+    return req.echo and req.max_tokens == 0
+
+
+def _shown(req: CompletionRequest, out: RequestOutput) -> RequestOutput:
+    """What a response shows of an output: for a prompt scored alone, samples without the
+    token generated to run it (an empty completion that ended at its length of 0)."""
+    if not _scores_only(req):
+        return out
+    samples = [
+        dataclasses.replace(
+            s, text="", token_ids=[], cumulative_logprob=None if s.logprobs is None else 0.0,
+            logprobs=None if s.logprobs is None else [], finish_reason="length" if s.finished else None,
+            stop_reason=None,
+        )
+        for s in out.outputs
+    ]  # fmt: skip
+    return dataclasses.replace(out, outputs=samples)
 
 
 def _concat(first: dict, then: dict) -> dict:
