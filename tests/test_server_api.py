@@ -275,7 +275,6 @@ def test_bad_chat_template_options_are_refused_by_name(http, body, param):
 # ----------------------------------------------------------------------- bad input
 
 
-CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's
 BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": 1000}, 400, "n"),
@@ -303,7 +302,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "length_penalty": 0.5}, 400, "length_penalty is not supported"),
     ({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": "x", "stream": True, "stream_options": CONTINUOUS_USAGE}, 400, "continuous_usage_stats"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
     ({"prompt": "x", "n": "two"}, 400, "n"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
@@ -492,6 +490,25 @@ def test_tokenize_refusals(http, route, body, status, param):
     resp = http.post(route, json=body)
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries
+    the usage so far, and the last one the totals; completions and chat alike."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, extra in (
+        (client.completions.create, {"prompt": "Once upon", "n": 2}),
+        (client.chat.completions.create, {"messages": HI}),
+    ):
+        chunks = list(create(model=model, max_tokens=5, stream=True, stream_options=options, seed=1, **extra))
+        used = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None for c in chunks) and used == sorted(used)
+        total = chunks[-1].usage
+        assert chunks[-1].choices == [] and total.completion_tokens == used[-1] > 0
+        assert total.total_tokens == total.prompt_tokens + total.completion_tokens
+        usage_at_end = {"include_usage": True}
+        plain = list(create(model=model, max_tokens=5, stream=True, stream_options=usage_at_end, **extra))
+        assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt(client, model):

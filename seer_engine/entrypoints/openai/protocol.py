@@ -66,7 +66,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: refused when true
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too
 
 
 # Options of vLLM or OpenAI that change what is generated and that this server does not

@@ -172,9 +172,6 @@ class ServingBase:
                 raise APIError(400, f"{name} is not supported", param=name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
-        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-            param = "stream_options.continuous_usage_stats"
-            raise APIError(400, f"{param} is not supported", param=param)
         if req.prompt_logprobs is not None and req.stream:  # as vLLM refuses it
             message = "prompt_logprobs is not available when stream is true"
             raise APIError(400, message, param="prompt_logprobs")
@@ -360,6 +357,12 @@ def sse_event(
     body = {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": choices, "usage": usage_obj}  # fmt: skip
     return f"data: {json.dumps(body)}\n\n"
+
+
+def continuous_usage(req: _SamplingFields) -> bool:
+    """vLLM's stream_options: usage on every chunk (with include_usage), not only at the end."""
+    options = req.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 def sse_error(exc: Exception) -> str:

@@ -14,6 +14,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     ServingBase,
     TextDeltas,
     chat_logprobs,
+    continuous_usage,
     final_output,
     prompt_logprobs_body,
     random_id,
@@ -196,7 +197,8 @@ class OpenAIServingChat(ServingBase):
                         done.add(i)
                     choices.append(choice)
                 if choices:
-                    yield chunk(choices)
+                    so_far = usage(prompt_tokens, sum(sent_tokens.values()))
+                    yield chunk(choices, so_far if continuous_usage(req) else None)
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], usage(prompt_tokens, sum(sent_tokens.values())))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band

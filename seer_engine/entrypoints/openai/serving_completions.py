@@ -13,6 +13,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     ServingBase,
     TextDeltas,
     completion_logprobs,
+    continuous_usage,
     final_output,
     merge_outputs,
     prompt_logprobs_body,
@@ -204,7 +205,8 @@ class OpenAIServingCompletion(ServingBase):
                         done.add(index)
                     choices.append(choice)
                 if choices:
-                    yield chunk(choices)
+                    so_far = usage(sum(prompt_tokens.values()), sum(sent_tokens.values()))
+                    yield chunk(choices, so_far if continuous_usage(req) else None)
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], usage(sum(prompt_tokens.values()), sum(sent_tokens.values())))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
