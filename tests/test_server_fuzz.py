@@ -149,6 +149,19 @@ COMPLETIONS = [
     {**_X, "presence_penalty": 1e-30},
     {"prompt": ["x"] * 2049},
     {"prompt": ["x"] * 3, "n": 3, "stream": True},
+    {**_X, "prompt_logprobs": 0, "n": 3},
+    {**_X, "prompt_logprobs": -1},
+    {**_X, "prompt_logprobs": True},
+    {"prompt": [1], "prompt_logprobs": 20, "echo": True, "logprobs": 20},
+    {"prompt": ["a", [1, 2, 3]], "echo": True, "logprobs": 1, "max_tokens": 0, "stream": True, "n": 2},
+    {**_X, "echo": True, "max_tokens": 0, "logprobs": None},
+    {**_X, "logit_bias": {"0": -100, "1": 100}, "n": 2, "temperature": 1.0},
+    {**_X, "logit_bias": {"1e3": 1}},
+    {**_X, "logit_bias": {"": 1}},
+    {**_X, "logit_bias": {"1": "x"}},
+    {**_X, "logit_bias": [1, 2]},
+    {**_X, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "n": 2},
+    {**_X, "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
 ]
 CHATS = [
     {"messages": [{"role": "tool", "content": "x"}]},
@@ -173,6 +186,8 @@ CHATS = [
     {"messages": _HI, "stream": True, "logprobs": True, "stop": ["\n"]},
     {"messages": [{"role": "user", "content": "x" * 17_000}]},
     {"messages": _HI * 300},
+    {"messages": _HI, "prompt_logprobs": 5, "n": 2},
+    {"messages": _HI, "logit_bias": {"2": -100}},
 ]
 CONTROL = [
     ("/abort_requests", {"request_ids": []}),
@@ -186,6 +201,23 @@ CONTROL = [
     ("/v1/batches", {"input_file_id": "file-x", "endpoint": "/v1/completions"}),
     ("/v1/batches", {"input_file_id": "", "endpoint": "", "completion_window": ""}),
     ("/v1/batches", {"input_file_id": "f", "endpoint": "/v1/completions", "metadata": {"k": 1}}),
+    ("/tokenize", {}),
+    ("/tokenize", {"prompt": ""}),
+    ("/tokenize", {"prompt": None}),
+    ("/tokenize", {"prompt": "\u0000\uffff", "return_token_strs": True}),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}),
+    ("/tokenize", {"messages": []}),
+    ("/tokenize", {"messages": [{"role": 1}]}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "{{ raise_exception('x') }}"}]}),
+    ("/tokenize", {"messages": _HI, "chat_template": "{% for %}"}),
+    ("/tokenize", {"messages": _HI, "chat_template_kwargs": {"messages": 1}}),
+    ("/tokenize", [1, 2]),
+    ("/detokenize", {}),
+    ("/detokenize", {"tokens": []}),
+    ("/detokenize", {"tokens": [0, 1, 2, 3]}),
+    ("/detokenize", {"tokens": [2**63]}),
+    ("/detokenize", {"tokens": [[1]]}),
+    ("/detokenize", "x"),
 ]
 
 
