@@ -48,6 +48,8 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before
     # penalties and sampling (-100 in effect bans a token, 100 all but forces it).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's allowed_token_ids: only these tokens may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # A text prompt is tokenized with the tokenizer's special tokens (a Llama BOS), as
@@ -64,6 +66,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.logit_bias, dict) or self.logit_bias is None:
             self.logit_bias = dict(self.logit_bias or {})
         self.validate()
@@ -123,6 +127,12 @@ class SamplingParams:
         check(
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        allowed = self.allowed_token_ids
+        check(
+            allowed is None
+            or (isinstance(allowed, list) and allowed and all(is_int(t) and t >= 0 for t in allowed)),
+            f"allowed_token_ids must be a non-empty list of token ids >= 0, got {allowed!r}",
         )
         bias = self.logit_bias
         check(

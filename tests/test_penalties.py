@@ -111,6 +111,9 @@ def test_divided_rollout_keeps_penalized_outputs(model):
         ("logit_bias", {"5": 1.0}, "logit_bias must map"),
         ("logit_bias", {5: float("inf")}, "logit_bias must map"),
         ("logit_bias", [5, 1.0], "logit_bias must map"),
+        ("allowed_token_ids", [], "allowed_token_ids must be a non-empty list of token ids >= 0"),
+        ("allowed_token_ids", [3, -1], "allowed_token_ids must be a non-empty list"),
+        ("allowed_token_ids", 5, "allowed_token_ids must be a non-empty list"),
     ],
 )
 def test_penalties_out_of_range_are_refused(field, value, message):
@@ -145,4 +148,27 @@ def test_drafts_verified_under_logit_bias_change_no_output(model, temperature):
     assert want != unbiased, "the bias must change the output for the test to mean anything"
     engine = make_engine(model, TREE)
     assert run_waves(engine, waves, head_start=30) == want
+    assert engine.scheduler.stats.draft_tokens_accepted > 0
+
+
+def test_allowed_token_ids_greedy_equals_the_reference_and_drafts_change_nothing(model, hf_model):
+    """vLLM's allowed_token_ids: greedy output is the argmax over the allowed tokens of
+    transformers' logits at every step; seeded samples stay inside the set; drafts
+    verified under the restriction change no output."""
+    hf = hf_model(model)
+    allowed = [5, 9, 13, 21, 34]
+    tokens, want = list(PROMPT), []
+    with torch.no_grad():
+        for _ in range(24):
+            logits = hf(torch.tensor([tokens])).logits[0, -1].float()
+            want.append(allowed[int(logits[allowed].argmax())])
+            tokens.append(want[-1])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed)
+    assert run_waves(make_engine(model), [[("r", PROMPT, params, None)]]) == {"r": [want]}
+    sampled = params.clone(temperature=1.0, seed=5, max_tokens=40)
+    waves = [[(f"w{w}-{i}", PROMPT, sampled.clone(seed=5 + i), "g") for i in range(3)] for w in range(2)]
+    plain = run_waves(make_engine(model), waves, head_start=30)
+    assert {t for outs in plain.values() for out in outs for t in out} <= set(allowed)
+    engine = make_engine(model, TREE)
+    assert run_waves(engine, waves, head_start=30) == plain
     assert engine.scheduler.stats.draft_tokens_accepted > 0

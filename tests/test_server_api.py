@@ -575,6 +575,21 @@ def test_logit_bias_through_the_openai_client(client, http, model):
             assert error["param"] == "logit_bias" and needle in error["message"], error
 
 
+def test_allowed_token_ids_through_the_server(client, http, model):
+    """vLLM's allowed_token_ids: every sampled token is one of them; an empty list or an
+    id outside the vocabulary is refused by name."""
+    allowed = [42, 43, 44]
+    out = client.completions.create(
+        model=model, prompt="x", max_tokens=12, n=2, seed=3,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    assert all(set(c.token_ids) <= set(allowed) and len(c.token_ids) == 12 for c in out.choices)
+    for bad, needle in (([], "non-empty list"), ([5, 99999], "allowed_token_ids token id 99999 is out of")):
+        resp = http.post("/v1/completions", json={"model": model, "prompt": "x", "allowed_token_ids": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+        assert needle in resp.json()["error"]["message"]
+
+
 def test_openai_client_errors(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", top_p=2.0)

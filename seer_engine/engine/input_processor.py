@@ -78,12 +78,13 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"stop token id {t} is out of the vocabulary", param="stop_token_ids"
                 )
-        for t in params.logit_bias:
-            if t >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {t} is out of the vocabulary (0..{self.vocab_size - 1})",
-                    param="logit_bias",
-                )
+        named = {"logit_bias": params.logit_bias, "allowed_token_ids": params.allowed_token_ids or ()}
+        for name, token_ids in named.items():
+            for t in token_ids:
+                if t >= self.vocab_size:
+                    raise InvalidRequestError(
+                        f"{name} token id {t} is out of the vocabulary (0..{self.vocab_size - 1})", param=name
+                    )
         room = self.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room and not params.fit_max_tokens:
             raise InvalidRequestError(

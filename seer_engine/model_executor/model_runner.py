@@ -364,4 +364,5 @@ def sampling_row(request: Request, depth: int = 0, draft_path: Sequence[int] = (
         num_logprobs=p.logprobs,
         penalties=penalties,
         logit_bias=p.logit_bias or None,
+        allowed_token_ids=p.allowed_token_ids,
     )

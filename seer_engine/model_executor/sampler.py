@@ -1,4 +1,5 @@
-"""Token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Token sampling: allowed tokens, logit bias, penalties, greedy, temperature, top-k, top-p,
+min-p, logprobs.
 
 Random draws use the exponential-race trick (argmax of p / q with q ~ Exp(1) is a
 sample from p) with noise seeded by (request seed, position) only, through
@@ -42,6 +43,7 @@ class SamplingRow:
     num_logprobs: int | None
     penalties: Penalties | None = None  # only for a request that sets a penalty
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # None: every token may be sampled
 
 
 @dataclass
@@ -102,6 +104,11 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()
         for i, row in enumerate(rows):
+            if row.allowed_token_ids is not None:
+                keep = torch.as_tensor(row.allowed_token_ids, dtype=torch.long, device=logits.device)
+                allowed = logits[i, keep].clone()
+                logits[i] = float("-inf")
+                logits[i, keep] = allowed
             if row.logit_bias:  # before penalties, as vLLM applies it
                 ids = torch.tensor(list(row.logit_bias), dtype=torch.long, device=logits.device)
                 bias = torch.tensor(list(row.logit_bias.values()), dtype=logits.dtype, device=logits.device)

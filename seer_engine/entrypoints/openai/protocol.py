@@ -75,7 +75,6 @@ class StreamOptions(_Strict):
 UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "allowed_token_ids": (None, []),
     "bad_words": (None, []),
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
@@ -120,6 +119,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's; 1 is no penalty
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     user: str | None = None
     # Extensions for RL rollouts and debugging.
     return_token_ids: bool = False

@@ -192,6 +192,7 @@ class ServingBase:
             "add_special_tokens": req.add_special_tokens,
             "fit_max_tokens": False,
             "logit_bias": _token_bias(req.logit_bias),
+            "allowed_token_ids": req.allowed_token_ids,
         }
         for name in (
             "temperature", "top_p", "top_k", "min_p",
