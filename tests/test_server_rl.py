@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -285,3 +286,4 @@ def test_metrics_and_flush_cache(server, http, client, model):
     assert m["kv_cache_free_blocks"] == m["kv_cache_total_blocks"] and m["kv_cache_usage_perc"] == 0.0
     assert m["generation_tokens_total"] > 0
     assert http.get("/health").json()["status"] == "ok"
+    assert http.get("/version").json() == {"version": importlib.metadata.version("seer_engine")}

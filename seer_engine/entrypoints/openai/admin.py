@@ -7,6 +7,7 @@ and read how the engine is doing from /metrics.
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable, Sequence
 
 from fastapi import APIRouter
@@ -21,6 +22,15 @@ from seer_engine.entrypoints.openai.protocol import (
     PauseRequest,
     UpdateWeightsRequest,
 )
+
+
+def package_version() -> str:
+    """seer_engine's installed version (the source tree's when it is not installed)."""
+    try:
+        return importlib.metadata.version("seer_engine")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0+source"
+
 
 # (name, type, help, value) for every exported figure
 _METRICS: list[tuple[str, str, str, Callable[[ServerStats], float]]] = [
@@ -116,6 +126,11 @@ def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], lis
         if state.instances:
             body["instances"] = state.instances
         return JSONResponse(body)
+
+    @router.get("/version")
+    async def version() -> dict:
+        """The package version, as vLLM's /version reports its own."""
+        return {"version": package_version()}
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:

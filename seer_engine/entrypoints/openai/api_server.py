@@ -31,7 +31,7 @@ from seer_engine.engine.async_engine import AsyncEngine
 from seer_engine.engine.client import EngineClient
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import resolve_model_path
-from seer_engine.entrypoints.openai.admin import admin_router
+from seer_engine.entrypoints.openai.admin import admin_router, package_version
 from seer_engine.entrypoints.openai.batch import BatchManager, batches_router, refusing_router
 from seer_engine.entrypoints.openai.batch_store import BatchAPIClaim, BatchStore
 from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers, invalid_body
@@ -184,7 +184,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             tokenizing.close()
             claim.release()
 
-    app = FastAPI(title="seer_engine", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="seer_engine", version=package_version(), lifespan=lifespan)
     app.router.route_class = JSONRoute
     app.state.request_registry = registry
     install_error_handlers(app)
