@@ -88,12 +88,14 @@ class OutputProcessor:
                 del self.requests[parent.request_id]
                 self.on_finished(parent)
             samples = [parent.outputs.get(c.sample_index) or self.completion(c) for c in parent.children]
-            out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, samples)
-            out.finished = parent.finished
-            scored = parent.children[0].prompt_logprobs
-            if scored is not None:
-                out.prompt_logprobs = [None, *self.detokenizer.logprobs_to_output(scored)]
-            outputs.append(out)
+            scored = parent.children[0].prompt_logprobs  # the first sample scores the prompt
+            prompt_logprobs = None if scored is None else [None, *self.detokenizer.logprobs_to_output(scored)]
+            outputs.append(
+                RequestOutput(
+                    parent.request_id, parent.prompt, parent.prompt_token_ids, samples, parent.finished,
+                    prompt_logprobs,
+                )
+            )  # fmt: skip
         return outputs
 
     def completion(self, req: Request) -> CompletionOutput:

@@ -155,7 +155,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     machine = machine_info()
     policies = _parse_policies(args.policy)
-    timer = clock_profile(args.clock)  # a bad --clock fails before anything is loaded
+    clock = clock_profile(args.clock)  # a bad --clock fails before anything is loaded
     args.admission = check_dispatch_rules(args.admission, args.backfill)
     if args.history == "off" and any(_split(p)[0] in HISTORY_POLICIES for p in policies):
         raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
@@ -167,7 +167,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         raise ValueError("--seed and --temperature go with --task: a trace replay emits the trace's tokens")
     args.seed, args.temperature = (args.seed or 0), (0.7 if args.temperature is None else args.temperature)
     if args.task is not None:
-        return _run_task_bench(args, policies, machine, timer)
+        return _run_task_bench(args, policies, machine, clock)
     from seer_engine.workloads.groups import select_groups
     from seer_engine.workloads.paths import default_tokenizer_path, resolve_trace_path
     from seer_engine.workloads.traces import load_trace
@@ -207,7 +207,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         history = _open_history(args, name, processor)
         for it, w in enumerate(workloads):
             iterations[it][name] = _run_policy(
-                args, name, cfg, cluster, w.groups(), w.true_lengths, w.replay(eos), timer, history, it
+                args, name, cfg, cluster, w.groups(), w.true_lengths, w.replay(eos), clock, history, it
             )
             if history is not None:
                 history.next_iteration()
@@ -322,22 +322,22 @@ def _run_policy(
     groups: list[Group],
     true_lengths: dict[str, int],
     token_source=None,
-    timer: InstanceProfile | None = None,
+    clock: InstanceProfile | None = None,
     history: HistoryStore | None = None,
     iteration: int = 0,
 ) -> RolloutResult:
-    """One policy on a fresh engine pool (clocks from zero; ``timer``: a modeled clock;
+    """One policy on a fresh engine pool (clocks from zero; ``clock``: a modeled clock's profile;
     ``history``: a +history policy's store, filled and seeding drafts)."""
     policy = _bench_policy(name, true_lengths, args.starvation_s, history, args.context_order)
     spec = policy.speculative
-    if timer is not None and spec is not None and "step_cost" not in spec:
+    if clock is not None and spec is not None and "step_cost" not in spec:
         # On a modeled clock the adaptive budget prices drafts with that clock's step,
         # not with a profile of this machine's.
-        cost = [max(timer.step.a_s, 1e-9), timer.step.b_s_per_token + timer.step.d_s_per_logit]
+        cost = [max(clock.step.a_s, 1e-9), clock.step.b_s_per_token + clock.step.d_s_per_logit]
         policy.speculative = {**spec, "step_cost": cost}
     label = name if args.iterations == 1 else f"{name} iter {iteration + 1}"
     progress = Progress(label, sum(g.n for g in groups))
-    with cluster.make_pool(cfg, policy, token_source, timer, history) as pool:
+    with cluster.make_pool(cfg, policy, token_source, clock, history) as pool:
         pool.reset_clocks()
         start = time.perf_counter()
         dispatcher = Dispatcher(
@@ -370,7 +370,7 @@ def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutC
 
 
 def _run_task_bench(
-    args: argparse.Namespace, policies: list[str], machine: dict, timer: InstanceProfile | None
+    args: argparse.Namespace, policies: list[str], machine: dict, clock: InstanceProfile | None
 ) -> int:
     """Every policy samples the same problems with the same seeds; ``oracle`` runs last,
     handed the lengths the first policy's responses came out at."""
@@ -410,7 +410,7 @@ def _run_task_bench(
         for name in policies:
             fresh = [_fresh_seeds(g, it) for g in groups]
             results[name] = _run_policy(
-                args, name, cfg, cluster, fresh, true_lengths, None, timer, stores[name], it
+                args, name, cfg, cluster, fresh, true_lengths, None, clock, stores[name], it
             )
             if stores[name] is not None:
                 stores[name].next_iteration()

@@ -22,7 +22,7 @@ from seer_engine.core.request import Request
 from seer_engine.model_executor import cpu_kernels as native_kernels
 from seer_engine.model_executor.attention import AttentionMetadata, get_attention_backend
 from seer_engine.model_executor.model_config import ModelConfig
-from seer_engine.model_executor.sampler import Penalties, Sampler, SamplingRow
+from seer_engine.model_executor.sampler import Penalties, Sampler, SamplingRow, token_logprobs
 from seer_engine.model_executor.weight_loader import load_model
 from seer_engine.sampling_params import SamplingParams
 
@@ -205,13 +205,8 @@ class ModelRunner:
         out = []
         for lo in range(0, len(targets), rows_per_pass):
             logprobs = torch.log_softmax(self.model.logits(hidden[lo : lo + rows_per_pass]).float(), dim=-1)
-            want = torch.tensor(targets[lo : lo + rows_per_pass], device=logprobs.device)
-            chosen = logprobs.gather(1, want.unsqueeze(1))
-            ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
-            tops = torch.topk(logprobs, top_n) if top_n else None
-            for i, token in enumerate(want.tolist()):
-                top = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
-                out.append((token, (float(chosen[i]), ranks[i], top)))
+            want = targets[lo : lo + rows_per_pass]
+            out.extend(zip(want, token_logprobs(logprobs, want, top_n)))
         return out
 
     @torch.inference_mode()

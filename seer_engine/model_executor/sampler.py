@@ -140,14 +140,20 @@ class Sampler:
         if raw is None:
             return out
         for i, row in enumerate(rows):
-            if row.num_logprobs is None:
-                continue
-            lp = raw[i]
-            chosen = lp[tokens[i]]
-            rank = int((lp > chosen).sum()) + 1
-            top: list[tuple[int, float]] = []
-            if row.num_logprobs > 0:
-                values, ids = torch.topk(lp, row.num_logprobs)
-                top = list(zip(ids.tolist(), values.tolist()))
-            out[i] = (float(chosen), rank, top)
+            if row.num_logprobs is not None:
+                out[i] = token_logprobs(raw[i : i + 1], [tokens[i]], row.num_logprobs)[0]
         return out
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: Sequence[int], top_n: int
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """Per row of log-probabilities: its token's logprob, the token's rank (1 = the most
+    likely) and the top-N (id, logprob); what sampled and prompt tokens both report."""
+    chosen = logprobs.gather(1, torch.as_tensor(tokens, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n:
+        values, ids = torch.topk(logprobs, top_n)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [(float(chosen[i]), ranks[i], tops[i]) for i in range(len(tokens))]

@@ -112,7 +112,7 @@ class OpenAIServingCompletion(ServingBase):
         ids, scored = out.prompt_token_ids, out.prompt_logprobs
         first = self.engine.detokenizer.piece(ids[0])
         head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-        if scored is None or len(scored) != len(ids):  # not scored (yet): null, as before the engine does
+        if scored is None or len(scored) != len(ids):  # aborted before its first sample scored it: null
             rest = self._unscored(ids[1:], len(first))
         else:
             rest = completion_logprobs(ids[1:], scored[1:], top_n, len(first))
