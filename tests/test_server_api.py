@@ -136,6 +136,39 @@ def test_streamed_echo_logprobs_match_non_streamed(client, model):
         assert None not in c.logprobs.token_logprobs[1:], "every prompt token after the first is scored"
 
 
+def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id(client, model):
+    """vLLM's return_tokens_as_token_ids: every token in the logprobs (sampled, top-N,
+    echoed prompt; whole and streamed; completions and chat) is "token_id:<id>", the ids
+    the response's token_ids give, while text offsets still count the text."""
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    kwargs = dict(model=model, prompt="Hello there", max_tokens=6, logprobs=2, seed=5, echo=True)
+    plain = client.completions.create(**kwargs, extra_body=extra).choices[0]
+    as_ids = {**extra, "return_tokens_as_token_ids": True}
+    by_id = client.completions.create(**kwargs, extra_body=as_ids).choices[0]
+    ids = by_id.prompt_token_ids + by_id.token_ids
+    assert by_id.text == plain.text and by_id.token_ids == plain.token_ids
+    assert by_id.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert by_id.logprobs.text_offset == plain.logprobs.text_offset
+    assert by_id.logprobs.token_logprobs == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    for top in by_id.logprobs.top_logprobs[1:]:
+        assert top and all(k.startswith("token_id:") and k[9:].isdigit() for k in top)
+    streamed = []
+    for chunk in client.completions.create(
+        **kwargs, stream=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}
+    ):
+        for c in chunk.choices:
+            streamed += c.logprobs.tokens
+    assert streamed == by_id.logprobs.tokens
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True,
+        top_logprobs=2, seed=5, extra_body=as_ids,
+    )  # fmt: skip
+    entries = chat.choices[0].logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(e.bytes == list(e.token.encode()) for e in entries)
+    assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
+
+
 def test_stop_token_text_is_not_in_the_output(client, model):
     """A stop token id ends the output's token ids but not its text (as vLLM), unless
     include_stop_str_in_output; streamed and whole responses agree."""
@@ -300,7 +333,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search is not supported"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json is not supported"),
     ({"prompt": "x", "length_penalty": 0.5}, 400, "length_penalty is not supported"),
-    ({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "model": "gpt-nope"}, 404, "does not exist"),
     ({"prompt": "x", "n": "two"}, 400, "n"),

@@ -87,7 +87,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "prediction": (None,),
     "spaces_between_special_tokens": (None, True),
     "echo": (None, False),  # chat only: completions implement it
-    "return_tokens_as_token_ids": (None, False),  # logprobs tokens as "token_id:<id>"
     # Tool calls (``tools`` itself is a chat field, refused when not empty): asking for one
     # by ``tool_choice``, or by the deprecated ``functions`` / ``function_call``.
     "tool_choice": (None, "none", "auto"),
@@ -123,6 +122,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     # Extensions for RL rollouts and debugging.
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     request_id: str | None = Field(
         default=None, description="Engine request id (for /abort_requests); one is made when absent."
     )

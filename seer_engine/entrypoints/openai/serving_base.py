@@ -257,16 +257,27 @@ async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-def top_entries(step: dict, chosen: int, top_n: int) -> list[tuple[int, float, str]]:
-    """(token id, logprob, text) of the top-N by rank, best first."""
+def token_label(token_id: int, text: str, as_id: bool) -> str:
+    """How a logprobs entry names a token: its text, or vLLM's ``token_id:<id>``
+    (``return_tokens_as_token_ids``: exact where texts are partial characters or collide)."""
+    return f"token_id:{token_id}" if as_id else text
+
+
+def top_entries(step: dict, chosen: int, top_n: int, as_ids: bool = False) -> list[tuple[int, float, str]]:
+    """(token id, logprob, label) of the top-N by rank, best first."""
     ranked = sorted(step.items(), key=lambda kv: kv[1].rank)
-    return [(tid, lp.logprob, lp.decoded_token or "") for tid, lp in ranked if lp.rank <= top_n]
+    return [
+        (tid, lp.logprob, token_label(tid, lp.decoded_token or "", as_ids))
+        for tid, lp in ranked
+        if lp.rank <= top_n
+    ]
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int, text_offset: int
-) -> dict:
-    """OpenAI completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int, text_offset: int, as_ids: bool = False
+) -> tuple[dict, int]:
+    """OpenAI completions format (tokens, token_logprobs, top_logprobs, text_offset) and
+    the text offset after these tokens."""
     tokens: list[str] = []
     token_logprobs: list[float] = []
     tops: list[dict[str, float]] = []
@@ -274,14 +285,16 @@ def completion_logprobs(
     for tid, step in zip(token_ids, logprobs):
         chosen = step[tid]
         text = chosen.decoded_token or ""
-        tokens.append(text)
+        label = token_label(tid, text, as_ids)
+        tokens.append(label)
         token_logprobs.append(finite(chosen.logprob))
-        top = {t: finite(lp) for _, lp, t in top_entries(step, tid, top_n)}
-        top.setdefault(text, finite(chosen.logprob))
+        top = {t: finite(lp) for _, lp, t in top_entries(step, tid, top_n, as_ids)}
+        top.setdefault(label, finite(chosen.logprob))
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return body, text_offset
 
 
 def prompt_logprobs_body(out: RequestOutput) -> list[dict | None] | None:
@@ -300,20 +313,22 @@ def prompt_logprobs_body(out: RequestOutput) -> list[dict | None] | None:
     ]
 
 
-def chat_logprobs(token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int) -> list[dict]:
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int, as_ids: bool = False
+) -> list[dict]:
     """OpenAI chat format: one entry per token with its top alternatives."""
     content = []
     for tid, step in zip(token_ids, logprobs):
         chosen = step[tid]
-        text = chosen.decoded_token or ""
+        label = token_label(tid, chosen.decoded_token or "", as_ids)
         content.append(
             {
-                "token": text,
+                "token": label,
                 "logprob": finite(chosen.logprob),
-                "bytes": list(text.encode("utf-8")),
+                "bytes": list(label.encode("utf-8")),
                 "top_logprobs": [
                     {"token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8"))}
-                    for _, lp, t in top_entries(step, tid, top_n)
+                    for _, lp, t in top_entries(step, tid, top_n, as_ids)
                 ],
             }
         )

@@ -151,7 +151,8 @@ class OpenAIServingChat(ServingBase):
     ) -> dict | None:
         if not req.logprobs or sample.logprobs is None:
             return None
-        return {"content": chat_logprobs(token_ids, sample.logprobs[start:], req.top_logprobs or 0)}
+        top_n, as_ids = req.top_logprobs or 0, req.return_tokens_as_token_ids
+        return {"content": chat_logprobs(token_ids, sample.logprobs[start:], top_n, as_ids)}
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, stream) -> AsyncGenerator[str, None]:
         created = int(time.time())

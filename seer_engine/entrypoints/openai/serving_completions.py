@@ -21,6 +21,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     sse_error,
     sse_event,
     stop_strings,
+    token_label,
     usage,
 )
 from seer_engine.outputs import CompletionOutput, RequestOutput
@@ -101,22 +102,28 @@ class OpenAIServingCompletion(ServingBase):
     def _logprobs(self, req: CompletionRequest, out: RequestOutput, sample: CompletionOutput) -> dict | None:
         if req.logprobs is None or sample.logprobs is None:
             return None
+        as_ids = req.return_tokens_as_token_ids
         if not req.echo:
-            return completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, 0)
-        echoed, end = self._echo_logprobs(out, req.logprobs)
-        return _concat(echoed, completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, end))
+            return completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, 0, as_ids)[0]
+        echoed, end = self._echo_logprobs(req, out)
+        return _concat(
+            echoed, completion_logprobs(sample.token_ids, sample.logprobs, req.logprobs, end, as_ids)[0]
+        )
 
-    def _echo_logprobs(self, out: RequestOutput, top_n: int) -> tuple[dict, int]:
+    def _echo_logprobs(self, req: CompletionRequest, out: RequestOutput) -> tuple[dict, int]:
         """The echoed prompt's tokens, which come first, and the offset after them: the
         first token has no logprob (nothing comes before it), the others the engine's."""
         ids, scored = out.prompt_token_ids, out.prompt_logprobs
+        as_ids = req.return_tokens_as_token_ids
         first = self.engine.detokenizer.piece(ids[0])
-        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        head = {
+            "tokens": [token_label(ids[0], first, as_ids)], "token_logprobs": [None], "top_logprobs": [None],
+            "text_offset": [0],
+        }  # fmt: skip
         if scored is None or len(scored) != len(ids):  # aborted before its first sample scored it: null
-            rest = self._unscored(ids[1:], len(first))
+            rest, end = self._unscored(ids[1:], len(first), as_ids)
         else:
-            rest = completion_logprobs(ids[1:], scored[1:], top_n, len(first))
-        end = len(first) + sum(len(t) for t in rest["tokens"])
+            rest, end = completion_logprobs(ids[1:], scored[1:], req.logprobs or 0, len(first), as_ids)
         return _concat(head, rest), end
 
     @staticmethod
@@ -127,14 +134,20 @@ class OpenAIServingCompletion(ServingBase):
         waiting = scored is None or len(scored) != len(out.prompt_token_ids)
         return req.echo and req.logprobs is not None and waiting and not out.finished
 
-    def _unscored(self, ids: list[int], offset: int) -> dict:
+    def _unscored(self, ids: list[int], offset: int, as_ids: bool) -> tuple[dict, int]:
         pieces = [self.engine.detokenizer.piece(t) for t in ids]
         offsets = []
         for piece in pieces:
             offsets.append(offset)
             offset += len(piece)
         nulls = [None] * len(pieces)
-        return {"tokens": pieces, "token_logprobs": nulls, "top_logprobs": nulls, "text_offset": offsets}
+        labels = [token_label(t, piece, as_ids) for t, piece in zip(ids, pieces)]
+        return {
+            "tokens": labels,
+            "token_logprobs": nulls,
+            "top_logprobs": nulls,
+            "text_offset": offsets,
+        }, offset
 
     # -- streaming ---------------------------------------------------------------------------
 
@@ -176,7 +189,7 @@ class OpenAIServingCompletion(ServingBase):
                         sent_tokens[index] = 0
                         offsets[index] = 0
                         if req.echo and req.logprobs is not None:
-                            echoed, offsets[index] = self._echo_logprobs(out, req.logprobs)
+                            echoed, offsets[index] = self._echo_logprobs(req, out)
                     text = deltas[index].delta(sample.text, sample.finished)
                     if first and req.echo:
                         text = self._prompt_text(prompts[p]) + text
@@ -191,10 +204,10 @@ class OpenAIServingCompletion(ServingBase):
                         "stop_reason": sample.stop_reason,
                     }
                     if req.logprobs is not None and sample.logprobs is not None:
-                        lp = completion_logprobs(
-                            new_ids, sample.logprobs[sent_tokens[index] :], req.logprobs, offsets[index]
-                        )
-                        offsets[index] += sum(len(t) for t in lp["tokens"])
+                        lp, offsets[index] = completion_logprobs(
+                            new_ids, sample.logprobs[sent_tokens[index] :], req.logprobs, offsets[index],
+                            req.return_tokens_as_token_ids,
+                        )  # fmt: skip
                         choice["logprobs"] = lp if echoed is None else _concat(echoed, lp)
                     if req.return_token_ids:
                         if first:
