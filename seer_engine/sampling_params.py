@@ -56,6 +56,10 @@ class SamplingParams:
     # transformers and vLLM's completions do; a chat template writes its own, so chat
     # turns this off. Token-id prompts are taken as they are.
     add_special_tokens: bool = True
+    # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (a text prompt
+    # keeps the tokenizer's special tokens, e.g. a BOS, as a left-truncating tokenizer
+    # does); -1: the model's max_model_len.
+    truncate_prompt_tokens: int | None = None
     # A max_tokens past what the context leaves after the prompt is cut to fit, as vLLM's
     # offline LLM does; False refuses it, as vLLM's OpenAI server does (the server's
     # requests set it).
@@ -143,6 +147,11 @@ class SamplingParams:
         check(
             type(self.add_special_tokens) is bool,
             f"add_special_tokens must be a boolean, got {self.add_special_tokens!r}",
+        )
+        k = self.truncate_prompt_tokens
+        check(
+            k is None or (is_int(k) and (k >= 1 or k == -1)),
+            f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}",
         )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -149,3 +149,42 @@ def test_refusals_name_their_field(model):
     assert refused.value.param == "temperature"
     copy = pickle.loads(pickle.dumps(refused.value))
     assert (str(copy), copy.param) == (str(refused.value), "temperature")
+
+
+@pytest.mark.parametrize("add_bos", [False, True], ids=["plain", "bos"])
+def test_truncate_prompt_tokens_keeps_the_last_tokens_as_a_left_truncating_tokenizer(tiny_model, add_bos):
+    """vLLM's truncate_prompt_tokens: a text prompt keeps what transformers' tokenizer
+    truncating on the left keeps (the BOS stays first), token ids their last k; -1 is
+    max_model_len, and sizes it cannot honour are refused by name."""
+    from transformers import AutoTokenizer
+
+    path = tiny_model("llama", add_bos=add_bos)
+    processor = _processor(path)
+    reference = AutoTokenizer.from_pretrained(path, truncation_side="left")
+    text = "Once upon a time there was a tiny model that wrote a very long story"
+    full = reference(text)["input_ids"]
+    assert (full[0] == reference.bos_token_id) == add_bos
+    for k in (len(full) + 3, len(full), 5, 2):
+        checked = processor.process(text, SamplingParams(truncate_prompt_tokens=k))
+        want = reference(text, truncation=True, max_length=k)["input_ids"]
+        assert checked.prompt_token_ids == want and len(want) == min(k, len(full)), (k, want)
+        kept_text = text if k >= len(full) else reference.decode(want, skip_special_tokens=True)
+        assert checked.prompt == kept_text
+    ids = list(range(3, 40))
+    assert processor.process(ids, SamplingParams(truncate_prompt_tokens=7)).prompt_token_ids == ids[-7:]
+    long = list(range(3, 40)) * processor.max_model_len
+    with pytest.raises(InvalidRequestError, match="maximum context length") as refused:
+        processor.process(long, SamplingParams(truncate_prompt_tokens=-1))  # max_model_len: no room left
+    assert refused.value.param == "prompt"
+    kept = processor.process(long, SamplingParams(truncate_prompt_tokens=processor.max_model_len - 1))
+    assert kept.prompt_token_ids == long[-(processor.max_model_len - 1) :] and kept.max_tokens == 1
+    with pytest.raises(InvalidRequestError, match="greater than the model's maximum context") as refused:
+        processor.process(ids, SamplingParams(truncate_prompt_tokens=processor.max_model_len + 1))
+    assert refused.value.param == "truncate_prompt_tokens"
+    for bad in (0, -2, 1.5):
+        with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    if add_bos:
+        with pytest.raises(InvalidRequestError, match="no room for the prompt's text") as refused:
+            processor.process(text, SamplingParams(truncate_prompt_tokens=1))
+        assert refused.value.param == "truncate_prompt_tokens"

@@ -169,6 +169,31 @@ def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id(client, 
     assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
 
 
+def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(client, http, model):
+    """vLLM's truncate_prompt_tokens: the request runs on its prompt's last k tokens, as
+    if sent alone (same seeded tokens, usage counts k); echo shows what was kept; chat
+    takes it too; a k past the context is refused by name."""
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    kwargs = dict(model=model, max_tokens=5, seed=9, n=2)
+    prompt = "Once upon a time there was a tiny model that wrote a very long story about itself"
+    cut = client.completions.create(
+        prompt=prompt, echo=True, **kwargs, extra_body={**extra, "truncate_prompt_tokens": 6}
+    )
+    kept = cut.choices[0].prompt_token_ids
+    assert len(kept) == 6 and cut.usage.prompt_tokens == 6
+    alone = client.completions.create(prompt=kept, **kwargs, extra_body=extra)
+    assert [c.token_ids for c in cut.choices] == [c.token_ids for c in alone.choices]
+    shown = http.post("/detokenize", json={"model": model, "tokens": kept}).json()["prompt"]
+    assert all(c.text == shown + a.text for c, a in zip(cut.choices, alone.choices))
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 4},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 4
+    resp = http.post("/v1/completions", json={"model": model, "prompt": "x", "truncate_prompt_tokens": 10**6})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
+
+
 def test_stop_token_text_is_not_in_the_output(client, model):
     """A stop token id ends the output's token ids but not its text (as vLLM), unless
     include_stop_str_in_output; streamed and whole responses agree."""
@@ -665,7 +690,7 @@ def test_neutral_values_of_unsupported_options_and_unknown_fields_are_served(htt
     a chat asking for JSON output is refused rather than answered in free text."""
     body = {"model": model, "prompt": "x", "max_tokens": 2, "prompt_logprobs": None, "use_beam_search": False,
             "length_penalty": 1.0, "bad_words": [], "store": True, "metadata": {"k": "v"},
-            "return_tokens_as_token_ids": False}  # fmt: skip
+            "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None}  # fmt: skip
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -162,6 +162,13 @@ COMPLETIONS = [
     {**_X, "logit_bias": [1, 2]},
     {**_X, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "n": 2},
     {**_X, "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+    {**_X, "truncate_prompt_tokens": 0},
+    {**_X, "truncate_prompt_tokens": -1},
+    {**_X, "truncate_prompt_tokens": 10**9},
+    {**_X, "truncate_prompt_tokens": "3"},
+    {"prompt": ["a b c", [1, 2]], "truncate_prompt_tokens": 1, "echo": True, "logprobs": 1, "stream": True},
+    {**_X, "logprobs": 2, "echo": True, "return_tokens_as_token_ids": True, "stream": True, "n": 2},
+    {**_X, "return_tokens_as_token_ids": "yes"},
 ]
 CHATS = [
     {"messages": [{"role": "tool", "content": "x"}]},
@@ -181,6 +188,7 @@ CHATS = [
     {"messages": _HI, "logprobs": True, "top_logprobs": 20, "n": 2},
     {"messages": _HI, "logprobs": True, "top_logprobs": 21},
     {"messages": _HI, "top_logprobs": 2},
+    {"messages": _HI, "truncate_prompt_tokens": 1, "logprobs": True, "return_tokens_as_token_ids": True},
     {"messages": _HI, "add_generation_prompt": False},
     {"messages": _HI, "max_completion_tokens": 0},
     {"messages": _HI, "stream": True, "logprobs": True, "stop": ["\n"]},

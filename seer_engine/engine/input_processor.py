@@ -63,7 +63,7 @@ class InputProcessor:
         self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
     ) -> CheckedRequest:
         params.validate()
-        text, ids = self.tokenize(prompt, params.add_special_tokens)
+        text, ids = self.tokenize(prompt, params.add_special_tokens, self._kept_prompt_tokens(params))
         prior = list(prior_output_token_ids)
         if prior:
             self._check_ids(prior, "prior output", None)
@@ -107,11 +107,25 @@ class InputProcessor:
             )
         return CheckedRequest(text, ids, params, max_tokens, prior)
 
+    def _kept_prompt_tokens(self, params: SamplingParams) -> int | None:
+        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({k}) is greater than the model's maximum context length "
+                f"(max_model_len: {self.max_model_len} tokens); request a smaller truncation size",
+                param="truncate_prompt_tokens",
+            )
+        return self.max_model_len if k == -1 else k
+
     def tokenize(
-        self, prompt: str | Sequence[int], add_special_tokens: bool = True
+        self, prompt: str | Sequence[int], add_special_tokens: bool = True, keep_last: int | None = None
     ) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a text or token-id prompt, within the model's length;
-        ``add_special_tokens``: the tokenizer's own (e.g. a BOS) around a text prompt."""
+        ``add_special_tokens``: the tokenizer's own (e.g. a BOS) around a text prompt;
+        ``keep_last``: only the prompt's last tokens (a cut text's text is decoded from them)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt")
@@ -132,6 +146,9 @@ class InputProcessor:
             ids = self.tokenizer.encode(prompt, add_special_tokens)
             if not ids:
                 raise InvalidRequestError("prompt is empty once tokenized", param="prompt")
+            if keep_last is not None and len(ids) > keep_last:
+                ids = self._truncated(prompt, ids, add_special_tokens, keep_last)
+                prompt = self.tokenizer.decode(ids)
             outside = self._first_outside_vocabulary(ids)
             if outside is not None:
                 raise InvalidRequestError(
@@ -143,8 +160,25 @@ class InputProcessor:
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
+        if keep_last is not None:
+            ids = ids[-keep_last:]
         self._check_ids(ids, "prompt", "prompt")
         return None, ids
+
+    def _truncated(self, text: str, ids: list[int], add_special_tokens: bool, keep: int) -> list[int]:
+        """The text's last tokens, ``keep`` in all with the special tokens the tokenizer
+        puts around it (a BOS stays first), as a tokenizer truncating on the left gives."""
+        plain = self.tokenizer.encode(text, False) if add_special_tokens else ids
+        head = next((i for i in range(len(ids) - len(plain) + 1) if ids[i : i + len(plain)] == plain), 0)
+        tail = len(ids) - head - len(plain)
+        room = keep - head - tail
+        if room < 1:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({keep}) leaves no room for the prompt's text beside the "
+                f"{head + tail} special tokens the tokenizer adds",
+                param="truncate_prompt_tokens",
+            )
+        return ids[:head] + plain[-room:] + ids[len(ids) - tail :]
 
     def _check_ids(self, ids: list[int], what: str, param: str | None) -> None:
         if len(ids) >= self.max_model_len:

@@ -77,7 +77,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "length_penalty": (None, 1, 1.0),
     "bad_words": (None, []),
     "logits_processors": (None, []),
-    "truncate_prompt_tokens": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -131,6 +130,7 @@ class _SamplingFields(_Strict):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top-N
     skip_special_tokens: bool = True
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
 
 
 class CompletionRequest(_SamplingFields):

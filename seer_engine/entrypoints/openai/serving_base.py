@@ -193,6 +193,7 @@ class ServingBase:
             "fit_max_tokens": False,
             "logit_bias": _token_bias(req.logit_bias),
             "allowed_token_ids": req.allowed_token_ids,
+            "truncate_prompt_tokens": req.truncate_prompt_tokens,
         }
         for name in (
             "temperature", "top_p", "top_k", "min_p",

@@ -54,26 +54,26 @@ class OpenAIServingCompletion(ServingBase):
         request_id = req.request_id or random_id("cmpl-")
         streams, release = await self.submit(req, request_id, prompts, params)
         if req.stream:
-            return EventStream(self._stream(req, request_id, prompts, streams), streams, release)
+            return EventStream(self._stream(req, request_id, streams), streams, release)
         try:
             outputs = [_shown(req, await final_output(s)) for s in streams]
         finally:
             release()
-        return self._response(req, request_id, prompts, outputs)
+        return self._response(req, request_id, outputs)
 
     # -- whole responses -----------------------------------------------------------------
 
-    def _prompt_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.engine.detokenizer.decode(prompt)
+    def _prompt_text(self, out: RequestOutput) -> str:
+        """The prompt an echo shows: the request's text, or its token ids' (a truncated
+        prompt's: what was kept)."""
+        return out.prompt if out.prompt is not None else self.engine.detokenizer.decode(out.prompt_token_ids)
 
-    def _response(
-        self, req: CompletionRequest, request_id: str, prompts: list, outputs: list[RequestOutput]
-    ) -> dict:
+    def _response(self, req: CompletionRequest, request_id: str, outputs: list[RequestOutput]) -> dict:
         choices = []
         prompt_tokens = completion_tokens = 0
-        for p, (prompt, out) in enumerate(zip(prompts, outputs)):
+        for p, out in enumerate(outputs):
             prompt_tokens += len(out.prompt_token_ids)
-            prefix = self._prompt_text(prompt) if req.echo else ""
+            prefix = self._prompt_text(out) if req.echo else ""
             for sample in out.outputs:
                 completion_tokens += len(sample.token_ids)
                 choice = {
@@ -155,7 +155,6 @@ class OpenAIServingCompletion(ServingBase):
         self,
         req: CompletionRequest,
         request_id: str,
-        prompts: list,
         streams: list,
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
@@ -192,7 +191,7 @@ class OpenAIServingCompletion(ServingBase):
                             echoed, offsets[index] = self._echo_logprobs(req, out)
                     text = deltas[index].delta(sample.text, sample.finished)
                     if first and req.echo:
-                        text = self._prompt_text(prompts[p]) + text
+                        text = self._prompt_text(out) + text
                     new_ids = sample.token_ids[sent_tokens[index] :]
                     if not (text or new_ids or sample.finished or first):
                         continue
