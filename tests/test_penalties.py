@@ -172,3 +172,17 @@ def test_allowed_token_ids_greedy_equals_the_reference_and_drafts_change_nothing
     engine = make_engine(model, TREE)
     assert run_waves(engine, waves, head_start=30) == plain
     assert engine.scheduler.stats.draft_tokens_accepted > 0
+
+
+def test_allowed_token_ids_of_stop_tokens_alone_win_over_min_tokens(model):
+    """min_tokens bans stop tokens; where every allowed token is one, the allowed set wins:
+    a token outside it is never sampled, and the response stops once min_tokens is met
+    (as vLLM, a stop token before min_tokens does not stop it)."""
+    engine = make_engine(model)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=3, max_tokens=8, min_tokens=4)
+        params = params.clone(stop_token_ids=[9], allowed_token_ids=[9])
+        assert run_waves(engine, [[("r", PROMPT, params, None)]]) == {"r": [[9] * 4]}
+    both = params.clone(temperature=0, allowed_token_ids=[9, 7])
+    out = run_waves(engine, [[("b", PROMPT, both, None)]])["b"][0]
+    assert out[:4] == [7] * 4 and set(out) <= {7, 9}, out

@@ -116,7 +116,12 @@ class Sampler:
             if row.penalties is not None:
                 apply_penalties(logits[i], row.penalties)
             if row.banned_token_ids:
+                kept = logits[i, row.banned_token_ids].clone()
                 logits[i, row.banned_token_ids] = float("-inf")
+                if not torch.isfinite(logits[i]).any():
+                    # Every allowed token is a stop token: allowed_token_ids is a hard
+                    # constraint, min_tokens (what banned them) cannot be met.
+                    logits[i, row.banned_token_ids] = kept
         tokens = logits.argmax(dim=-1)
         for i, row in enumerate(rows):
             if row.temperature == 0.0:
