@@ -453,22 +453,20 @@ def test_chat_errors_name_the_chat_field(http, body, param):
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("tool_choice", "required"),
-        ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
         ("functions", [{"name": "get_weather", "parameters": {"type": "object"}}]),  # tools, before tools
         ("function_call", {"name": "get_weather"}),
     ],
 )
-def test_tool_calls_asked_for_without_tools_are_refused(client, model, param, value):
-    """A chat that asks for a tool call (``tool_choice`` "required" or a named function, or the
-    deprecated ``functions`` / ``function_call``) is refused as ``tools`` is, never answered
-    in free text as if it had not asked; their neutral values are served."""
+def test_deprecated_function_calls_are_refused(client, model, param, value):
+    """A chat that asks for a function call the deprecated way (``functions`` /
+    ``function_call``) is refused, never answered in free text as if it had not asked;
+    their neutral values are served. (``tools`` and ``tool_choice``: test_server_tools.py.)"""
     chat = {"model": model, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 2}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**chat, extra_body={param: value})
     assert refused.value.body["param"] == param
     assert refused.value.body["message"] == f"{param} is not supported"
-    for neutral in ({"tool_choice": "auto", "functions": [], "function_call": "none"},
+    for neutral in ({"tool_choice": "none", "functions": [], "function_call": "none"},
                     {"tool_choice": "none", "function_call": "auto"}):  # fmt: skip
         resp = client.chat.completions.create(**chat, extra_body=neutral)
         assert resp.choices[0].finish_reason in ("length", "stop")

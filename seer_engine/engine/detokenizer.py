@@ -65,11 +65,13 @@ class Detokenizer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The conversation as text; ``template_kwargs`` are variables the template reads
-        (e.g. Qwen3's ``enable_thinking``)."""
+        (e.g. Qwen3's ``enable_thinking``); ``tools``: OpenAI tool definitions it renders."""
         return self.tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

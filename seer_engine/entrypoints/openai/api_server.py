@@ -44,6 +44,7 @@ from seer_engine.entrypoints.openai.serving_base import EventStream, RequestRegi
 from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from seer_engine.entrypoints.openai.serving_tokenize import ServingTokenize, tokenize_router
+from seer_engine.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from seer_engine.rollout.backend import RolloutBackend
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.report import writable_dir
@@ -66,6 +67,7 @@ class ServerSettings:
     max_body_bytes: int | None = None  # JSON routes; None: sized to max_model_len (limits.py)
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # POST /v1/files
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser with --enable-auto-tool-choice
 
 
 # ----------------------------------------------------------------------------- backend
@@ -139,7 +141,8 @@ def parse_body(model: type[M], body: dict, request_id: str) -> M:
 def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     registry = RequestRegistry()
     completions = OpenAIServingCompletion(engine, settings.served_model_names, registry)
-    chat = OpenAIServingChat(engine, settings.served_model_names, registry)
+    parser = make_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+    chat = OpenAIServingChat(engine, settings.served_model_names, registry, parser)
     data_dir = settings.data_dir.expanduser()
     claim = BatchAPIClaim(data_dir)
     bounds = RequestBounds(engine.max_model_len)
@@ -284,6 +287,18 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds an idle HTTP connection stays open; longer than clients' own idle expiry "
         "(httpx: 5 s) so that the client, not the server, closes idle connections",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="read tool calls back from chat responses to requests with tools (tool_choice 'auto'); "
+        "needs --tool-call-parser",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are written in the model's text (hermes: Qwen2.5/Qwen3, Hermes)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_server)
     return p
@@ -334,6 +349,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {args.timeout_keep_alive}")
     if any(not name.strip() for name in args.served_model_name or []):  # no client could name it
         raise ValueError(f"--served-model-name must not be blank, got {args.served_model_name!r}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
@@ -343,6 +360,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_upload_bytes=args.max_upload_bytes,
         rollout=RolloutConfig.from_cli_args(args),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

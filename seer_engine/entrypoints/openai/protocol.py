@@ -86,9 +86,7 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "prediction": (None,),
     "spaces_between_special_tokens": (None, True),
     "echo": (None, False),  # chat only: completions implement it
-    # Tool calls (``tools`` itself is a chat field, refused when not empty): asking for one
-    # by ``tool_choice``, or by the deprecated ``functions`` / ``function_call``.
-    "tool_choice": (None, "none", "auto"),
+    # The deprecated way to ask for tool calls (``tools`` and ``tool_choice`` replace it).
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
 }
@@ -158,6 +156,20 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
+class ToolFunction(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    """OpenAI's tool: a function the model may call (rendered by the chat template)."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -168,7 +180,11 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    # "none", "auto" (the default with tools: needs a server started with
+    # --enable-auto-tool-choice); "required" and a named function are refused.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # every call the model writes is returned
     add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
 
 
@@ -189,6 +205,7 @@ class TokenizeChatRequest(_Strict):
 
     model: str | None = None
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -348,13 +348,16 @@ class TextDeltas:
         self.sent = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
 
-    def delta(self, text: str, finished: bool) -> str:
+    def delta(self, text: str, finished: bool, limit: int | None = None) -> str:
+        """``limit``: where the content ends in ``text`` (a tool parser's say), if before its end."""
         if finished:
             end = len(text)
         else:
             end = len(text) - self.hold
             while end > self.sent and text[end - 1] == "\ufffd":
                 end -= 1
+        if limit is not None:
+            end = min(end, limit)
         if end <= self.sent:
             return ""
         out = text[self.sent : end]

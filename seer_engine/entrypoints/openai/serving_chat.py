@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
+from seer_engine.engine.client import EngineClient
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from seer_engine.entrypoints.openai.serving_base import (
     EventStream,
+    RequestRegistry,
     ServingBase,
     TextDeltas,
     chat_logprobs,
@@ -23,6 +27,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     stop_strings,
     usage,
 )
+from seer_engine.entrypoints.openai.tool_parsers import HermesToolParser, tool_call_id
 from seer_engine.outputs import CompletionOutput
 
 
@@ -42,11 +47,27 @@ def _content_text(message: ChatMessage, index: int) -> str:
 
 
 def _template_message(message: ChatMessage, index: int) -> dict:
-    """What the template sees of a message: its text, name and extra fields as sent."""
+    """What the template sees of a message: its text, name and extra fields as sent; an
+    assistant's tool calls with their arguments as objects (OpenAI sends them as JSON
+    text; templates write them out as objects), as vLLM hands them over."""
     out = {**(message.model_extra or {}), "role": message.role, "content": _content_text(message, index)}
     if message.name is not None:
         out["name"] = message.name
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_arguments_as_object(call) for call in out["tool_calls"]]
     return out
+
+
+def _arguments_as_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def _max_tokens_field(req: ChatCompletionRequest) -> str:
@@ -54,6 +75,16 @@ def _max_tokens_field(req: ChatCompletionRequest) -> str:
 
 
 class OpenAIServingChat(ServingBase):
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_names: Sequence[str],
+        registry: RequestRegistry,
+        tool_parser: HermesToolParser | None = None,
+    ) -> None:
+        super().__init__(engine, served_names, registry)
+        self.tool_parser = tool_parser  # None: automatic tool choice is off (vLLM's default)
+
     def renamed_fields(self, req: ChatCompletionRequest) -> dict[str, tuple[str, str]]:  # type: ignore[override]
         """The chat fields that carry an engine field: the prompt is rendered from
         ``messages``, logprobs is ``top_logprobs``, max_tokens may be ``max_completion_tokens``."""
@@ -94,6 +125,7 @@ class OpenAIServingChat(ServingBase):
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
             template_kwargs=kwargs,
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         )
         try:
             return await asyncio.to_thread(render)
@@ -103,8 +135,7 @@ class OpenAIServingChat(ServingBase):
 
     async def create(self, req: ChatCompletionRequest) -> dict | EventStream:
         self.check_request_model(req)
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        parser = self._tool_parser_for(req)
         if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: served, as by vLLM
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         prompt = await self.render_prompt(req)
@@ -113,12 +144,12 @@ class OpenAIServingChat(ServingBase):
         request_id = req.request_id or random_id("chatcmpl-")
         (stream,), release = await self.submit(req, request_id, [prompt], params)
         if req.stream:
-            return EventStream(self._stream(req, request_id, stream), [stream], release)
+            return EventStream(self._stream(req, request_id, stream, parser), [stream], release)
         try:
             out = await final_output(stream)
         finally:
             release()
-        choices = [self._choice(req, out.prompt_token_ids, s) for s in out.outputs]
+        choices = [self._choice(req, out.prompt_token_ids, s, parser) for s in out.outputs]
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -132,12 +163,49 @@ class OpenAIServingChat(ServingBase):
             body["prompt_logprobs"] = prompt_logprobs_body(out)
         return body
 
-    def _choice(self, req: ChatCompletionRequest, prompt_ids: list[int], sample: CompletionOutput) -> dict:
+    def _tool_parser_for(self, req: ChatCompletionRequest) -> HermesToolParser | None:
+        """The parser that reads tool calls back from this request's responses (None: the
+        text is the content), by vLLM's rules for ``tool_choice``."""
+        choice = req.tool_choice
+        if choice is None:
+            choice = "auto" if req.tools else "none"
+        if choice == "none":
+            return None
+        if not isinstance(choice, str) or choice == "required":
+            shown = choice if isinstance(choice, str) else "a named function"
+            message = f"tool_choice {shown!r} is not supported (guided decoding): use 'auto' or 'none'"
+            raise APIError(400, message, param="tool_choice")
+        if choice != "auto":
+            raise APIError(400, f"tool_choice must be 'none' or 'auto', got {choice!r}", param="tool_choice")
+        if not req.tools:
+            raise APIError(400, "tool_choice 'auto' needs tools", param="tool_choice")
+        if self.tool_parser is None:
+            message = (
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                "(or send tool_choice 'none': the tools are still shown to the model)"
+            )
+            raise APIError(400, message, param="tool_choice")
+        return self.tool_parser
+
+    def _choice(
+        self,
+        req: ChatCompletionRequest,
+        prompt_ids: list[int],
+        sample: CompletionOutput,
+        parser: HermesToolParser | None,
+    ) -> dict:
+        message: dict = {"role": "assistant", "content": sample.text}
+        finish_reason = sample.finish_reason
+        parsed = parser.parse(sample.text) if parser is not None else None
+        if parsed is not None and parsed.tool_calls:
+            message["content"] = parsed.content
+            message["tool_calls"] = [call.body(tool_call_id()) for call in parsed.tool_calls]
+            finish_reason = "tool_calls"
         choice = {
             "index": sample.index,
-            "message": {"role": "assistant", "content": sample.text},
+            "message": message,
             "logprobs": self._logprobs(req, sample.token_ids, sample),
-            "finish_reason": sample.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": sample.stop_reason,
         }
         if req.return_token_ids:
@@ -154,7 +222,9 @@ class OpenAIServingChat(ServingBase):
         top_n, as_ids = req.top_logprobs or 0, req.return_tokens_as_token_ids
         return {"content": chat_logprobs(token_ids, sample.logprobs[start:], top_n, as_ids)}
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, stream) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self, req: ChatCompletionRequest, request_id: str, stream, parser: HermesToolParser | None
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         deltas: dict[int, TextDeltas] = {}
         sent_tokens: dict[int, int] = {}
@@ -177,16 +247,27 @@ class OpenAIServingChat(ServingBase):
                     if first:
                         deltas[i] = TextDeltas(stop_strings(req.stop))
                         sent_tokens[i] = 0
-                    text = deltas[i].delta(sample.text, sample.finished)
+                    parsed, content_end = None, None
+                    if parser is not None and sample.finished:
+                        parsed = parser.parse(sample.text)
+                        content_end = len(parsed.content or "") if parsed.tool_calls else None
+                    elif parser is not None:
+                        content_end = parser.content_end(sample.text)
+                    text = deltas[i].delta(sample.text, sample.finished, content_end)
                     new_ids = sample.token_ids[sent_tokens[i] :]
                     if not (text or new_ids or sample.finished or first):
                         continue
                     delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+                    finish_reason = sample.finish_reason
+                    if parsed is not None and parsed.tool_calls:
+                        calls = enumerate(parsed.tool_calls)
+                        delta["tool_calls"] = [{"index": k, **call.body(tool_call_id())} for k, call in calls]
+                        finish_reason = "tool_calls"
                     choice: dict = {
                         "index": i,
                         "delta": delta,
                         "logprobs": self._logprobs(req, new_ids, sample, sent_tokens[i]),
-                        "finish_reason": sample.finish_reason,
+                        "finish_reason": finish_reason,
                         "stop_reason": sample.stop_reason,
                     }
                     if req.return_token_ids:

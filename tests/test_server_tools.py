@@ -1,0 +1,190 @@
+"""Tool calling in chat (vLLM's ``--enable-auto-tool-choice --tool-call-parser hermes``):
+tools reach the chat template, tool calls are read back from the response's text,
+streamed and whole alike, and tool_choice follows vLLM's rules.
+
+The end-to-end tests serve a tiny model whose greedy output is scripted: its layers add
+nothing to the residual stream, so each next token depends on the current one alone,
+and its embeddings and output rows chain the tokens of a known response."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from seer_engine.entrypoints.openai.tool_parsers import HermesToolParser
+
+pytest_plugins = ["server_harness"]
+
+CALL = '{"name":"get_weather","arguments":{"city":"Paris","days":2}}'
+SCRIPT = ["Let me check.", "<tool_call>", CALL, "</tool_call>"]
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "({{ t.function.parameters | tojson }}){% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
+HI = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _scripted_model(base: Path, out: Path) -> Path:
+    """``base`` (a tiny model) made to answer every chat with ``SCRIPT`` then its EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_tokens(SCRIPT)
+    tok.chat_template = TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    model.resize_token_embeddings(len(tok))
+    prompt = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    last = tok(prompt, add_special_tokens=False)["input_ids"][-1]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    chain = [last, *tok.convert_tokens_to_ids(SCRIPT), eos]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+            embed[token] = 0.0
+            embed[token, k] = 10.0
+            head[successor] = 0.0
+            head[successor, k] = 100.0
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_model, tmp_path_factory):
+    from server_harness import API_KEY, MODEL_NAME, ServerProcess
+
+    root = tmp_path_factory.mktemp("tools")
+    path = _scripted_model(tiny_model("qwen3"), root / "model")
+    args = ["--model", str(path), "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
+            "--data-dir", str(root / "data"), "--max-model-len", "256", "--num-kv-blocks", "128",
+            "--num-threads", "1", "--log-level", "warning",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip
+    proc = ServerProcess(args, root / "server.log").start(timeout=240)
+    yield proc
+    proc.stop()
+
+
+def test_tool_calls_are_read_back_whole_and_streamed(tool_server):
+    with tool_server.openai() as client:
+        kwargs = dict(model=tool_server.model, messages=HI, tools=[WEATHER], temperature=0, max_tokens=12)
+        whole = client.chat.completions.create(**kwargs, n=2)
+        for choice in whole.choices:
+            message = choice.message
+            assert choice.finish_reason == "tool_calls" and message.content == "Let me check."
+            (call,) = message.tool_calls
+            assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+            assert call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+
+        content, calls, finish = "", [], None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                assert "<tool" not in (choice.delta.content or ""), "a call is never streamed as content"
+                content += choice.delta.content or ""
+                calls += choice.delta.tool_calls or []
+                finish = choice.finish_reason or finish
+        assert content == "Let me check." and finish == "tool_calls"
+        assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            (0, "get_weather", {"city": "Paris", "days": 2})
+        ]
+
+        plain = client.chat.completions.create(**kwargs, tool_choice="none")
+        assert plain.choices[0].message.content == "".join(SCRIPT) and not plain.choices[0].message.tool_calls
+        assert plain.choices[0].finish_reason == "stop"
+
+
+def test_tools_and_earlier_tool_calls_reach_the_template(tool_server):
+    """The tools are rendered into the prompt (the chat's prompt tokens are /tokenize's
+    with them), and an assistant's earlier call, sent with its arguments as JSON text as
+    OpenAI sends them, reaches the template as an object (not as a quoted string)."""
+    turn = HI + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    with tool_server.http() as http:
+        body = {"model": tool_server.model, "messages": turn, "max_tokens": 12, "temperature": 0}
+        with_tools = http.post("/tokenize", json={**body, "tools": [WEATHER]}).json()
+        without = http.post("/tokenize", json=body).json()
+        assert with_tools["count"] > without["count"]
+        rendered = http.post("/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]
+        assert 'Tools: get_weather({"type": "object", "properties": {"city"' in rendered
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+        resp = http.post("/v1/chat/completions", json={**body, "tools": [WEATHER]})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["prompt_tokens"] == with_tools["count"]
+        assert resp.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize(
+    "extra, status, needle",
+    [
+        ({"tools": [WEATHER]}, 400, "--enable-auto-tool-choice"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, 400, "--enable-auto-tool-choice"),
+        ({"tools": [WEATHER], "tool_choice": "none"}, 200, None),
+        ({"tools": [WEATHER], "tool_choice": "required"}, 400, "not supported"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "named"),
+        ({"tool_choice": "auto"}, 400, "needs tools"),
+        ({"tool_choice": "sometimes", "tools": [WEATHER]}, 400, "tool_choice must be"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, 400, "tools"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}], "tool_choice": "none"}, 400, "tools"),
+        ({"tools": [], "parallel_tool_calls": False}, 200, None),
+    ],
+)
+def test_tool_choice_follows_vllms_rules_on_a_server_without_a_parser(http, model, extra, status, needle):
+    body = {"model": model, "messages": HI, "max_tokens": 2, **extra}
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == status, resp.text
+    if needle is not None:
+        error = resp.json()["error"]
+        assert needle in error["message"] and error["param"].startswith("tool"), error
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("plain text", "plain text", []),
+        (f"Sure.<tool_call>{CALL}</tool_call>", "Sure.", [("get_weather", {"city": "Paris", "days": 2})]),
+        (f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>{{\"name\": \"f\", \"arguments\": {{}}}}",
+         None, [("get_weather", {"city": "Paris", "days": 2}), ("f", {})]),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
+        ("Sure.<tool_call>{not json}</tool_call>", "Sure.<tool_call>{not json}</tool_call>", []),
+        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ],
+)  # fmt: skip
+def test_the_hermes_parser_splits_content_from_calls(text, content, calls):
+    parsed = HermesToolParser().parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+
+
+def test_streamed_content_never_takes_back_text_and_stops_at_a_call():
+    parser = HermesToolParser()
+    text = f"Hi <tool <tool_call>{CALL}</tool_call>"
+    ends = [parser.content_end(text[:n]) for n in range(len(text) + 1)]
+    assert ends == sorted(ends), "content only grows"
+    assert all(e <= len("Hi <tool ") for e in ends) and ends[-1] == len("Hi <tool ")
+    assert parser.content_end("Hi <tool_ca") == len("Hi ")
+    assert parser.parse(text).content == text[: ends[-1]]
