@@ -246,6 +246,24 @@ def test_eos_ids_outside_the_vocabulary_are_ignored(tmp_path, model_path):
     assert len(out.token_ids) == 8
 
 
+def test_a_broken_generation_config_is_named(tmp_path, model_path):
+    """A generation_config.json that is not a JSON object fails the load naming that
+    file, not config.json (which is fine)."""
+    import shutil
+
+    folder = tmp_path / "bad-gen"
+    shutil.copytree(model_path, folder)
+    gen = folder / "generation_config.json"
+    for text, match in [
+        ('{"eos_token_id": [0, 1', "generation_config.json is not valid JSON"),
+        ("[2]", "generation_config.json holds a JSON list, not an object"),
+        (b"\xff\xfe{", "generation_config.json is not valid JSON"),
+    ]:
+        gen.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(folder))
+
+
 def test_streaming_reports_progress_every_step(llm):
     engine = llm.engine
     engine.reset_prefix_cache()  # sample 1 then waits one step for sample 0's prompt block
