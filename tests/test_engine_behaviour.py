@@ -264,6 +264,26 @@ def test_a_broken_generation_config_is_named(tmp_path, model_path):
             LLM(str(folder))
 
 
+def test_a_config_transformers_refuses_is_a_load_error(tmp_path, model_path):
+    """transformers validates config.json while loading the tokenizer and raises its own
+    errors (KeyError, huggingface_hub's StrictDataclassError): a ModelLoadError carrying
+    its message, which the CLI reports in one line, not a traceback."""
+    import json
+    import shutil
+
+    folder = tmp_path / "refused"
+    shutil.copytree(model_path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}
+    for change, match in [
+        ({"rope_parameters": llama3}, "Missing required keys in `rope_parameters`"),
+        ({"rms_norm_eps": None}, "rms_norm_eps"),
+    ]:
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(folder))
+
+
 def test_streaming_reports_progress_every_step(llm):
     engine = llm.engine
     engine.reset_prefix_cache()  # sample 1 then waits one step for sample 0's prompt block
