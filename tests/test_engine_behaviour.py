@@ -284,6 +284,32 @@ def test_a_config_transformers_refuses_is_a_load_error(tmp_path, model_path):
             LLM(str(folder))
 
 
+def test_a_quantized_checkpoint_is_refused_by_name(tmp_path, model_path):
+    """A quantization_config (an FP8 checkpoint here: float8 weights with their scales)
+    is refused naming the method, not by the first scale tensor no parameter matches."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(model_path, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        weights[name] = weights[name].to(torch.float8_e4m3fn)
+        weights[name.replace(".weight", ".weight_scale_inv")] = torch.ones(1, 1)
+    save_file(weights, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"quantized checkpoint \(quant_method 'fp8', per the quantization_config in .*config\.json",
+    ):
+        LLM(str(folder))
+
+
 def test_streaming_reports_progress_every_step(llm):
     engine = llm.engine
     engine.reset_prefix_cache()  # sample 1 then waits one step for sample 0's prompt block

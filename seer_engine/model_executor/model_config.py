@@ -143,6 +143,13 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ModelLoadError(
+                f"{path} holds a quantized checkpoint (quant_method {method!r}, per the "
+                f"quantization_config in {config_file}); seer_engine loads unquantized weights only"
+            )
         act = cfg.get("hidden_act", "silu")
         if act not in _SILU:
             raise ModelLoadError(
