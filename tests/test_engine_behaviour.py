@@ -246,6 +246,70 @@ def test_eos_ids_outside_the_vocabulary_are_ignored(tmp_path, model_path):
     assert len(out.token_ids) == 8
 
 
+def test_a_broken_generation_config_is_named(tmp_path, model_path):
+    """A generation_config.json that is not a JSON object fails the load naming that
+    file, not config.json (which is fine)."""
+    import shutil
+
+    folder = tmp_path / "bad-gen"
+    shutil.copytree(model_path, folder)
+    gen = folder / "generation_config.json"
+    for text, match in [
+        ('{"eos_token_id": [0, 1', "generation_config.json is not valid JSON"),
+        ("[2]", "generation_config.json holds a JSON list, not an object"),
+        (b"\xff\xfe{", "generation_config.json is not valid JSON"),
+    ]:
+        gen.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(folder))
+
+
+def test_a_config_transformers_refuses_is_a_load_error(tmp_path, model_path):
+    """transformers validates config.json while loading the tokenizer and raises its own
+    errors (KeyError, huggingface_hub's StrictDataclassError): a ModelLoadError carrying
+    its message, which the CLI reports in one line, not a traceback."""
+    import json
+    import shutil
+
+    folder = tmp_path / "refused"
+    shutil.copytree(model_path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}
+    for change, match in [
+        ({"rope_parameters": llama3}, "Missing required keys in `rope_parameters`"),
+        ({"rms_norm_eps": None}, "rms_norm_eps"),
+    ]:
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(folder))
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(tmp_path, model_path):
+    """A quantization_config (an FP8 checkpoint here: float8 weights with their scales)
+    is refused naming the method, not by the first scale tensor no parameter matches."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(model_path, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        weights[name] = weights[name].to(torch.float8_e4m3fn)
+        weights[name.replace(".weight", ".weight_scale_inv")] = torch.ones(1, 1)
+    save_file(weights, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"quantized checkpoint \(quant_method 'fp8', per the quantization_config in .*config\.json",
+    ):
+        LLM(str(folder))
+
+
 def test_streaming_reports_progress_every_step(llm):
     engine = llm.engine
     engine.reset_prefix_cache()  # sample 1 then waits one step for sample 0's prompt block

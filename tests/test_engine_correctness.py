@@ -169,6 +169,30 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model, hf_model, tmp_pat
     assert sharded == hf_greedy(model, prompt, 16)
 
 
+def test_weights_come_from_the_files_transformers_reads(tiny_model, hf_model, tmp_path):
+    """model.safetensors is the checkpoint, as transformers reads it: other *.safetensors
+    beside it (EMA weights under the same names, which were loaded over it; Mistral's
+    consolidated.safetensors under its own, which were refused) are left alone. A folder
+    with neither model.safetensors nor an index, whose files share a name, is refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("mistral"), folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v * 0.9 for k, v in weights.items()}, str(folder / "model_ema.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    save_file({"tok_embeddings.weight": embed}, str(folder / "consolidated.safetensors"))
+    model = hf_model(folder)
+    prompts = _prompts(model.config.vocab_size, seed=9)[1:3]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    for prompt, out in zip(prompts, LLM(str(folder)).generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+    (folder / "consolidated.safetensors").unlink()
+    (folder / "model.safetensors").rename(folder / "weights.safetensors")
+    with pytest.raises(ModelLoadError, match="'lm_head.weight' is in both model_ema.safetensors and weights"):
+        LLM(str(folder))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_close_to_transformers(dtype, tiny_model, hf_model):
     """Low precision: rounding differs from the reference, so compare the first tokens."""

@@ -28,6 +28,9 @@ class Detokenizer:
             return cls(AutoTokenizer.from_pretrained(str(path)))
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - transformers validates config.json here too
+            # and refuses it with a KeyError, TypeError or huggingface_hub's StrictDataclassError.
+            raise ModelLoadError(f"transformers refuses the model folder {path}: {e}") from e
 
     def vocab(self) -> dict[str, int]:
         """Token string -> id (what tells one tokenizer's ids from another's)."""

@@ -116,12 +116,7 @@ class ModelConfig:
             raise ModelLoadError(f"model path {str(path)!r} is not a directory")
         if not config_file.is_file():
             raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model folder")
-        try:
-            cfg = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
-        if not isinstance(cfg, dict):
-            raise ModelLoadError(f"{config_file} holds a JSON {type(cfg).__name__}, not an object")
+        cfg = _json_object(config_file)
         try:
             return cls._from_dict(path, config_file, cfg)
         except ModelLoadError:
@@ -148,6 +143,13 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ModelLoadError(
+                f"{path} holds a quantized checkpoint (quant_method {method!r}, per the "
+                f"quantization_config in {config_file}); seer_engine loads unquantized weights only"
+            )
         act = cfg.get("hidden_act", "silu")
         if act not in _SILU:
             raise ModelLoadError(
@@ -185,6 +187,17 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, cfg, need("vocab_size")),
             bos_token_id=cfg.get("bos_token_id"),
         )
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """The object a JSON file holds; anything else is a ModelLoadError naming the file."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _rope(cfg: dict[str, Any], max_positions: int, config_file: Path) -> tuple[dict[str, Any] | None, float]:
@@ -238,7 +251,7 @@ def _eos_ids(path: Path, cfg: dict[str, Any], vocab_size: int) -> list[int]:
     gen_file = path / "generation_config.json"
     sources = [cfg]
     if gen_file.is_file():
-        sources.insert(0, json.loads(gen_file.read_text()))
+        sources.insert(0, _json_object(gen_file))
     for src in sources:
         eos = src.get("eos_token_id")
         for e in eos if isinstance(eos, list) else [eos]:

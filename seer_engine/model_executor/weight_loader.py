@@ -14,7 +14,14 @@ from seer_engine.model_executor.models.decoder import DecoderForCausalLM
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The checkpoint's files, checked against the shard index when there is one."""
+    """The checkpoint's files, chosen as transformers chooses them: ``model.safetensors``
+    where there is one, else the shards the index names (checked to be there). Other
+    ``*.safetensors`` beside them (Mistral's consolidated.safetensors, EMA weights, a
+    stale copy) are not read: their tensors would override or clash with the model's.
+    A folder with neither has its ``*.safetensors`` read, each tensor name once."""
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -30,10 +37,17 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: dict[str, Path] = {}
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    if name in seen:
+                        raise ModelLoadError(
+                            f"checkpoint tensor {name!r} is in both {seen[name].name} and {file.name} "
+                            f"in {path}; which one is the model's is unclear"
+                        )
+                    seen[name] = file
                     yield name, f.get_tensor(name)
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # a truncated or foreign file
             if isinstance(e, ModelLoadError):
