@@ -188,8 +188,9 @@ def test_sleep_and_wake_up(server, client, http, model, pool):
     assert resp.status_code == 409 and "in flight" in resp.json()["error"]["message"]
     http.post("/abort_requests", json={"request_ids": ["rl-sleep-1"]})
     assert fut.result(timeout=30).choices[0].finish_reason == "abort"
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     assert http.post("/sleep").status_code == 200
-    assert server.metrics()["sleeping"] == 1
+    assert server.metrics()["sleeping"] == 1 and http.get("/is_sleeping").json() == {"is_sleeping": True}
     held = pool.submit(_long_completion, client, model, None, 4)  # waits for the wake-up
     server.wait_until(lambda: server.metrics()["num_requests_held"] == 1, what="a held request")
     assert http.post("/wake_up").status_code == 200
@@ -267,6 +268,7 @@ def test_metrics_and_flush_cache(server, http, client, model):
     # A repeating prompt: the group's suffix tree matches its tail, so rollout mode drafts.
     client.completions.create(model=model, prompt=[5, 6, 7, 8] * 6, n=4, max_tokens=24, temperature=0)
     assert http.post("/flush_cache").status_code == 200
+    assert http.post("/reset_prefix_cache").status_code == 200  # vLLM's name
     m = server.wait_until(
         lambda: (m := server.metrics())["num_requests_running"] == 0 and m, what="an idle engine"
     )

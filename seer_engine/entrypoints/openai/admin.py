@@ -178,7 +178,13 @@ def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], lis
         await engine.wake_up()
         return {"success": True}
 
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        """vLLM's name for the question."""
+        return {"is_sleeping": (await engine.stats()).sleeping}
+
     @router.post("/flush_cache")
+    @router.post("/reset_prefix_cache")  # vLLM's name for SGLang's flush_cache
     async def flush_cache() -> dict:
         await engine.flush_cache()
         return {"success": True}
