@@ -43,6 +43,7 @@ from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatComplet
 from seer_engine.entrypoints.openai.serving_base import EventStream, RequestRegistry
 from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from seer_engine.entrypoints.openai.serving_generate import ServingGenerate
 from seer_engine.entrypoints.openai.serving_tokenize import ServingTokenize, tokenize_router
 from seer_engine.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from seer_engine.rollout.backend import RolloutBackend
@@ -143,6 +144,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     completions = OpenAIServingCompletion(engine, settings.served_model_names, registry)
     parser = make_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
     chat = OpenAIServingChat(engine, settings.served_model_names, registry, parser)
+    generate = ServingGenerate(engine, settings.served_model_names, registry)
     data_dir = settings.data_dir.expanduser()
     claim = BatchAPIClaim(data_dir)
     bounds = RequestBounds(engine.max_model_len)
@@ -192,9 +194,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.request_registry = registry
     install_error_handlers(app)
 
-    async def respond(request: Request, work: Awaitable[dict | EventStream]):
+    async def respond(request: Request, work: Awaitable[dict | list | EventStream]):
         result = await until_disconnect(request, work)
-        if isinstance(result, dict):
+        if isinstance(result, (dict, list)):
             return JSONResponse(result)
         return EventStreamResponse(result)
 
@@ -232,6 +234,14 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     )
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat.create(req))
+
+    @app.post("/generate", tags=["sglang"], responses=ERROR_RESPONSES)
+    async def sglang_generate(request: JSONRequest):
+        """SGLang's native generation API (serving_generate.py)."""
+        body = await request.json()
+        if isinstance(body, dict):
+            bounds.completion({"prompt": body.get("text", body.get("input_ids"))})
+        return await respond(request, generate.create(body))
 
     if batches is not None:
         app.include_router(files_router(batches.files, batches.reader_of))
