@@ -34,6 +34,7 @@ from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.entrypoints.openai.admin import admin_router, package_version
 from seer_engine.entrypoints.openai.batch import BatchManager, batches_router, refusing_router
 from seer_engine.entrypoints.openai.batch_store import BatchAPIClaim, BatchStore
+from seer_engine.entrypoints.openai.chat_output import REASONING_PARSERS
 from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers, invalid_body
 from seer_engine.entrypoints.openai.files import FileStore, files_router
 from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
@@ -69,6 +70,7 @@ class ServerSettings:
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # POST /v1/files
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser with --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser
 
 
 # ----------------------------------------------------------------------------- backend
@@ -143,7 +145,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     registry = RequestRegistry()
     completions = OpenAIServingCompletion(engine, settings.served_model_names, registry)
     parser = make_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
-    chat = OpenAIServingChat(engine, settings.served_model_names, registry, parser)
+    reasoning = REASONING_PARSERS[settings.reasoning_parser]() if settings.reasoning_parser else None
+    chat = OpenAIServingChat(engine, settings.served_model_names, registry, parser, reasoning)
     generate = ServingGenerate(engine, settings.served_model_names, registry)
     data_dir = settings.data_dir.expanduser()
     claim = BatchAPIClaim(data_dir)
@@ -309,6 +312,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="how tool calls are written in the model's text (hermes: Qwen2.5/Qwen3, Hermes)",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="return a chat response's <think> block as reasoning_content, apart from its content",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_server)
     return p
@@ -371,6 +380,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_upload_bytes=args.max_upload_bytes,
         rollout=RolloutConfig.from_cli_args(args),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -348,21 +348,21 @@ class TextDeltas:
         self.sent = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
 
-    def delta(self, text: str, finished: bool, limit: int | None = None) -> str:
-        """``limit``: where the content ends in ``text`` (a tool parser's say), if before its end."""
+    def delta(self, text: str, finished: bool) -> str:
+        start = self.sent
+        end = self.visible_end(text, finished)
+        return text[start:end]
+
+    def visible_end(self, text: str, finished: bool) -> int:
+        """How much of the text may be shown now (it only grows)."""
         if finished:
             end = len(text)
         else:
             end = len(text) - self.hold
             while end > self.sent and text[end - 1] == "\ufffd":
                 end -= 1
-        if limit is not None:
-            end = min(end, limit)
-        if end <= self.sent:
-            return ""
-        out = text[self.sent : end]
-        self.sent = end
-        return out
+        self.sent = max(self.sent, end)
+        return self.sent
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -6,17 +6,17 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from seer_engine.engine.client import EngineClient
+from seer_engine.entrypoints.openai.chat_output import ChatOutputSplitter, ThinkReasoningParser
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from seer_engine.entrypoints.openai.serving_base import (
     EventStream,
     RequestRegistry,
     ServingBase,
-    TextDeltas,
     chat_logprobs,
     continuous_usage,
     final_output,
@@ -81,9 +81,11 @@ class OpenAIServingChat(ServingBase):
         served_names: Sequence[str],
         registry: RequestRegistry,
         tool_parser: HermesToolParser | None = None,
+        reasoning_parser: ThinkReasoningParser | None = None,
     ) -> None:
         super().__init__(engine, served_names, registry)
         self.tool_parser = tool_parser  # None: automatic tool choice is off (vLLM's default)
+        self.reasoning_parser = reasoning_parser  # None: reasoning stays in the content
 
     def renamed_fields(self, req: ChatCompletionRequest) -> dict[str, tuple[str, str]]:  # type: ignore[override]
         """The chat fields that carry an engine field: the prompt is rendered from
@@ -144,12 +146,16 @@ class OpenAIServingChat(ServingBase):
         request_id = req.request_id or random_id("chatcmpl-")
         (stream,), release = await self.submit(req, request_id, [prompt], params)
         if req.stream:
-            return EventStream(self._stream(req, request_id, stream, parser), [stream], release)
+            split = functools.partial(self._splitter, req, prompt, parser)
+            return EventStream(self._stream(req, request_id, stream, split), [stream], release)
         try:
             out = await final_output(stream)
         finally:
             release()
-        choices = [self._choice(req, out.prompt_token_ids, s, parser) for s in out.outputs]
+        choices = [
+            self._choice(req, out.prompt_token_ids, s, self._splitter(req, prompt, parser))
+            for s in out.outputs
+        ]
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -187,19 +193,25 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, message, param="tool_choice")
         return self.tool_parser
 
+    def _splitter(
+        self, req: ChatCompletionRequest, prompt: str, tools: HermesToolParser | None
+    ) -> ChatOutputSplitter:
+        return ChatOutputSplitter(stop_strings(req.stop), prompt, self.reasoning_parser, tools)
+
     def _choice(
         self,
         req: ChatCompletionRequest,
         prompt_ids: list[int],
         sample: CompletionOutput,
-        parser: HermesToolParser | None,
+        splitter: ChatOutputSplitter,
     ) -> dict:
-        message: dict = {"role": "assistant", "content": sample.text}
+        parts = splitter.parts(sample.text)
+        message: dict = {"role": "assistant", "content": parts.content}
+        if parts.reasoning is not None:
+            message["reasoning_content"] = parts.reasoning
         finish_reason = sample.finish_reason
-        parsed = parser.parse(sample.text) if parser is not None else None
-        if parsed is not None and parsed.tool_calls:
-            message["content"] = parsed.content
-            message["tool_calls"] = [call.body(tool_call_id()) for call in parsed.tool_calls]
+        if parts.tool_calls:
+            message["tool_calls"] = [call.body(tool_call_id()) for call in parts.tool_calls]
             finish_reason = "tool_calls"
         choice = {
             "index": sample.index,
@@ -223,10 +235,10 @@ class OpenAIServingChat(ServingBase):
         return {"content": chat_logprobs(token_ids, sample.logprobs[start:], top_n, as_ids)}
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, stream, parser: HermesToolParser | None
+        self, req: ChatCompletionRequest, request_id: str, stream, splitter: Callable[[], ChatOutputSplitter]
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
-        deltas: dict[int, TextDeltas] = {}
+        deltas: dict[int, ChatOutputSplitter] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
         prompt_tokens = 0
@@ -245,23 +257,20 @@ class OpenAIServingChat(ServingBase):
                         continue
                     first = i not in deltas
                     if first:
-                        deltas[i] = TextDeltas(stop_strings(req.stop))
+                        deltas[i] = splitter()
                         sent_tokens[i] = 0
-                    parsed, content_end = None, None
-                    if parser is not None and sample.finished:
-                        parsed = parser.parse(sample.text)
-                        content_end = len(parsed.content or "") if parsed.tool_calls else None
-                    elif parser is not None:
-                        content_end = parser.content_end(sample.text)
-                    text = deltas[i].delta(sample.text, sample.finished, content_end)
+                    reasoning, text, calls = deltas[i].step(sample.text, sample.finished)
                     new_ids = sample.token_ids[sent_tokens[i] :]
-                    if not (text or new_ids or sample.finished or first):
+                    if not (text or reasoning or new_ids or sample.finished or first):
                         continue
                     delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+                    if reasoning:
+                        delta["reasoning_content"] = reasoning
                     finish_reason = sample.finish_reason
-                    if parsed is not None and parsed.tool_calls:
-                        calls = enumerate(parsed.tool_calls)
-                        delta["tool_calls"] = [{"index": k, **call.body(tool_call_id())} for k, call in calls]
+                    if calls:
+                        delta["tool_calls"] = [
+                            {"index": k, **c.body(tool_call_id())} for k, c in enumerate(calls)
+                        ]
                         finish_reason = "tool_calls"
                     choice: dict = {
                         "index": i,

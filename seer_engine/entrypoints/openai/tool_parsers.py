@@ -61,12 +61,15 @@ class HermesToolParser:
         """How much of a still-growing text is content for sure: up to the first call, and
         short of a tail that may still become the start of one."""
         at = text.find(self.start)
-        if at >= 0:
-            return at
-        for keep in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return at if at >= 0 else len(text) - partial_tag_len(text, self.start)
+
+
+def partial_tag_len(text: str, tag: str) -> int:
+    """How many of the text's last characters may be the start of ``tag`` still being written."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
 
 
 def _call(raw: str) -> ToolCall | None:

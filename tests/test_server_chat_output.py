@@ -1,6 +1,6 @@
-"""Tool calling in chat (vLLM's ``--enable-auto-tool-choice --tool-call-parser hermes``):
-tools reach the chat template, tool calls are read back from the response's text,
-streamed and whole alike, and tool_choice follows vLLM's rules.
+"""A chat response's parts: reasoning (vLLM's ``--reasoning-parser qwen3``) and tool
+calls (``--enable-auto-tool-choice --tool-call-parser hermes``) read back from its text,
+streamed and whole alike; tools reach the chat template; tool_choice follows vLLM's rules.
 
 The end-to-end tests serve a tiny model whose greedy output is scripted: its layers add
 nothing to the residual stream, so each next token depends on the current one alone,
@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from seer_engine.entrypoints.openai.chat_output import ChatOutputSplitter, ThinkReasoningParser
 from seer_engine.entrypoints.openai.tool_parsers import HermesToolParser
 
 pytest_plugins = ["server_harness"]
 
 CALL = '{"name":"get_weather","arguments":{"city":"Paris","days":2}}'
-SCRIPT = ["Let me check.", "<tool_call>", CALL, "</tool_call>"]
+THOUGHT = "Paris is in France."
+SCRIPT = ["<think>", THOUGHT, "</think>", "Let me check.", "<tool_call>", CALL, "</tool_call>"]
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
     "({{ t.function.parameters | tojson }}){% endfor %}<|im_end|>\n{% endif %}"
@@ -78,7 +80,8 @@ def tool_server(tiny_model, tmp_path_factory):
     args = ["--model", str(path), "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
             "--data-dir", str(root / "data"), "--max-model-len", "256", "--num-kv-blocks", "128",
             "--num-threads", "1", "--log-level", "warning",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--reasoning-parser", "qwen3"]  # fmt: skip
     proc = ServerProcess(args, root / "server.log").start(timeout=240)
     yield proc
     proc.stop()
@@ -91,26 +94,59 @@ def test_tool_calls_are_read_back_whole_and_streamed(tool_server):
         for choice in whole.choices:
             message = choice.message
             assert choice.finish_reason == "tool_calls" and message.content == "Let me check."
+            assert message.reasoning_content == THOUGHT
             (call,) = message.tool_calls
             assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
             assert call.function.name == "get_weather"
             assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
 
-        content, calls, finish = "", [], None
+        content, reasoning, calls, finish = "", "", [], None
         for chunk in client.chat.completions.create(**kwargs, stream=True):
             for choice in chunk.choices:
                 assert "<tool" not in (choice.delta.content or ""), "a call is never streamed as content"
+                assert "think>" not in (choice.delta.content or "") + (
+                    getattr(choice.delta, "reasoning_content", "") or ""
+                )
                 content += choice.delta.content or ""
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
                 calls += choice.delta.tool_calls or []
                 finish = choice.finish_reason or finish
-        assert content == "Let me check." and finish == "tool_calls"
+        assert (reasoning, content, finish) == (THOUGHT, "Let me check.", "tool_calls")
         assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
             (0, "get_weather", {"city": "Paris", "days": 2})
         ]
 
         plain = client.chat.completions.create(**kwargs, tool_choice="none")
-        assert plain.choices[0].message.content == "".join(SCRIPT) and not plain.choices[0].message.tool_calls
+        assert (
+            plain.choices[0].message.content == "".join(SCRIPT[3:])
+            and not plain.choices[0].message.tool_calls
+        )
+        assert plain.choices[0].message.reasoning_content == THOUGHT
         assert plain.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "prompt_ends, reasoning, content",
+    [
+        ("<think>", THOUGHT, "".join(SCRIPT[3:])),  # the template opened the block (Qwen3-2507, R1)
+        ("</think>", None, "".join(SCRIPT[3:])),  # thinking off: the block closed in the prompt
+    ],
+)
+def test_reasoning_is_split_where_the_prompt_left_the_block(tool_server, prompt_ends, reasoning, content):
+    """A response is reasoning up to </think> when its prompt left a <think> block open,
+    and all content when the prompt closed it; streamed as whole."""
+    template = TEMPLATE.replace("assistant\n{% endif %}", "assistant\n" + prompt_ends + "{% endif %}")
+    with tool_server.openai() as client:
+        kwargs = dict(model=tool_server.model, messages=HI, temperature=0, max_tokens=12,
+                      extra_body={"chat_template": template})  # fmt: skip
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert (getattr(message, "reasoning_content", None), message.content) == (reasoning, content)
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                for key in streamed:
+                    streamed[key] += getattr(choice.delta, key, None) or ""
+        assert streamed == {"reasoning_content": reasoning or "", "content": content}
 
 
 def test_tools_and_earlier_tool_calls_reach_the_template(tool_server):
@@ -188,3 +224,43 @@ def test_streamed_content_never_takes_back_text_and_stops_at_a_call():
     assert all(e <= len("Hi <tool ") for e in ends) and ends[-1] == len("Hi <tool ")
     assert parser.content_end("Hi <tool_ca") == len("Hi ")
     assert parser.parse(text).content == text[: ends[-1]]
+
+
+@pytest.mark.parametrize(
+    "prompt, text",
+    [
+        ("user: hi\nassistant:", f"<think>{THOUGHT}</think>\n\nSure.<tool_call>{CALL}</tool_call>"),
+        ("assistant: <think>\n", f"{THOUGHT}</think>Sure."),
+        ("assistant: <think>\n", "cut off while still thi"),
+        ("assistant: <think></think>", "<thinking is not a tag> and </think> is text here"),
+        ("assistant:", "<thin"),
+        ("assistant:", f"Plain <tool_call>{CALL}"),
+        ("assistant:", "<think>a</think>b<tool_call>{broken</tool_call>"),
+    ],
+)
+@pytest.mark.parametrize("reasoning", [False, True])
+@pytest.mark.parametrize("tools", [False, True])
+def test_streamed_parts_add_up_to_the_whole_responses(prompt, text, reasoning, tools):
+    """Fed a response token by token (here: character by character), the splitter's
+    deltas never show what the whole response would not, and add up to it."""
+
+    def splitter() -> ChatOutputSplitter:
+        return ChatOutputSplitter(
+            [], prompt, ThinkReasoningParser() if reasoning else None, HermesToolParser() if tools else None
+        )
+
+    whole = splitter().parts(text)
+    stream, got_reasoning, got_content, got_calls = splitter(), "", "", []
+    for n in range(len(text) + 1):
+        r, c, calls = stream.step(text[:n], n == len(text))
+        got_reasoning, got_content, got_calls = got_reasoning + r, got_content + c, got_calls + calls
+        assert (whole.reasoning or "").startswith(got_reasoning) and (whole.content or "").startswith(
+            got_content
+        )
+    assert (got_reasoning, got_content, got_calls) == (
+        whole.reasoning or "",
+        whole.content or "",
+        whole.tool_calls,
+    )
+    if not reasoning and not whole.tool_calls:
+        assert whole.content == text and whole.reasoning is None
