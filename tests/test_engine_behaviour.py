@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from seer_engine import LLM, InvalidRequestError, SamplingParams
@@ -329,6 +331,35 @@ def test_streaming_reports_progress_every_step(llm):
     assert [o.finished for o in seen] == [False] * 6 + [True]
     assert seen[-1].outputs[1].finish_reason == "length" and seen[0].outputs[0].finish_reason is None
     assert seen[-1].outputs[0].text.startswith(seen[2].outputs[0].text)
+
+
+def test_streaming_with_logprobs_converts_each_entry_once(llm, monkeypatch):
+    """A streaming request reports every sample's logprobs so far at every step; the
+    engine thread converts only the new entries, not the whole output again (which made
+    a long stream with logprobs cost quadratic time on the thread every request shares),
+    and the stream ends with the logprobs of the same request run without streaming,
+    a stop string's cut included."""
+    engine = llm.engine
+    converted = []
+    to_output = engine.outputs.detokenizer.logprobs_to_output
+    monkeypatch.setattr(
+        engine.outputs.detokenizer,
+        "logprobs_to_output",
+        lambda entries: converted.append(len(entries or [])) or to_output(entries),
+    )
+    prompt, tokens = list(range(40, 50)), 48
+    base = SamplingParams(n=2, max_tokens=tokens, temperature=1.0, seed=3, ignore_eos=True, logprobs=2)
+    stop = llm.generate([prompt], base)[0].outputs[1].text[-12:-6]  # sample 1 (at least) ends early
+    for params in (base, dataclasses.replace(base, stop=[stop])):
+        plain = llm.generate([prompt], params)[0]
+        converted.clear()
+        engine.add_request("streamed-logprobs", prompt, params, stream=True)
+        last = _run_to_end(engine)[-1]
+        assert sum(converted) <= 2 * tokens, "each entry converted once"
+        for streamed, expected in zip(last.outputs, plain.outputs, strict=True):
+            assert streamed.token_ids == expected.token_ids and streamed.text == expected.text
+            assert streamed.logprobs == expected.logprobs
+            assert len(streamed.logprobs) == len(streamed.token_ids)
 
 
 def test_truncation_samplers_collapse_to_greedy_at_their_limits(llm):

@@ -97,11 +97,23 @@ def test_master_lifecycle_and_a_taken_port(monkeypatch):
 
 
 _MASTER_SCRIPT = """
-import os, signal, sys
+import os, signal, subprocess, sys, threading
 from seer_engine.kv_connector.mooncake import MooncakeMaster
-m = MooncakeMaster(segment_bytes=16 << 20)
+if sys.argv[1] == "thread":  # as the server does: its engine thread starts the pool
+    started = []
+    thread = threading.Thread(target=lambda: started.append(MooncakeMaster(segment_bytes=16 << 20)))
+    thread.start()
+    thread.join()
+    m = started[0]
+    try:  # the thread that asked for the master has ended: the master must not end with it
+        m._master.wait(1.0)
+        raise RuntimeError("the master ended with the thread that started it")
+    except subprocess.TimeoutExpired:
+        pass
+else:
+    m = MooncakeMaster(segment_bytes=16 << 20)
 print(m.pid, m.holder_pid, m.log_path.parent, flush=True)
-if sys.argv[1] == "kill":
+if sys.argv[1] != "crash":
     os.kill(os.getpid(), signal.SIGKILL)
 raise RuntimeError("crash without stopping the master")
 """
@@ -116,7 +128,9 @@ def _gone(pid: int) -> bool:
 
 
 def test_master_dies_with_its_owner():
-    """A crash runs the exit hooks; a SIGKILL leaves the parent-death signal to stop both."""
+    """A crash runs the exit hooks; a SIGKILL leaves the parent-death signal to stop both,
+    also when a thread other than the main one started them (``thread``: the server starts
+    its pool on the engine thread)."""
     runs = {
         how: subprocess.Popen(
             [sys.executable, "-c", _MASTER_SCRIPT, how],
@@ -124,15 +138,15 @@ def test_master_dies_with_its_owner():
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        for how in ("crash", "kill")
+        for how in ("crash", "kill", "thread")
     }
     for how, proc in runs.items():
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == (-signal.SIGKILL if how == "kill" else 1), err.decode()[-2000:]
+        assert proc.returncode == (1 if how == "crash" else -signal.SIGKILL), err.decode()[-2000:]
         words = out.split()
         assert len(words) == 3, err.decode()[-2000:]
         pids, log_dir = [int(p) for p in words[:2]], Path(words[2].decode())
-        if how == "kill":  # nothing ran in the owner: its log folder stays behind
+        if how != "crash":  # nothing ran in the owner: its log folder stays behind
             shutil.rmtree(log_dir)
         assert not log_dir.exists()
         deadline = time.monotonic() + 10

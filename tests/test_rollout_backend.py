@@ -113,6 +113,38 @@ def test_same_outputs_as_the_plain_engine(model, backend):
     rollout.close()
 
 
+def test_a_streamed_request_gets_each_logprob_once_from_its_instance(model, monkeypatch):
+    """Streaming progress from an instance carries only the logprob entries it has not
+    sent (the whole chunk's at every step made a long stream with logprobs quadratic on
+    the thread that serves every request); the response shows all of them at every step,
+    across chunk boundaries, and ends with the plain engine's."""
+    from seer_engine.rollout.instances.worker import InstanceWorker
+
+    sent = []
+    step = InstanceWorker.step
+
+    def counted(self, *args):
+        reply = step(self, *args)
+        sent.extend(len(o.outputs[0].logprobs or []) for o in reply.outputs if not o.finished)
+        return reply
+
+    monkeypatch.setattr(InstanceWorker, "step", counted)
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3, n=2, logprobs=2, ignore_eos=True)
+    plain = LLMEngine(_config(model))
+    plain.add_request("s", [11, 12], params)
+    rollout = _backend(model, chunk=12)
+    rollout.add_request("s", [11, 12], params, stream=True)
+    last = None
+    while rollout.has_unfinished_requests():
+        for last in rollout.step():
+            assert all(len(c.logprobs) == len(c.token_ids) for c in last.outputs)
+    assert sum(sent) <= 2 * 40, "each entry sent once"
+    for a, b in zip(_drain(plain)["s"].outputs, last.outputs, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    _assert_idle(rollout)
+    rollout.close()
+
+
 def test_context_policy_runs_one_probe_per_group_first(model):
     engine = _backend(model, instances=1, chunk=4, max_num_seqs=2)
     p = SamplingParams(max_tokens=12, ignore_eos=True)

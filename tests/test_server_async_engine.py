@@ -11,6 +11,9 @@ from seer_engine.engine.async_engine import AsyncEngine
 from seer_engine.engine.client import EngineClient, EngineDeadError
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.engine.streams import RequestStream, Sink
+from seer_engine.entrypoints.openai.serving_base import merge_outputs
+from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -129,3 +132,37 @@ def test_engine_primitives_sleep_and_weights(tiny_model):
     assert run("c") != before
     engine.update_weights(tiny_model())
     assert run("d") == before
+
+
+def _progress(rid: str, n: int, finished: bool = False) -> RequestOutput:
+    sample = CompletionOutput(0, "x" * n, list(range(n)), None, None, "length" if finished else None)
+    return RequestOutput(rid, None, [1], [sample], finished)
+
+
+def test_a_reader_that_falls_behind_holds_one_progress_output_per_request():
+    """A streaming client that stops reading: each step's output of its requests (every
+    sample's output so far) replaces the one it has not read, instead of queueing behind
+    it (memory quadratic in the output length, for a client that reads nothing); one of
+    several prompts' requests too, whose merged stream waits for the client. It then
+    reads the latest output and the final one."""
+
+    async def run() -> tuple[list[int], list[tuple[int, int, bool]]]:
+        loop = asyncio.get_running_loop()
+        sinks = [Sink(loop), Sink(loop)]
+        streams = [RequestStream(f"r{i}", sink, lambda _: None) for i, sink in enumerate(sinks)]
+        merged = merge_outputs(streams)
+        sinks[0].queue.put_nowait(_progress("r0", 1))
+        first = await anext(merged)  # the client reads one output, then falls behind
+        for n in range(2, 300):
+            for i, sink in enumerate(sinks):
+                sink.queue.put_nowait(_progress(f"r{i}", n))
+        waiting = [sink.queue.qsize() for sink in sinks]
+        for i, sink in enumerate(sinks):
+            sink.queue.put_nowait(_progress(f"r{i}", 300, finished=True))
+        read = [first] + [item async for item in merged]
+        return waiting, [(i, len(out.outputs[0].token_ids), out.finished) for i, out in read]
+
+    waiting, read = asyncio.run(run())
+    assert all(w <= 1 for w in waiting), waiting
+    assert len(read) <= 8, f"{len(read)} outputs read"
+    assert sorted(r for r in read if r[2]) == [(0, 300, True), (1, 300, True)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.engine.detokenizer import Detokenizer, new_stop_match
-from seer_engine.outputs import CompletionOutput, RequestOutput
+from seer_engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from seer_engine.sampling_params import SamplingParams
 
 
@@ -54,6 +54,9 @@ class OutputProcessor:
         self.on_finished = on_finished
         self.requests: dict[str, UserRequest] = {}
         self._of_child: dict[str, UserRequest] = {}
+        # Streaming samples' logprobs converted so far (the engine's entries beside the
+        # output ones): each step converts only the new entries, not the whole output again.
+        self._shown_logprobs: dict[str, tuple[list, SampleLogprobs]] = {}
 
     def add(self, request: UserRequest) -> None:
         self.requests[request.request_id] = request
@@ -80,6 +83,7 @@ class OutputProcessor:
             if req.is_finished:
                 parent.outputs[req.sample_index] = self.completion(req)
                 del self._of_child[req.request_id]
+                self._shown_logprobs.pop(req.request_id, None)
         outputs = []
         for parent in touched.values():
             if not (parent.finished or parent.stream):
@@ -119,7 +123,26 @@ class OutputProcessor:
             text=text,
             token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            logprobs=self.detokenizer.logprobs_to_output(req.logprobs),
+            logprobs=self._logprobs(req),
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
         )
+
+    def _logprobs(self, req: Request) -> SampleLogprobs | None:
+        """The sample's logprobs as output, converting only entries not converted at an
+        earlier step of a streaming request (entries are only appended, or cut from the
+        end by a stop string); a fresh list each time, as outputs cross threads."""
+        if req.logprobs is None:
+            return None
+        parent = self._of_child.get(req.request_id)
+        if parent is None or not parent.stream:  # converted once, when the sample finishes
+            return self.detokenizer.logprobs_to_output(req.logprobs)
+        sources, shown = self._shown_logprobs.setdefault(req.request_id, ([], []))
+        keep = min(len(sources), len(req.logprobs))
+        if keep and sources[keep - 1] is not req.logprobs[keep - 1]:
+            keep = 0  # not the entries converted before: convert them all again
+        del sources[keep:], shown[keep:]
+        new = req.logprobs[keep:]
+        sources.extend(new)
+        shown.extend(self.detokenizer.logprobs_to_output(new) or [])
+        return list(shown)

@@ -18,12 +18,26 @@ from typing import Any
 from seer_engine.outputs import RequestOutput
 
 
+class Outputs(asyncio.Queue):
+    """A request's outputs not read yet. A streaming request's progress output holds every
+    sample's output so far, so one still unread is replaced by the next: a client that
+    reads slowly (or not at all) leaves one output waiting, not one per step (each as long
+    as the output so far: memory quadratic in the output length)."""
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        last = self._queue[-1] if self._queue else None  # type: ignore[attr-defined]
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self._queue[-1] = item  # type: ignore[attr-defined]
+        else:
+            self._queue.append(item)  # type: ignore[attr-defined]
+
+
 class Sink:
     """Where one request's outputs go: an asyncio queue on the caller's loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = Outputs()
 
 
 def deliver(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:

@@ -218,7 +218,7 @@ class Dispatcher:
                 result = out.outputs[0]
                 sample.output_token_ids = list(result.token_ids)
                 sample.text = result.text
-                sample.chunk_logprobs = result.logprobs or []
+                sample.chunk_logprobs.extend(result.logprobs or [])  # the new entries (worker.py)
             if sample.finished or sample.stream:
                 updated.append(sample)
         return updated

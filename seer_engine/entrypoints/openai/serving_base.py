@@ -404,21 +404,23 @@ async def merge_outputs(
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they come: (prompt index, output).
 
-    Closing the merged iterator cancels the readers, which aborts the requests.
+    Closing the merged iterator cancels the readers, which aborts the requests. The
+    readers wait while the consumer is behind, so outputs not read yet stay in the
+    requests' own queues, where a newer progress output replaces an older one.
     """
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    q: asyncio.Queue = asyncio.Queue()
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def read(i: int, it: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in it:
-                q.put_nowait((i, out))
+                await q.put((i, out))
         except Exception as e:  # noqa: BLE001 - re-raised by the consumer
-            q.put_nowait((i, e))
-        q.put_nowait((i, None))
+            await q.put((i, e))
+        await q.put((i, None))
 
     tasks = [asyncio.create_task(read(i, it)) for i, it in enumerate(streams)]
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -28,10 +29,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 from seer_engine.kv_connector.base import KVPoolError
 from seer_engine.kv_connector.mooncake.common import MIN_SEGMENT_BYTES, answers, free_port
+
+T = TypeVar("T")
 
 
 def find_binary(name: str) -> str | None:
@@ -62,6 +67,51 @@ def _parent_death_hook() -> Callable[[], None] | None:
             os._exit(1)
 
     return hook
+
+
+def _popen(argv: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own session: a terminal's Ctrl-C reaches this process, which stops the
+            # master in order, not the master directly.
+            start_new_session=True,
+            preexec_fn=_parent_death_hook(),
+        )
+
+
+class _Forker:
+    """A daemon thread, started on first use, that runs calls for other threads and never
+    exits before the process does: children it forks get their parent-death signal when
+    the process dies, not when the thread that asked for them ends."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="seer-mooncake-forker", daemon=True)
+                self._thread.start()
+        done: Future = Future()
+        self._jobs.put((fn, done))
+        return done.result()
+
+    def _run(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                done.set_exception(e)
+
+
+_FORKER = _Forker()
 
 
 def _stop_processes(procs: list[subprocess.Popen], log_dir: str | None, grace: float = 5.0) -> None:
@@ -121,8 +171,8 @@ class MooncakeMaster:
     ``mooncake_client`` process mounts that much memory for the pool, so values outlive the
     processes that put them. Logs go to files (``log_path``, ``segment_log_path``), never to a
     pipe that could fill up. ``stop()`` (or leaving the ``with`` block, garbage collection,
-    interpreter exit) ends both processes; started from the main thread, they also receive
-    SIGTERM if this process dies without running its exit hooks.
+    interpreter exit) ends both processes; they also receive SIGTERM if this process dies
+    without running its exit hooks (SIGKILL), whichever thread started them.
     """
 
     def __init__(
@@ -159,20 +209,11 @@ class MooncakeMaster:
     # -- processes -------------------------------------------------------------------
 
     def _spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
-        # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so only the main thread
-        # (which lives as long as the process) asks for it.
-        main = threading.current_thread() is threading.main_thread()
-        with open(log_path, "ab") as log:  # the child keeps its own descriptor
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Its own session: a terminal's Ctrl-C reaches this process, which stops the
-                # master in order, not the master directly.
-                start_new_session=True,
-                preexec_fn=_parent_death_hook() if main else None,
-            )
+        # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so the fork happens on
+        # a thread that lives as long as the process, whichever thread asks (the server
+        # starts the pool on its engine thread, which used to leave the master without the
+        # signal: a SIGKILLed server left it running).
+        return _FORKER.call(lambda: _popen(argv, log_path))
 
     def _wait_ready(
         self, proc: subprocess.Popen, what: str, ports: list[int], log: Path, timeout: float

@@ -36,6 +36,10 @@ class InstanceWorker:
         # Chunks the last step ended: an abort sent before the buffer read that step's
         # reply (instances in other processes) still gets their tokens.
         self._just_finished: dict[str, RequestOutput] = {}
+        # Logprob entries sent so far of each streaming chunk: a progress output carries
+        # only the new ones, which the buffer appends (the whole list at every step made
+        # a long stream quadratic in pickling, and on the thread that serves everyone).
+        self._logprobs_sent: dict[str, int] = {}
 
     @property
     def info(self) -> InstanceInfo:
@@ -77,6 +81,7 @@ class InstanceWorker:
         final output), and the engine's stats after the abort."""
         for rid in request_ids:
             self._save.pop(rid, None)
+            self._logprobs_sent.pop(rid, None)
         outputs = self.engine.abort_request(request_ids)
         aborted = {out.request_id for out in outputs}
         ended = [self._just_finished[r] for r in request_ids if r not in aborted and r in self._just_finished]
@@ -91,6 +96,7 @@ class InstanceWorker:
         start = time.perf_counter()
         outputs = self.engine.step()
         self._just_finished = {out.request_id: out for out in outputs if out.finished}
+        self._only_new_logprobs(outputs)
         for out in outputs:
             chunk = self._save.pop(out.request_id, None) if out.finished else None
             if chunk is not None and out.outputs[0].finish_reason == "length":
@@ -110,6 +116,18 @@ class InstanceWorker:
             draft_updates=self.replica.take_updates() if self.replica is not None else [],
             progress=self._progress(),
         )
+
+    def _only_new_logprobs(self, outputs: list[RequestOutput]) -> None:
+        """Cut each streaming chunk's progress output to the logprob entries not sent
+        before; a chunk's final output keeps them all (the buffer takes it whole)."""
+        for out in outputs:
+            result = out.outputs[0]
+            if out.finished or result.logprobs is None:
+                self._logprobs_sent.pop(out.request_id, None)
+                continue
+            sent = self._logprobs_sent.get(out.request_id, 0)
+            self._logprobs_sent[out.request_id] = len(result.logprobs)
+            result.logprobs = result.logprobs[sent:]
 
     def _progress(self) -> dict[str, int]:
         """Output tokens of every request the engine holds (admission rules read them)."""
