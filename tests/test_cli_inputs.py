@@ -96,3 +96,26 @@ def test_a_kv_cache_too_large_to_allocate_names_the_flags(tiny_model, capsys, mo
     err = _error(args, capsys)
     assert "cannot allocate the KV cache of 1000000000 blocks of 16 tokens" in err
     assert "--num-kv-blocks" in err and "can't allocate memory" in err
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"prompt": null}', "prompt must be text or a list of token ids, got None"),
+        ('{"prompt": 5}', "prompt must be text or a list of token ids, got 5"),
+        ('{"prompt": "x", "stop": 5}', "stop must be a list of non-empty strings, got 5"),
+        ('{"prompt": "x", "stop": {"a": 1}}', "stop must be a list of non-empty strings, got {'a': 1}"),
+        ('{"prompt": "x", "stop_token_ids": 5}', "stop_token_ids must be non-negative integers, got 5"),
+        ('{"prompt": "x", "ignore_eos": "false"}', "ignore_eos must be a boolean, got 'false'"),
+        ('{"prompt": "x", "skip_special_tokens": 0}', "unknown fields ['skip_special_tokens']"),
+    ],
+)
+def test_a_rollout_input_line_of_the_wrong_type_is_named(line, message, tiny_model, tmp_path, capsys):
+    """A prompt or field of the wrong JSON type was a TypeError traceback (``list(None)``,
+    ``list(5)``), a mapping's keys taken as stop strings, or a truthy string as a flag."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(line + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out), "--n", "1"]
+    assert f"{src}:1: {message}" in _error([*args, "--max-tokens", "2"], capsys)
+    assert not out.exists()

@@ -157,6 +157,11 @@ class InputProcessor:
                     param="prompt",
                 )
             return prompt, ids
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompt must be text or a list of token ids, got {prompt!r:.40}",
+                param="prompt",
+            )
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
