@@ -239,3 +239,11 @@ def test_the_mean_tail_reduction_skips_iterations_whose_baseline_has_no_tail():
     runs = [{"baseline": run(0.0), "seer": run(1.0)}, {"baseline": run(4.0), "seer": run(2.0)}]
     assert _summary(runs)["seer"]["tail_reduction_vs_baseline"] == 0.5
     assert _summary(runs[:1])["seer"]["tail_reduction_vs_baseline"] is None
+
+
+def test_a_step_model_that_takes_no_time_is_named(tmp_path, capsys):
+    """Every step at 0 s made a 0 s makespan: a ZeroDivisionError traceback in the summary."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**PROFILE, "step": {"a_s": 0, "b_s_per_token": 0, "c_s_per_kv_token": 0}}))
+    err = _error([*SMALL, "--policy", "baseline,seer", "--profile", str(path)], capsys)
+    assert f"instance profile {str(path)!r} is not valid: step-time model: every step would take 0 s" in err
