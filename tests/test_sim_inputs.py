@@ -115,6 +115,11 @@ def _write_trace(path: Path, lines: list) -> Path:
         ([{"group_id": "a", "responses": ["x y"], "response_tokens": 2}], "'response_tokens' must be a list"),
         ([{"group_id": "a", "responses": ["x", "y"], "response_tokens": ["1", 1]}], "'response_tokens' must"),
         ([{"group_id": "a", "responses": ["x", "y"], "response_tokens": [-3, 1]}], "'response_tokens' must"),
+        # two groups of one id: simulate stopped on "response ta/0 is already in the rollout"
+        (
+            [{"group_id": "a", "responses": ["x", "y"]}, {"group_id": "a", "responses": ["z w", "v"]}],
+            "bad.jsonl.gz:2: group_id 'a' repeats line 1",
+        ),
     ],
 )
 def test_simulate_names_a_bad_trace(tmp_path, capsys, lines, message):
