@@ -119,3 +119,37 @@ def test_a_rollout_input_line_of_the_wrong_type_is_named(line, message, tiny_mod
     args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out), "--n", "1"]
     assert f"{src}:1: {message}" in _error([*args, "--max-tokens", "2"], capsys)
     assert not out.exists()
+
+
+def test_sigterm_mid_rollout_closes_the_instance_processes(tiny_model, tmp_path, monkeypatch):
+    """SIGTERM ended the process on the spot: its instance processes died on broken pipes
+    with tracebacks and its shared memory was left to the resource tracker. It now
+    unwinds as Ctrl-C does (exit 143), and the caller's handler is put back."""
+    import multiprocessing
+    import os
+    import signal
+
+    from seer_engine.rollout.dispatcher import Dispatcher
+
+    def terminated_mid_run(self, groups):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the rollout")
+
+    monkeypatch.setattr(Dispatcher, "run", terminated_mid_run)
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        src = tmp_path / "in.jsonl"
+        src.write_text('{"prompt": "hi"}\n')
+        out = tmp_path / "o.jsonl"
+        args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+                "--n", "2", "--max-tokens", "2", "--instances", "2", "--distributed-backend", "mp",
+                "--kv-connector", "none", "--num-threads", "1"]  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 143 and not received
+        assert multiprocessing.active_children() == []
+        restored = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert callable(restored) and restored.__name__ == "<lambda>"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -139,12 +140,22 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM's default action ends the process on the spot: a rollout's instance processes
+    # then die on a broken pipe with tracebacks and its shared memory is left to the
+    # resource tracker. As SystemExit it unwinds as Ctrl-C does, closing them first.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         return int(args.func(args) or 0)
     except (InvalidRequestError, ModelLoadError, ValueError, KVPoolError, RolloutStalled) as e:
         parser.exit(2, f"seer_engine {args.command}: error: {e}\n")
     except KeyboardInterrupt:
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
