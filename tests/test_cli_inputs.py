@@ -153,3 +153,18 @@ def test_sigterm_mid_rollout_closes_the_instance_processes(tiny_model, tmp_path,
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert callable(restored) and restored.__name__ == "<lambda>"
+
+
+def test_generate_prints_the_logprobs_it_is_asked_for(tiny_model, capsys):
+    """``--logprobs N`` was computed and dropped: the lines held no logprobs."""
+    import json
+
+    base = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--max-tokens", "3", "--n", "2"]
+    assert main([*base, "--logprobs", "1"]) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    for sample in line["outputs"]:
+        assert len(sample["logprobs"]) == len(sample["token_ids"]) == 3
+        for token, step in zip(sample["token_ids"], sample["logprobs"]):
+            assert str(token) in step and 1 <= len(step) <= 2 and all(lp <= 0 for lp in step.values())
+    assert main(base) == 0
+    assert all("logprobs" not in s for s in json.loads(capsys.readouterr().out.splitlines()[0])["outputs"])

@@ -79,10 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "prompt": out.prompt,
-                    "outputs": [
-                        {"text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
-                        for s in out.outputs
-                    ],
+                    "outputs": [_sample_json(s, args.logprobs is not None) for s in out.outputs],
                 }
             )
         )
@@ -92,6 +89,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _sample_json(sample, with_logprobs: bool) -> dict:
+    """One sample of a ``generate`` line; with ``--logprobs``, per token: token id -> logprob
+    (the sampled token's and the top-N), as ``rollout`` writes them."""
+    line = {"text": sample.text, "token_ids": sample.token_ids, "finish_reason": sample.finish_reason}
+    if with_logprobs:
+        line["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in sample.logprobs or []]
+    return line
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
