@@ -4,6 +4,8 @@ never a traceback or a run on something other than what was asked."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from seer_engine.engine.config import EngineConfig
@@ -157,8 +159,6 @@ def test_sigterm_mid_rollout_closes_the_instance_processes(tiny_model, tmp_path,
 
 def test_generate_prints_the_logprobs_it_is_asked_for(tiny_model, capsys):
     """``--logprobs N`` was computed and dropped: the lines held no logprobs."""
-    import json
-
     base = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--max-tokens", "3", "--n", "2"]
     assert main([*base, "--logprobs", "1"]) == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
@@ -168,3 +168,16 @@ def test_generate_prints_the_logprobs_it_is_asked_for(tiny_model, capsys):
             assert str(token) in step and 1 <= len(step) <= 2 and all(lp <= 0 for lp in step.values())
     assert main(base) == 0
     assert all("logprobs" not in s for s in json.loads(capsys.readouterr().out.splitlines()[0])["outputs"])
+
+
+def test_a_rollout_input_file_is_read_as_utf8_naming_the_line_that_is_not(tiny_model, tmp_path, capsys):
+    """A byte that is not UTF-8 was a bare "'utf-8' codec can't decode byte 0xff" naming
+    neither file nor line; a BOM (Windows editors) made line 1 "not valid JSON"."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+            "--n", "1", "--max-tokens", "2"]  # fmt: skip
+    src.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xff"}\n')
+    assert f"{src}:2: not UTF-8 text (invalid start byte at byte 13)" in _error(args, capsys)
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
+    assert main(args) == 0
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["a", "b"]

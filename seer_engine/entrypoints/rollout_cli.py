@@ -110,8 +110,13 @@ def summarize(prompts: list[TaskPrompt], result: RolloutResult, grades: list[lis
 
 def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -> list[Group]:
     groups = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # a BOM (as Windows editors write one) is not part of the first line's JSON
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                why = f"{e.reason} at byte {e.start}"
+                raise InvalidRequestError(f"{path}:{lineno}: not UTF-8 text ({why})") from e
             if not line.strip():
                 continue
             try:
