@@ -181,3 +181,12 @@ def test_a_rollout_input_file_is_read_as_utf8_naming_the_line_that_is_not(tiny_m
     src.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
     assert main(args) == 0
     assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["a", "b"]
+
+
+def test_a_bom_is_not_part_of_the_first_prompt(tiny_model, tmp_path, capsys):
+    """A prompts file saved with a BOM (Windows editors) sent '\\ufeffhello' as the first prompt."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\xef\xbb\xbfhello\r\nworld\r\n")
+    args = ["generate", "--model", str(tiny_model()), "--prompts-file", str(prompts), "--max-tokens", "1"]
+    assert main(args) == 0
+    assert [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()] == ["hello", "world"]

@@ -56,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
-            with open(args.prompts_file) as f:
+            with open(args.prompts_file, encoding="utf-8-sig") as f:  # a BOM is no part of a prompt
                 from_file = [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else e
