@@ -190,3 +190,21 @@ def test_a_bom_is_not_part_of_the_first_prompt(tiny_model, tmp_path, capsys):
     args = ["generate", "--model", str(tiny_model()), "--prompts-file", str(prompts), "--max-tokens", "1"]
     assert main(args) == 0
     assert [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()] == ["hello", "world"]
+
+
+@pytest.mark.parametrize("source", [["--input", "in.jsonl"], ["--task", "arith"]])
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        (["--temperature", "-1"], "--temperature: temperature must be a finite number >= 0, got -1.0"),
+        (["--max-tokens", "0"], "--max-tokens: max_tokens must be an integer >= 1, got 0"),
+    ],
+)
+def test_rollout_sampling_flags_are_checked_before_the_model_loads(source, flag, message, tmp_path, capsys):
+    """They were checked once the model had loaded, and blamed on the input's first line
+    ("in.jsonl:1: temperature must be ...")."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    if source[0] == "--input":
+        source = ["--input", str(tmp_path / "in.jsonl")]
+    args = ["rollout", "--model", "/nonexistent-model", *source, "--output", str(tmp_path / "o.jsonl"), *flag]
+    assert message in _error(args, capsys)

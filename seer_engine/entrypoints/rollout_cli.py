@@ -159,11 +159,15 @@ def run_rollout(args: argparse.Namespace) -> int:
     if out_path.is_dir() or not out_path.parent.is_dir():
         raise ValueError(f"cannot write --output {args.output!r}: not a file in an existing directory")
     writable_dir(out_path.parent, f"--output {args.output!r}: its folder")
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    try:  # the flags' fault, named before the model loads, not blamed on the input's first line
+        SamplingParams(**defaults)
+    except InvalidRequestError as e:
+        raise ValueError(f"--{(e.param or '').replace('_', '-')}: {e}") from None
     rollout_config = RolloutConfig.from_cli_args(args)
     history = rollout_config.open_history()
     policy = rollout_config.make_policy(history)
     with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy, history=history) as pool:
-        defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
         processor = pool.make_input_processor()
         bind_history(history, rollout_config.history_spec(), processor)
         if task is not None:
