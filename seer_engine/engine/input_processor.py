@@ -59,6 +59,12 @@ class InputProcessor:
     num_kv_blocks: int  # of one instance: a request must fit one instance's cache
     block_size: int
 
+    def __post_init__(self) -> None:  # as EngineConfig names them: a front end may build this first
+        for name in ("num_kv_blocks", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
     def process(
         self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
     ) -> CheckedRequest:
