@@ -252,3 +252,10 @@ def test_a_step_model_that_takes_no_time_is_named(tmp_path, capsys):
     path.write_text(json.dumps({**PROFILE, "step": {"a_s": 0, "b_s_per_token": 0, "c_s_per_kv_token": 0}}))
     err = _error([*SMALL, "--policy", "baseline,seer", "--profile", str(path)], capsys)
     assert f"instance profile {str(path)!r} is not valid: step-time model: every step would take 0 s" in err
+
+
+def test_fixed_trace_groups_over_iterations_need_repeat_prompts(capsys):
+    """``--groups`` without ``--repeat-prompts`` replayed responses 0..N-1 in every
+    iteration: N identical runs, not the fresh workload each that --iterations promises."""
+    args = [*SMALL, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
+    assert "pass --repeat-prompts to take disjoint sibling sets" in _error(args, capsys)
