@@ -208,3 +208,9 @@ def test_rollout_sampling_flags_are_checked_before_the_model_loads(source, flag,
         source = ["--input", str(tmp_path / "in.jsonl")]
     args = ["rollout", "--model", "/nonexistent-model", *source, "--output", str(tmp_path / "o.jsonl"), *flag]
     assert message in _error(args, capsys)
+
+
+def test_a_bad_prompt_among_several_is_named_by_its_index(tiny_model, capsys):
+    """Of several prompts, the one refused was not named: a bare "prompt is empty"."""
+    args = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--prompt", "", "--max-tokens", "1"]
+    assert "error: prompts[1]: prompt is empty" in _error(args, capsys)
