@@ -66,10 +66,14 @@ class SamplingParams:
     fit_max_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # A string is one stop string; lists and tuples are copied; anything else (a number,
+        # a mapping) is left for validate() to name, not iterated into something else.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.logit_bias, dict) or self.logit_bias is None:
@@ -125,11 +129,11 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
         check(
-            all(isinstance(s, str) and s for s in self.stop),
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             f"stop must be a list of non-empty strings, got {self.stop!r}",
         )
         check(
-            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
         )
         allowed = self.allowed_token_ids
@@ -144,10 +148,11 @@ class SamplingParams:
             and all(is_int(t) and t >= 0 and is_real(b) and -100.0 <= b <= 100.0 for t, b in bias.items()),
             f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}",
         )
-        check(
-            type(self.add_special_tokens) is bool,
-            f"add_special_tokens must be a boolean, got {self.add_special_tokens!r}",
-        )
+        # A flag must be a boolean: a JSON line's "ignore_eos": "false" is truthy.
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "add_special_tokens", "fit_max_tokens"):  # fmt: skip
+            value = getattr(self, name)
+            check(type(value) is bool, f"{name} must be a boolean, got {value!r}")
         k = self.truncate_prompt_tokens
         check(
             k is None or (is_int(k) and (k >= 1 or k == -1)),

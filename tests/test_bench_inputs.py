@@ -144,3 +144,13 @@ def test_a_model_that_names_no_eos_is_refused_by_name(tmp_path, capsys, game24_t
     err = _error(args, capsys)
     assert f"{model}: neither config.json nor generation_config.json names an EOS token id" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag,value", [("--block-size", "0"), ("--kv-blocks", "0")])
+def test_task_bench_names_a_bad_cache_shape(flag, value, tiny_model, capsys):
+    """``--task`` built its request checker from these before any engine checked them:
+    ``--block-size 0`` was a ZeroDivisionError traceback."""
+    no_groups = [*BENCH[:2], *BENCH[4:]]  # --groups goes with --trace
+    args = [*no_groups, "--task", "arith", "--prompts", "1", "--model", str(tiny_model()), flag, value]
+    name = {"--block-size": "block_size", "--kv-blocks": "num_kv_blocks"}[flag]
+    assert f"{name} must be a positive integer, got 0" in _error(args, capsys)

@@ -4,6 +4,8 @@ never a traceback or a run on something other than what was asked."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from seer_engine.engine.config import EngineConfig
@@ -96,3 +98,119 @@ def test_a_kv_cache_too_large_to_allocate_names_the_flags(tiny_model, capsys, mo
     err = _error(args, capsys)
     assert "cannot allocate the KV cache of 1000000000 blocks of 16 tokens" in err
     assert "--num-kv-blocks" in err and "can't allocate memory" in err
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"prompt": null}', "prompt must be text or a list of token ids, got None"),
+        ('{"prompt": 5}', "prompt must be text or a list of token ids, got 5"),
+        ('{"prompt": "x", "stop": 5}', "stop must be a list of non-empty strings, got 5"),
+        ('{"prompt": "x", "stop": {"a": 1}}', "stop must be a list of non-empty strings, got {'a': 1}"),
+        ('{"prompt": "x", "stop_token_ids": 5}', "stop_token_ids must be non-negative integers, got 5"),
+        ('{"prompt": "x", "ignore_eos": "false"}', "ignore_eos must be a boolean, got 'false'"),
+        ('{"prompt": "x", "skip_special_tokens": 0}', "unknown fields ['skip_special_tokens']"),
+    ],
+)
+def test_a_rollout_input_line_of_the_wrong_type_is_named(line, message, tiny_model, tmp_path, capsys):
+    """A prompt or field of the wrong JSON type was a TypeError traceback (``list(None)``,
+    ``list(5)``), a mapping's keys taken as stop strings, or a truthy string as a flag."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(line + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out), "--n", "1"]
+    assert f"{src}:1: {message}" in _error([*args, "--max-tokens", "2"], capsys)
+    assert not out.exists()
+
+
+def test_sigterm_mid_rollout_closes_the_instance_processes(tiny_model, tmp_path, monkeypatch):
+    """SIGTERM ended the process on the spot: its instance processes died on broken pipes
+    with tracebacks and its shared memory was left to the resource tracker. It now
+    unwinds as Ctrl-C does (exit 143), and the caller's handler is put back."""
+    import multiprocessing
+    import os
+    import signal
+
+    from seer_engine.rollout.dispatcher import Dispatcher
+
+    def terminated_mid_run(self, groups):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the rollout")
+
+    monkeypatch.setattr(Dispatcher, "run", terminated_mid_run)
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        src = tmp_path / "in.jsonl"
+        src.write_text('{"prompt": "hi"}\n')
+        out = tmp_path / "o.jsonl"
+        args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+                "--n", "2", "--max-tokens", "2", "--instances", "2", "--distributed-backend", "mp",
+                "--kv-connector", "none", "--num-threads", "1"]  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 143 and not received
+        assert multiprocessing.active_children() == []
+        restored = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert callable(restored) and restored.__name__ == "<lambda>"
+
+
+def test_generate_prints_the_logprobs_it_is_asked_for(tiny_model, capsys):
+    """``--logprobs N`` was computed and dropped: the lines held no logprobs."""
+    base = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--max-tokens", "3", "--n", "2"]
+    assert main([*base, "--logprobs", "1"]) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    for sample in line["outputs"]:
+        assert len(sample["logprobs"]) == len(sample["token_ids"]) == 3
+        for token, step in zip(sample["token_ids"], sample["logprobs"]):
+            assert str(token) in step and 1 <= len(step) <= 2 and all(lp <= 0 for lp in step.values())
+    assert main(base) == 0
+    assert all("logprobs" not in s for s in json.loads(capsys.readouterr().out.splitlines()[0])["outputs"])
+
+
+def test_a_rollout_input_file_is_read_as_utf8_naming_the_line_that_is_not(tiny_model, tmp_path, capsys):
+    """A byte that is not UTF-8 was a bare "'utf-8' codec can't decode byte 0xff" naming
+    neither file nor line; a BOM (Windows editors) made line 1 "not valid JSON"."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+            "--n", "1", "--max-tokens", "2"]  # fmt: skip
+    src.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xff"}\n')
+    assert f"{src}:2: not UTF-8 text (invalid start byte at byte 13)" in _error(args, capsys)
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
+    assert main(args) == 0
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["a", "b"]
+
+
+def test_a_bom_is_not_part_of_the_first_prompt(tiny_model, tmp_path, capsys):
+    """A prompts file saved with a BOM (Windows editors) sent '\\ufeffhello' as the first prompt."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\xef\xbb\xbfhello\r\nworld\r\n")
+    args = ["generate", "--model", str(tiny_model()), "--prompts-file", str(prompts), "--max-tokens", "1"]
+    assert main(args) == 0
+    assert [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()] == ["hello", "world"]
+
+
+@pytest.mark.parametrize("source", [["--input", "in.jsonl"], ["--task", "arith"]])
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        (["--temperature", "-1"], "--temperature: temperature must be a finite number >= 0, got -1.0"),
+        (["--max-tokens", "0"], "--max-tokens: max_tokens must be an integer >= 1, got 0"),
+    ],
+)
+def test_rollout_sampling_flags_are_checked_before_the_model_loads(source, flag, message, tmp_path, capsys):
+    """They were checked once the model had loaded, and blamed on the input's first line
+    ("in.jsonl:1: temperature must be ...")."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    if source[0] == "--input":
+        source = ["--input", str(tmp_path / "in.jsonl")]
+    args = ["rollout", "--model", "/nonexistent-model", *source, "--output", str(tmp_path / "o.jsonl"), *flag]
+    assert message in _error(args, capsys)
+
+
+def test_a_bad_prompt_among_several_is_named_by_its_index(tiny_model, capsys):
+    """Of several prompts, the one refused was not named: a bare "prompt is empty"."""
+    args = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--prompt", "", "--max-tokens", "1"]
+    assert "error: prompts[1]: prompt is empty" in _error(args, capsys)

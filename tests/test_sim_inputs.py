@@ -115,6 +115,11 @@ def _write_trace(path: Path, lines: list) -> Path:
         ([{"group_id": "a", "responses": ["x y"], "response_tokens": 2}], "'response_tokens' must be a list"),
         ([{"group_id": "a", "responses": ["x", "y"], "response_tokens": ["1", 1]}], "'response_tokens' must"),
         ([{"group_id": "a", "responses": ["x", "y"], "response_tokens": [-3, 1]}], "'response_tokens' must"),
+        # two groups of one id: simulate stopped on "response ta/0 is already in the rollout"
+        (
+            [{"group_id": "a", "responses": ["x", "y"]}, {"group_id": "a", "responses": ["z w", "v"]}],
+            "bad.jsonl.gz:2: group_id 'a' repeats line 1",
+        ),
     ],
 )
 def test_simulate_names_a_bad_trace(tmp_path, capsys, lines, message):
@@ -239,3 +244,18 @@ def test_the_mean_tail_reduction_skips_iterations_whose_baseline_has_no_tail():
     runs = [{"baseline": run(0.0), "seer": run(1.0)}, {"baseline": run(4.0), "seer": run(2.0)}]
     assert _summary(runs)["seer"]["tail_reduction_vs_baseline"] == 0.5
     assert _summary(runs[:1])["seer"]["tail_reduction_vs_baseline"] is None
+
+
+def test_a_step_model_that_takes_no_time_is_named(tmp_path, capsys):
+    """Every step at 0 s made a 0 s makespan: a ZeroDivisionError traceback in the summary."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**PROFILE, "step": {"a_s": 0, "b_s_per_token": 0, "c_s_per_kv_token": 0}}))
+    err = _error([*SMALL, "--policy", "baseline,seer", "--profile", str(path)], capsys)
+    assert f"instance profile {str(path)!r} is not valid: step-time model: every step would take 0 s" in err
+
+
+def test_fixed_trace_groups_over_iterations_need_repeat_prompts(capsys):
+    """``--groups`` without ``--repeat-prompts`` replayed responses 0..N-1 in every
+    iteration: N identical runs, not the fresh workload each that --iterations promises."""
+    args = [*SMALL, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
+    assert "pass --repeat-prompts to take disjoint sibling sets" in _error(args, capsys)

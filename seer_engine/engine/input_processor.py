@@ -59,6 +59,12 @@ class InputProcessor:
     num_kv_blocks: int  # of one instance: a request must fit one instance's cache
     block_size: int
 
+    def __post_init__(self) -> None:  # as EngineConfig names them: a front end may build this first
+        for name in ("num_kv_blocks", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
     def process(
         self, prompt: str | Sequence[int], params: SamplingParams, prior_output_token_ids: Sequence[int] = ()
     ) -> CheckedRequest:
@@ -157,6 +163,11 @@ class InputProcessor:
                     param="prompt",
                 )
             return prompt, ids
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompt must be text or a list of token ids, got {prompt!r:.40}",
+                param="prompt",
+            )
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")

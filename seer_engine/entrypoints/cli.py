@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -55,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
-            with open(args.prompts_file) as f:
+            with open(args.prompts_file, encoding="utf-8-sig") as f:  # a BOM is no part of a prompt
                 from_file = [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else e
@@ -78,10 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "prompt": out.prompt,
-                    "outputs": [
-                        {"text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
-                        for s in out.outputs
-                    ],
+                    "outputs": [_sample_json(s, args.logprobs is not None) for s in out.outputs],
                 }
             )
         )
@@ -91,6 +89,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _sample_json(sample, with_logprobs: bool) -> dict:
+    """One sample of a ``generate`` line; with ``--logprobs``, per token: token id -> logprob
+    (the sampled token's and the top-N), as ``rollout`` writes them."""
+    line = {"text": sample.text, "token_ids": sample.token_ids, "finish_reason": sample.finish_reason}
+    if with_logprobs:
+        line["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in sample.logprobs or []]
+    return line
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -139,12 +146,22 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM's default action ends the process on the spot: a rollout's instance processes
+    # then die on a broken pipe with tracebacks and its shared memory is left to the
+    # resource tracker. As SystemExit it unwinds as Ctrl-C does, closing them first.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         return int(args.func(args) or 0)
     except (InvalidRequestError, ModelLoadError, ValueError, KVPoolError, RolloutStalled) as e:
         parser.exit(2, f"seer_engine {args.command}: error: {e}\n")
     except KeyboardInterrupt:
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

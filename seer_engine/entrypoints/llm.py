@@ -10,7 +10,7 @@ from tqdm import tqdm
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.outputs import RequestOutput
-from seer_engine.sampling_params import SamplingParams
+from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -49,7 +49,12 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, param_list)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                try:
+                    self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                except InvalidRequestError as e:  # of several prompts, say which
+                    if len(prompts) == 1:
+                        raise
+                    raise InvalidRequestError(f"prompts[{i}]: {e}", e.param) from e
                 ids.append(rid)
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
                 while len(done) < len(ids):

@@ -110,8 +110,13 @@ def summarize(prompts: list[TaskPrompt], result: RolloutResult, grades: list[lis
 
 def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -> list[Group]:
     groups = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # a BOM (as Windows editors write one) is not part of the first line's JSON
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                why = f"{e.reason} at byte {e.start}"
+                raise InvalidRequestError(f"{path}:{lineno}: not UTF-8 text ({why})") from e
             if not line.strip():
                 continue
             try:
@@ -154,11 +159,15 @@ def run_rollout(args: argparse.Namespace) -> int:
     if out_path.is_dir() or not out_path.parent.is_dir():
         raise ValueError(f"cannot write --output {args.output!r}: not a file in an existing directory")
     writable_dir(out_path.parent, f"--output {args.output!r}: its folder")
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    try:  # the flags' fault, named before the model loads, not blamed on the input's first line
+        SamplingParams(**defaults)
+    except InvalidRequestError as e:
+        raise ValueError(f"--{(e.param or '').replace('_', '-')}: {e}") from None
     rollout_config = RolloutConfig.from_cli_args(args)
     history = rollout_config.open_history()
     policy = rollout_config.make_policy(history)
     with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy, history=history) as pool:
-        defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
         processor = pool.make_input_processor()
         bind_history(history, rollout_config.history_spec(), processor)
         if task is not None:

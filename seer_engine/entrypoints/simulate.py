@@ -197,6 +197,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         writable_dir(args.report, "--report")
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
+    if args.groups and args.iterations > 1 and not args.repeat_prompts:  # each would replay the first
+        raise ValueError(
+            "--groups fixes the groups, so every iteration would replay the same responses: pass "
+            "--repeat-prompts to take disjoint sibling sets of them, as bench rollout --iterations does"
+        )
     if args.trace:
         from seer_engine.workloads.paths import resolve_trace_path
 

@@ -59,6 +59,11 @@ class StepTimeModel:
                     raise ValueError(f"step-time model: kv_per_query must be true or false, got {value!r}")
             elif not (is_real(value) and value >= 0):  # NaN would turn every time into NaN
                 raise ValueError(f"step-time model: {f.name} must be a finite number >= 0, got {value!r}")
+        if not (self.a_s or self.b_s_per_token or self.c_s_per_kv_token):  # a step always runs a token
+            raise ValueError(
+                "step-time model: every step would take 0 s (no time, no throughput to compare): "
+                "give a_s, b_s_per_token or c_s_per_kv_token a value > 0"
+            )
 
     def step_s(self, scheduled_tokens: float, kv_tokens_read: float, logit_tokens: float = 0.0) -> float:
         return (

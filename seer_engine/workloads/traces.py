@@ -168,6 +168,7 @@ def load_trace(
 def _read_trace(path: Path, tok: TraceTokenizer) -> list[TraceGroup]:
     """Parse every record (naming the line of a bad one); prompts are tokenized in one batch."""
     records = []
+    first_line: dict[str, int] = {}  # group id -> the line that gave it
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -177,6 +178,10 @@ def _read_trace(path: Path, tok: TraceTokenizer) -> list[TraceGroup]:
                     records.append(_record(json.loads(line)))
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise ValueError(f"{path.name}:{lineno}: not a trace record ({e})") from e
+                gid = records[-1][0]  # responses are keyed by group id: two groups cannot share one
+                if gid in first_line:
+                    raise ValueError(f"{path.name}:{lineno}: group_id {gid!r} repeats line {first_line[gid]}")
+                first_line[gid] = lineno
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
         raise ValueError(f"{path}: not a gzip JSON-lines trace ({e})") from None
     if not records:
