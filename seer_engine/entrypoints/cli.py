@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 
 from seer_engine.sampling_params import InvalidRequestError
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM's default action ends the process on the spot: a rollout's instance processes
     # then die on a broken pipe with tracebacks and its shared memory is left to the
     # resource tracker. As SystemExit it unwinds as Ctrl-C does, closing them first.
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    on_main_thread = threading.current_thread() is threading.main_thread()  # where signals may be set
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if on_main_thread else None
     try:
         return int(args.func(args) or 0)
     except (InvalidRequestError, ModelLoadError, ValueError, KVPoolError, RolloutStalled) as e:
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
