@@ -232,6 +232,7 @@ def test_streamed_content_never_takes_back_text_and_stops_at_a_call():
         ("user: hi\nassistant:", f"<think>{THOUGHT}</think>\n\nSure.<tool_call>{CALL}</tool_call>"),
         ("assistant: <think>\n", f"{THOUGHT}</think>Sure."),
         ("assistant: <think>\n", "cut off while still thi"),
+        ("assistant: <think>\n", f"<think>{THOUGHT}</think>Sure."),  # opened again by the response
         ("assistant: <think></think>", "<thinking is not a tag> and </think> is text here"),
         ("assistant:", "<thin"),
         ("assistant:", f"Plain <tool_call>{CALL}"),

@@ -31,9 +31,9 @@ class ThinkReasoningParser:
     def split(self, text: str, prompt_open: bool, finished: bool) -> tuple[str | None, str]:
         """(reasoning or None when not thinking, content) of the text so far; a growing
         text's parts only grow (a tag still being written is held back)."""
+        if not finished and self.start.startswith(text):  # may still open a block (again)
+            return ("" if prompt_open else None), ""
         if not prompt_open and not text.startswith(self.start):
-            if not finished and self.start.startswith(text):
-                return None, ""  # may still open a block
             return None, text
         body = text.removeprefix(self.start) if text.startswith(self.start) else text
         at = body.find(self.end)
