@@ -119,6 +119,18 @@ def test_generate_streams_its_answer_so_far(http):
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
 
 
+def test_generate_fits_its_default_max_new_tokens_into_the_context(http):
+    """Left unset, max_new_tokens (SGLang's 128) stops where the context ends, as SGLang's
+    scheduler clamps it; set, it is refused when it cannot fit, as SGLang refuses it."""
+    long = list(range(5, 5 + 450))  # 62 tokens of room in the 512-token context
+    body = {"input_ids": long, "sampling_params": {"ignore_eos": True}}
+    out = _generate(http, body)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 62}
+    assert len(out["output_ids"]) == 62
+    error = _generate(http, {**body, "sampling_params": {"max_new_tokens": 128}}, 400)["error"]
+    assert error["param"] == "sampling_params.max_new_tokens"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

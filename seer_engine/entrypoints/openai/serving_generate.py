@@ -157,6 +157,8 @@ class ServingGenerate(ServingBase):
         )  # fmt: skip
         completion = CompletionRequest.model_construct(**fields)
         engine_params = self.sampling_params(completion, completion.max_tokens, completion.logprobs)
+        # Left unset, max_new_tokens (SGLang's default) ends with the context, as SGLang clamps it.
+        engine_params.fit_max_tokens = "max_new_tokens" not in sp.model_fields_set
         return completion, prompt, engine_params, zero
 
     async def _submit(self, completion: CompletionRequest, prompt, params, zero):
