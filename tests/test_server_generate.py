@@ -4,6 +4,7 @@ logprobs and refusals as /v1/completions, in SGLang's names and shapes."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -129,6 +130,22 @@ def test_generate_fits_its_default_max_new_tokens_into_the_context(http):
     assert len(out["output_ids"]) == 62
     error = _generate(http, {**body, "sampling_params": {"max_new_tokens": 128}}, 400)["error"]
     assert error["param"] == "sampling_params.max_new_tokens"
+
+
+def test_generate_batch_is_aborted_by_its_rid(server, http):
+    """A batch sent with one rid is aborted by it: /abort_requests reaches every prompt's
+    request (``<rid>-<i>``), as a completion's several prompts are reached by its id."""
+    body = {"text": ["Tell me", "A story"], "rid": "gen-batch-abort",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}  # fmt: skip
+    before = server.metrics()["generation_tokens_total"]
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_generate, server.http(), body)
+        server.wait_until(lambda: server.metrics()["generation_tokens_total"] > before + 5, what="progress")
+        resp = http.post("/abort_requests", json={"request_ids": ["gen-batch-abort"]})
+        outs = fut.result(timeout=30)
+    assert resp.json()["num_aborted"] == 2
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+    assert [o["meta_info"]["id"] for o in outs] == ["gen-batch-abort-0", "gen-batch-abort-1"]
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,8 @@ class ServingGenerate(ServingBase):
             raise failed[0]
         streams = [s for r in submitted for s in r[0]]  # type: ignore[union-attr]
         releases = [r[1] for r in submitted]  # type: ignore[index]
+        if isinstance(req.rid, str) and len(prompts) > 1:  # a batch's one rid aborts its <rid>-<i>
+            releases.append(self.registry.add(req.rid, len(prompts)))
 
         def release() -> None:
             for r in releases:
