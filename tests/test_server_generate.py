@@ -120,6 +120,24 @@ def test_generate_streams_its_answer_so_far(http):
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
 
 
+def test_generate_streams_a_batch_of_unequal_n_under_its_answers_indices(http):
+    """Each streamed output's index is its place in the whole answer's list, also when the
+    batch's prompts ask for different n (no two outputs share one, none is skipped)."""
+    each = [{"max_new_tokens": 3, "n": n, "sampling_seed": 5, "ignore_eos": True} for n in (3, 1)]
+    body = {"text": ["Hello there", "A story"], "sampling_params": each}
+    whole = _generate(http, body)
+    last: dict[int, dict] = {}
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                before = last.get(chunk["index"])
+                assert before is None or before["meta_info"]["finish_reason"] is None, "one output per index"
+                last[chunk["index"]] = chunk
+    assert sorted(last) == [0, 1, 2, 3]
+    assert [last[i]["output_ids"] for i in range(4)] == [w["output_ids"] for w in whole]
+
+
 def test_generate_fits_its_default_max_new_tokens_into_the_context(http):
     """Left unset, max_new_tokens (SGLang's 128) stops where the context ends, as SGLang's
     scheduler clamps it; set, it is refused when it cannot fit, as SGLang refuses it."""

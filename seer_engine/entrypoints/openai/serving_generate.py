@@ -207,15 +207,15 @@ class ServingGenerate(ServingBase):
         """SGLang's stream: each event is one output's answer so far (cumulative text and
         ids), with ``index`` where the request has several outputs."""
         several = len(streams) > 1 or any(c.n > 1 for c, _ in shown)
+        starts = [sum(c.n for c, _ in shown[:p]) for p in range(len(shown))]  # prompts' n may differ
         try:
             async for p, out in merge_outputs(streams):
-                n = shown[p][0].n
                 for sample in out.outputs:
                     if shown[p][1] and not sample.finished:
                         continue  # a prompt scored alone: only its end is shown
                     answer = self._answer(req, out, sample, shown[p][1])
                     if several:
-                        answer["index"] = p * n + sample.index
+                        answer["index"] = starts[p] + sample.index  # its place in the whole answer
                     yield f"data: {json.dumps(answer)}\n\n"
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
