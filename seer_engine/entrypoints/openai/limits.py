@@ -115,12 +115,12 @@ class RequestBounds:
         if not isinstance(body, dict):
             return
         messages = body.get("messages")
-        if isinstance(messages, list) and not (truncates and _truncated(body)):
-            if len(messages) >= self.max_model_len:
+        if isinstance(messages, list):
+            if len(messages) >= self.max_model_len:  # kept when truncating: pydantic walks each one
                 message = too_long_for_context("messages", len(messages), self.max_model_len, "messages")
                 raise APIError(400, f"{message} (each message takes at least one token)", param="messages")
             chars = sum(_content_chars(m) for m in messages)
-            if chars > self.max_chars:
+            if chars > self.max_chars and not (truncates and _truncated(body)):
                 raise APIError(
                     400,
                     f"the messages have {chars} characters of content; a conversation that fits "
