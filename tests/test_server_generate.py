@@ -138,6 +138,21 @@ def test_generate_streams_a_batch_of_unequal_n_under_its_answers_indices(http):
     assert [last[i]["output_ids"] for i in range(4)] == [w["output_ids"] for w in whole]
 
 
+def test_generate_answers_a_batch_of_one_as_a_batch(http):
+    """A prompt sent as a list is a batch, as SGLang reads it: a list of answers back (and
+    stream events with an index) even when it holds one prompt; an empty one is refused."""
+    one = {"max_new_tokens": 2, "ignore_eos": True}
+    for prompt in ({"text": ["Hello"]}, {"input_ids": [PROMPT]}):
+        outs = _generate(http, {**prompt, "sampling_params": one})
+        assert isinstance(outs, list) and len(outs) == 1 and len(outs[0]["output_ids"]) == 2
+    with http.stream(
+        "POST", "/generate", json={"text": ["Hello"], "sampling_params": one, "stream": True}
+    ) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(c["index"] == 0 for c in chunks)
+    assert _generate(http, {"text": []}, 400)["error"]["param"] == "text"
+
+
 def test_generate_fits_its_default_max_new_tokens_into_the_context(http):
     """Left unset, max_new_tokens (SGLang's 128) stops where the context ends, as SGLang's
     scheduler clamps it; set, it is refused when it cannot fit, as SGLang refuses it."""

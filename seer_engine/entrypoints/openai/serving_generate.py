@@ -136,7 +136,7 @@ class ServingGenerate(ServingBase):
             release()
         answers = [self._answer(req, out, s, zero)
                    for (_, zero), out in zip(shown, outputs) for s in out.outputs]  # fmt: skip
-        return answers[0] if len(answers) == 1 else answers
+        return answers if _batched(req) or len(answers) > 1 else answers[0]
 
     def _item(self, req: GenerateRequest, prompt: str | list[int], rid: str, params: dict[str, Any]):
         """(the request as /v1/completions would take it, its prompt, its engine parameters,
@@ -206,7 +206,7 @@ class ServingGenerate(ServingBase):
     ) -> AsyncGenerator[str, None]:
         """SGLang's stream: each event is one output's answer so far (cumulative text and
         ids), with ``index`` where the request has several outputs."""
-        several = len(streams) > 1 or any(c.n > 1 for c, _ in shown)
+        several = _batched(req) or any(c.n > 1 for c, _ in shown)
         starts = [sum(c.n for c, _ in shown[:p]) for p in range(len(shown))]  # prompts' n may differ
         try:
             async for p, out in merge_outputs(streams):
@@ -230,10 +230,18 @@ def _validate(model: type, body: Any, prefix: str) -> Any:
         raise APIError(400, f"{prefix}{err.message}", param=f"{prefix}{err.param}") from None
 
 
+def _batched(req: GenerateRequest) -> bool:
+    """Whether the prompts came as a list (a batch, answered with a list, as SGLang's)."""
+    prompt = req.text if req.text is not None else req.input_ids
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
 def _prompts(req: GenerateRequest) -> list[str | list[int]]:
     if (req.text is None) == (req.input_ids is None):
         raise APIError(400, "give either text or input_ids", param="text")
     if req.text is not None:
+        if req.text == []:
+            raise APIError(400, "text is an empty list", param="text")
         return [req.text] if isinstance(req.text, str) else list(req.text)
     ids = req.input_ids or []
     return [ids] if not ids or isinstance(ids[0], int) else list(ids)  # type: ignore[list-item]
