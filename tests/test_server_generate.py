@@ -195,6 +195,7 @@ def test_generate_batch_is_aborted_by_its_rid(server, http):
         ({"text": "x", "image_data": "cat.png"}, "image_data"),
         ({"text": ["x", "y"], "sampling_params": [{}]}, "sampling_params"),
         ({"text": ["x", "y"], "rid": ["a"]}, "rid"),
+        ({"text": ["x", "y"], "rid": ["a", "a"]}, "rid"),  # one id for two requests
         ({"input_ids": [1, -4]}, "input_ids"),
         ({"text": "x", "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
         ({"text": "x", "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),

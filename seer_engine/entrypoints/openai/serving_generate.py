@@ -94,6 +94,7 @@ class ServingGenerate(ServingBase):
         out = {_RENAMED.get(k, k): (f"sampling_params.{k}", k) for k in names}
         out["prompt"] = ("text", "text") if isinstance(req.prompt, str) else ("input_ids", "input_ids")
         out["logprobs"] = ("top_logprobs_num", "top_logprobs_num")
+        out["request_id"] = ("rid", "rid")
         return out
 
     async def create(self, body: Any) -> dict | list | EventStream:
