@@ -194,6 +194,22 @@ def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(client, http, mod
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
 
 
+def test_truncate_prompt_tokens_takes_prompts_longer_than_the_context(client, model):
+    """What truncate_prompt_tokens is for (as in vLLM): a prompt past the context, in token
+    ids, text or chat messages, is served on its last k tokens, not refused for its length."""
+    ids = [5 + i % 400 for i in range(700)]  # the server's context: 512 tokens
+    extra = {"truncate_prompt_tokens": 10, "return_token_ids": True}
+    out = client.completions.create(model=model, prompt=ids, max_tokens=2, extra_body=extra)
+    assert out.choices[0].prompt_token_ids == ids[-10:] and out.usage.prompt_tokens == 10
+    text = "many words " * 2000  # more characters than any prompt that fits 512 tokens
+    out = client.completions.create(model=model, prompt=text, max_tokens=2, extra_body=extra)
+    assert out.usage.prompt_tokens == 10
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=2, extra_body=extra
+    )
+    assert chat.usage.prompt_tokens == 10
+
+
 def test_stop_token_text_is_not_in_the_output(client, model):
     """A stop token id ends the output's token ids but not its text (as vLLM), unless
     include_stop_str_in_output; streamed and whole responses agree."""

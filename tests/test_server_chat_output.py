@@ -226,12 +226,30 @@ def test_streamed_content_never_takes_back_text_and_stops_at_a_call():
     assert parser.parse(text).content == text[: ends[-1]]
 
 
+def test_a_think_tag_a_message_quotes_opens_no_block(tool_server):
+    """Only the template opens a reasoning block in the prompt: a user who writes "<think>"
+    in a message does not turn the whole answer into reasoning."""
+    parser = ThinkReasoningParser()
+    asked = "What does <think> do?"
+    prompt = f"user: {asked}\nassistant:"
+    assert parser.opens(prompt) and not parser.opens(prompt, [asked])
+    assert parser.opens(f"{prompt} <think>\n", [asked])  # the template's own tag still opens one
+    template = TEMPLATE.replace("assistant\n{% endif %}", "assistant\n" + SCRIPT[3] + "{% endif %}")
+    with tool_server.openai() as client:  # the model goes on after "Let me check.": no reasoning
+        message = client.chat.completions.create(
+            model=tool_server.model, messages=[{"role": "user", "content": asked}], temperature=0,
+            max_tokens=12, extra_body={"chat_template": template},
+        ).choices[0].message  # fmt: skip
+    assert (getattr(message, "reasoning_content", None), message.content) == (None, "".join(SCRIPT[4:]))
+
+
 @pytest.mark.parametrize(
     "prompt, text",
     [
         ("user: hi\nassistant:", f"<think>{THOUGHT}</think>\n\nSure.<tool_call>{CALL}</tool_call>"),
         ("assistant: <think>\n", f"{THOUGHT}</think>Sure."),
         ("assistant: <think>\n", "cut off while still thi"),
+        ("assistant: <think>\n", f"<think>{THOUGHT}</think>Sure."),  # opened again by the response
         ("assistant: <think></think>", "<thinking is not a tag> and </think> is text here"),
         ("assistant:", "<thin"),
         ("assistant:", f"Plain <tool_call>{CALL}"),

@@ -4,6 +4,7 @@ logprobs and refusals as /v1/completions, in SGLang's names and shapes."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -119,6 +120,67 @@ def test_generate_streams_its_answer_so_far(http):
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
 
 
+def test_generate_streams_a_batch_of_unequal_n_under_its_answers_indices(http):
+    """Each streamed output's index is its place in the whole answer's list, also when the
+    batch's prompts ask for different n (no two outputs share one, none is skipped)."""
+    each = [{"max_new_tokens": 3, "n": n, "sampling_seed": 5, "ignore_eos": True} for n in (3, 1)]
+    body = {"text": ["Hello there", "A story"], "sampling_params": each}
+    whole = _generate(http, body)
+    last: dict[int, dict] = {}
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                before = last.get(chunk["index"])
+                assert before is None or before["meta_info"]["finish_reason"] is None, "one output per index"
+                last[chunk["index"]] = chunk
+    assert sorted(last) == [0, 1, 2, 3]
+    assert [last[i]["output_ids"] for i in range(4)] == [w["output_ids"] for w in whole]
+
+
+def test_generate_answers_a_batch_of_one_as_a_batch(http):
+    """A prompt sent as a list is a batch, as SGLang reads it: a list of answers back (and
+    stream events with an index) even when it holds one prompt; an empty one is refused."""
+    one = {"max_new_tokens": 2, "ignore_eos": True}
+    for prompt in ({"text": ["Hello"]}, {"input_ids": [PROMPT]}):
+        outs = _generate(http, {**prompt, "sampling_params": one})
+        assert isinstance(outs, list) and len(outs) == 1 and len(outs[0]["output_ids"]) == 2
+    with http.stream(
+        "POST", "/generate", json={"text": ["Hello"], "sampling_params": one, "stream": True}
+    ) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(c["index"] == 0 for c in chunks)
+    assert _generate(http, {"text": []}, 400)["error"]["param"] == "text"
+
+
+def test_generate_fits_its_default_max_new_tokens_into_the_context(http):
+    """Left unset, max_new_tokens (SGLang's 128) stops where the context ends, as SGLang's
+    scheduler clamps it; set, it is refused when it cannot fit, as SGLang refuses it."""
+    long = list(range(5, 5 + 450))  # 62 tokens of room in the 512-token context
+    body = {"input_ids": long, "sampling_params": {"ignore_eos": True}}
+    out = _generate(http, body)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 62}
+    assert len(out["output_ids"]) == 62
+    error = _generate(http, {**body, "sampling_params": {"max_new_tokens": 128}}, 400)["error"]
+    assert error["param"] == "sampling_params.max_new_tokens"
+
+
+def test_generate_batch_is_aborted_by_its_rid(server, http):
+    """A batch sent with one rid is aborted by it: /abort_requests reaches every prompt's
+    request (``<rid>-<i>``), as a completion's several prompts are reached by its id."""
+    body = {"text": ["Tell me", "A story"], "rid": "gen-batch-abort",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}  # fmt: skip
+    before = server.metrics()["generation_tokens_total"]
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_generate, server.http(), body)
+        server.wait_until(lambda: server.metrics()["generation_tokens_total"] > before + 5, what="progress")
+        resp = http.post("/abort_requests", json={"request_ids": ["gen-batch-abort"]})
+        outs = fut.result(timeout=30)
+    assert resp.json()["num_aborted"] == 2
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+    assert [o["meta_info"]["id"] for o in outs] == ["gen-batch-abort-0", "gen-batch-abort-1"]
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -133,6 +195,7 @@ def test_generate_streams_its_answer_so_far(http):
         ({"text": "x", "image_data": "cat.png"}, "image_data"),
         ({"text": ["x", "y"], "sampling_params": [{}]}, "sampling_params"),
         ({"text": ["x", "y"], "rid": ["a"]}, "rid"),
+        ({"text": ["x", "y"], "rid": ["a", "a"]}, "rid"),  # one id for two requests
         ({"input_ids": [1, -4]}, "input_ids"),
         ({"text": "x", "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
         ({"text": "x", "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),

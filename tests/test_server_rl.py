@@ -269,6 +269,7 @@ def test_metrics_and_flush_cache(server, http, client, model):
     client.completions.create(model=model, prompt=[5, 6, 7, 8] * 6, n=4, max_tokens=24, temperature=0)
     assert http.post("/flush_cache").status_code == 200
     assert http.post("/reset_prefix_cache").status_code == 200  # vLLM's name
+    assert http.get("/flush_cache").json() == {"success": True}  # SGLang takes GET too
     m = server.wait_until(
         lambda: (m := server.metrics())["num_requests_running"] == 0 and m, what="an idle engine"
     )

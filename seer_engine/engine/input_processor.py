@@ -136,7 +136,7 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt")
             limit = self.max_model_len * MAX_CHARS_PER_TOKEN
-            if len(prompt) > limit:
+            if len(prompt) > limit and keep_last is None:  # a cut prompt may be longer
                 raise InvalidRequestError(
                     f"prompt has {len(prompt)} characters; a prompt that fits max_model_len "
                     f"({self.max_model_len} tokens) has at most {limit}",

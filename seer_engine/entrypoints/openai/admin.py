@@ -183,7 +183,7 @@ def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], lis
         """vLLM's name for the question."""
         return {"is_sleeping": (await engine.stats()).sleeping}
 
-    @router.post("/flush_cache")
+    @router.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients GET it too
     @router.post("/reset_prefix_cache")  # vLLM's name for SGLang's flush_cache
     async def flush_cache() -> dict:
         await engine.flush_cache()

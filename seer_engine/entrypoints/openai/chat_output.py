@@ -8,6 +8,7 @@ would show, never text it would later have to take back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from seer_engine.entrypoints.openai.serving_base import TextDeltas
@@ -24,16 +25,20 @@ class ThinkReasoningParser:
     names = ("deepseek_r1", "qwen3")
     start, end = "<think>", "</think>"
 
-    def opens(self, prompt: str) -> bool:
-        """Whether the prompt leaves a block open (its last start after its last end)."""
+    def opens(self, prompt: str, quoted: Sequence[str] = ()) -> bool:
+        """Whether the prompt leaves a block open (its last start after its last end); the
+        ``quoted`` texts (the messages' own) open and close nothing: only the template's tags do."""
+        for text in quoted:
+            if self.start in text or self.end in text:
+                prompt = prompt.replace(text, "")
         return prompt.rfind(self.start) > prompt.rfind(self.end)
 
     def split(self, text: str, prompt_open: bool, finished: bool) -> tuple[str | None, str]:
         """(reasoning or None when not thinking, content) of the text so far; a growing
         text's parts only grow (a tag still being written is held back)."""
+        if not finished and self.start.startswith(text):  # may still open a block (again)
+            return ("" if prompt_open else None), ""
         if not prompt_open and not text.startswith(self.start):
-            if not finished and self.start.startswith(text):
-                return None, ""  # may still open a block
             return None, text
         body = text.removeprefix(self.start) if text.startswith(self.start) else text
         at = body.find(self.end)
@@ -62,10 +67,12 @@ class ChatOutputSplitter:
         prompt: str,
         reasoning: ThinkReasoningParser | None,
         tools: HermesToolParser | None,
+        quoted: Sequence[str] = (),
     ) -> None:
+        """``quoted``: the texts the conversation's messages put in the prompt."""
         self.reasoning = reasoning
         self.tools = tools
-        self.prompt_open = reasoning is not None and reasoning.opens(prompt)
+        self.prompt_open = reasoning is not None and reasoning.opens(prompt, quoted)
         self._visible = TextDeltas(stops)
         self._sent_reasoning = 0
         self._sent_content = 0

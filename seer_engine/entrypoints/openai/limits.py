@@ -86,12 +86,14 @@ class RequestBounds:
     def max_chars(self) -> int:
         return self.max_model_len * MAX_CHARS_PER_TOKEN
 
-    def completion(self, body: Any) -> None:
+    def completion(self, body: Any, truncates: bool = True) -> None:
+        """``truncates``: whether the route honours truncate_prompt_tokens (then a prompt it
+        cuts may be longer than the context)."""
         if not isinstance(body, dict):
             return
-        prompt = body.get("prompt")
+        prompt, cut = body.get("prompt"), truncates and _truncated(body)
         if isinstance(prompt, str):
-            self._text(prompt, "prompt")
+            self._text(prompt, "prompt", cut)
         elif isinstance(prompt, list) and prompt:
             if isinstance(prompt[0], (str, list)):
                 if len(prompt) > MAX_PROMPTS:
@@ -102,23 +104,23 @@ class RequestBounds:
                     )
                 for i, one in enumerate(prompt):
                     if isinstance(one, str):
-                        self._text(one, f"prompt.{i}")
+                        self._text(one, f"prompt.{i}", cut)
                     elif isinstance(one, list):
-                        self._ids(one, f"prompt.{i}")
+                        self._ids(one, f"prompt.{i}", cut)
             else:
-                self._ids(prompt, "prompt")
+                self._ids(prompt, "prompt", cut)
         self._sampling(body)
 
-    def chat(self, body: Any) -> None:
+    def chat(self, body: Any, truncates: bool = True) -> None:
         if not isinstance(body, dict):
             return
         messages = body.get("messages")
         if isinstance(messages, list):
-            if len(messages) >= self.max_model_len:
+            if len(messages) >= self.max_model_len:  # kept when truncating: pydantic walks each one
                 message = too_long_for_context("messages", len(messages), self.max_model_len, "messages")
                 raise APIError(400, f"{message} (each message takes at least one token)", param="messages")
             chars = sum(_content_chars(m) for m in messages)
-            if chars > self.max_chars:
+            if chars > self.max_chars and not (truncates and _truncated(body)):
                 raise APIError(
                     400,
                     f"the messages have {chars} characters of content; a conversation that fits "
@@ -127,8 +129,8 @@ class RequestBounds:
                 )
         self._sampling(body)
 
-    def _text(self, text: str, name: str) -> None:
-        if len(text) > self.max_chars:
+    def _text(self, text: str, name: str, cut: bool) -> None:
+        if len(text) > self.max_chars and not cut:
             raise APIError(
                 400,
                 f"{name} has {len(text)} characters; a prompt that fits max_model_len "
@@ -136,8 +138,8 @@ class RequestBounds:
                 param=name,
             )
 
-    def _ids(self, ids: list, name: str) -> None:
-        if len(ids) >= self.max_model_len:
+    def _ids(self, ids: list, name: str, cut: bool) -> None:
+        if len(ids) >= self.max_model_len and not cut:
             message = too_long_for_context(name, len(ids), self.max_model_len, "token ids")
             raise APIError(400, message, param=name)
 
@@ -164,6 +166,13 @@ class RequestBounds:
                 f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
                 param="stop_token_ids",
             )
+
+
+def _truncated(body: dict) -> bool:
+    """Whether the request keeps only its prompt's last tokens (vLLM's truncate_prompt_tokens):
+    its prompt may then be longer than the context, bounded by the body size alone."""
+    k = body.get("truncate_prompt_tokens")
+    return isinstance(k, int) and not isinstance(k, bool)
 
 
 def _content_chars(message: Any) -> int:

@@ -196,7 +196,10 @@ class OpenAIServingChat(ServingBase):
     def _splitter(
         self, req: ChatCompletionRequest, prompt: str, tools: HermesToolParser | None
     ) -> ChatOutputSplitter:
-        return ChatOutputSplitter(stop_strings(req.stop), prompt, self.reasoning_parser, tools)
+        # A final message being continued is the answer so far: its tags count as the answer's.
+        quoted = req.messages[:-1] if req.continue_final_message else req.messages
+        texts = [_content_text(m, i) for i, m in enumerate(quoted)]
+        return ChatOutputSplitter(stop_strings(req.stop), prompt, self.reasoning_parser, tools, texts)
 
     def _choice(
         self,

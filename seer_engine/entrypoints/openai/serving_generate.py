@@ -94,6 +94,7 @@ class ServingGenerate(ServingBase):
         out = {_RENAMED.get(k, k): (f"sampling_params.{k}", k) for k in names}
         out["prompt"] = ("text", "text") if isinstance(req.prompt, str) else ("input_ids", "input_ids")
         out["logprobs"] = ("top_logprobs_num", "top_logprobs_num")
+        out["request_id"] = ("rid", "rid")
         return out
 
     async def create(self, body: Any) -> dict | list | EventStream:
@@ -120,6 +121,8 @@ class ServingGenerate(ServingBase):
             raise failed[0]
         streams = [s for r in submitted for s in r[0]]  # type: ignore[union-attr]
         releases = [r[1] for r in submitted]  # type: ignore[index]
+        if isinstance(req.rid, str) and len(prompts) > 1:  # a batch's one rid aborts its <rid>-<i>
+            releases.append(self.registry.add(req.rid, len(prompts)))
 
         def release() -> None:
             for r in releases:
@@ -134,7 +137,7 @@ class ServingGenerate(ServingBase):
             release()
         answers = [self._answer(req, out, s, zero)
                    for (_, zero), out in zip(shown, outputs) for s in out.outputs]  # fmt: skip
-        return answers[0] if len(answers) == 1 else answers
+        return answers if _batched(req) or len(answers) > 1 else answers[0]
 
     def _item(self, req: GenerateRequest, prompt: str | list[int], rid: str, params: dict[str, Any]):
         """(the request as /v1/completions would take it, its prompt, its engine parameters,
@@ -157,6 +160,8 @@ class ServingGenerate(ServingBase):
         )  # fmt: skip
         completion = CompletionRequest.model_construct(**fields)
         engine_params = self.sampling_params(completion, completion.max_tokens, completion.logprobs)
+        # Left unset, max_new_tokens (SGLang's default) ends with the context, as SGLang clamps it.
+        engine_params.fit_max_tokens = "max_new_tokens" not in sp.model_fields_set
         return completion, prompt, engine_params, zero
 
     async def _submit(self, completion: CompletionRequest, prompt, params, zero):
@@ -202,16 +207,16 @@ class ServingGenerate(ServingBase):
     ) -> AsyncGenerator[str, None]:
         """SGLang's stream: each event is one output's answer so far (cumulative text and
         ids), with ``index`` where the request has several outputs."""
-        several = len(streams) > 1 or any(c.n > 1 for c, _ in shown)
+        several = _batched(req) or any(c.n > 1 for c, _ in shown)
+        starts = [sum(c.n for c, _ in shown[:p]) for p in range(len(shown))]  # prompts' n may differ
         try:
             async for p, out in merge_outputs(streams):
-                n = shown[p][0].n
                 for sample in out.outputs:
                     if shown[p][1] and not sample.finished:
                         continue  # a prompt scored alone: only its end is shown
                     answer = self._answer(req, out, sample, shown[p][1])
                     if several:
-                        answer["index"] = p * n + sample.index
+                        answer["index"] = starts[p] + sample.index  # its place in the whole answer
                     yield f"data: {json.dumps(answer)}\n\n"
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
@@ -226,10 +231,18 @@ def _validate(model: type, body: Any, prefix: str) -> Any:
         raise APIError(400, f"{prefix}{err.message}", param=f"{prefix}{err.param}") from None
 
 
+def _batched(req: GenerateRequest) -> bool:
+    """Whether the prompts came as a list (a batch, answered with a list, as SGLang's)."""
+    prompt = req.text if req.text is not None else req.input_ids
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
 def _prompts(req: GenerateRequest) -> list[str | list[int]]:
     if (req.text is None) == (req.input_ids is None):
         raise APIError(400, "give either text or input_ids", param="text")
     if req.text is not None:
+        if req.text == []:
+            raise APIError(400, "text is an empty list", param="text")
         return [req.text] if isinstance(req.text, str) else list(req.text)
     ids = req.input_ids or []
     return [ids] if not ids or isinstance(ids[0], int) else list(ids)  # type: ignore[list-item]

@@ -47,7 +47,7 @@ class ServingTokenize:
 
     async def tokenize(self, body: Any) -> dict:
         if isinstance(body, dict) and "messages" in body:
-            self.bounds.chat(body)
+            self.bounds.chat(body, truncates=False)
             chat = _validate(TokenizeChatRequest, body)
             self.chat.check_model(chat.model or None)
             rendered = await self.chat.render_prompt(
@@ -62,7 +62,7 @@ class ServingTokenize:
             )
             text, special, strs = rendered, chat.add_special_tokens, chat.return_token_strs
         else:
-            self.bounds.completion(body)
+            self.bounds.completion(body, truncates=False)
             req = _validate(TokenizeCompletionRequest, body)
             self.chat.check_model(req.model or None)
             text, special, strs = req.prompt, req.add_special_tokens, req.return_token_strs
