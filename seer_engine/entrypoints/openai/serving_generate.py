@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -26,6 +27,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     sse_error,
 )
 from seer_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from seer_engine.sampling_params import SamplingParams
 
 # SGLang's sampling parameter -> this server's (the engine's vLLM names).
 _RENAMED = {
@@ -83,6 +85,16 @@ class GenerateRequest(_Strict):
     rid: str | list[str] | None = None
 
 
+@dataclass(frozen=True)
+class _Item:
+    """One prompt of a /generate request, as /v1/completions would take it."""
+
+    request: CompletionRequest
+    prompt: str | list[int]
+    params: SamplingParams
+    scores_only: bool  # max_new_tokens 0: the prompt is scored, no generated token is shown
+
+
 _REFUSED_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
                    "custom_logit_processor", "session_params", "token_ids_logprob")  # fmt: skip
 
@@ -110,7 +122,7 @@ class ServingGenerate(ServingBase):
             message = f"sampling_params has {len(each)} entries for {len(prompts)} prompts"
             raise APIError(400, message, param="sampling_params")
         items = [self._item(req, p, rid, sp) for p, rid, sp in zip(prompts, rids, each)]
-        submitted = await asyncio.gather(*(self._submit(*item) for item in items), return_exceptions=True)
+        submitted = await asyncio.gather(*(self._submit(item) for item in items), return_exceptions=True)
         failed = [r for r in submitted if isinstance(r, BaseException)]
         if failed:
             for r in submitted:
@@ -128,20 +140,17 @@ class ServingGenerate(ServingBase):
             for r in releases:
                 r()
 
-        shown = [(item[0], item[3]) for item in items]  # (request, max_new_tokens == 0)
         if req.stream:
-            return EventStream(self._stream(req, shown, streams), streams, release)
+            return EventStream(self._stream(req, items, streams), streams, release)
         try:
             outputs = [await final_output(s) for s in streams]
         finally:
             release()
-        answers = [self._answer(req, out, s, zero)
-                   for (_, zero), out in zip(shown, outputs) for s in out.outputs]  # fmt: skip
+        answers = [self._answer(req, out, s, item.scores_only)
+                   for item, out in zip(items, outputs) for s in out.outputs]  # fmt: skip
         return answers if _batched(req) or len(answers) > 1 else answers[0]
 
-    def _item(self, req: GenerateRequest, prompt: str | list[int], rid: str, params: dict[str, Any]):
-        """(the request as /v1/completions would take it, its prompt, its engine parameters,
-        whether it asked for no new tokens: SGLang's max_new_tokens 0 scores the prompt)."""
+    def _item(self, req: GenerateRequest, prompt: str | list[int], rid: str, params: dict[str, Any]) -> _Item:
         sp = _validate(SGLangSamplingParams, params, "sampling_params.")
         if not sp.spaces_between_special_tokens:
             message = "spaces_between_special_tokens false is not supported"
@@ -152,9 +161,10 @@ class ServingGenerate(ServingBase):
             raise APIError(400, message, param="logprob_start_len")
         kept = sp.model_fields_set - {"spaces_between_special_tokens", "stream_interval"}
         fields = {_RENAMED.get(k, k): getattr(sp, k) for k in kept}
-        zero = sp.max_new_tokens == 0
+        scores_only = sp.max_new_tokens == 0
         fields.update(
-            prompt=prompt, request_id=rid, stream=req.stream, max_tokens=1 if zero else sp.max_new_tokens,
+            prompt=prompt, request_id=rid, stream=req.stream,
+            max_tokens=1 if scores_only else sp.max_new_tokens,
             logprobs=req.top_logprobs_num if req.return_logprob else None,
             prompt_logprobs=req.top_logprobs_num if scores_prompt else None,
         )  # fmt: skip
@@ -162,15 +172,18 @@ class ServingGenerate(ServingBase):
         engine_params = self.sampling_params(completion, completion.max_tokens, completion.logprobs)
         # Left unset, max_new_tokens (SGLang's default) ends with the context, as SGLang clamps it.
         engine_params.fit_max_tokens = "max_new_tokens" not in sp.model_fields_set
-        return completion, prompt, engine_params, zero
+        return _Item(completion, prompt, engine_params, scores_only)
 
-    async def _submit(self, completion: CompletionRequest, prompt, params, zero):
-        return await self.submit(completion, completion.request_id or random_id("gen-"), [prompt], params)
+    async def _submit(self, item: _Item):
+        request = item.request
+        return await self.submit(request, request.request_id or random_id("gen-"), [item.prompt], item.params)
 
     # -- answers -------------------------------------------------------------------------
 
-    def _answer(self, req: GenerateRequest, out: RequestOutput, sample: CompletionOutput, zero: bool) -> dict:
-        sample = _scored_only(sample) if zero else sample
+    def _answer(
+        self, req: GenerateRequest, out: RequestOutput, sample: CompletionOutput, scores_only: bool
+    ) -> dict:
+        sample = _scored_only(sample) if scores_only else sample
         meta: dict[str, Any] = {
             "id": out.request_id if len(out.outputs) == 1 else f"{out.request_id}-{sample.index}",
             "finish_reason": _finish_reason(sample),
@@ -203,18 +216,20 @@ class ServingGenerate(ServingBase):
         return body
 
     async def _stream(
-        self, req: GenerateRequest, shown: list[tuple[CompletionRequest, bool]], streams: list
+        self, req: GenerateRequest, items: list[_Item], streams: list
     ) -> AsyncGenerator[str, None]:
         """SGLang's stream: each event is one output's answer so far (cumulative text and
         ids), with ``index`` where the request has several outputs."""
-        several = _batched(req) or any(c.n > 1 for c, _ in shown)
-        starts = [sum(c.n for c, _ in shown[:p]) for p in range(len(shown))]  # prompts' n may differ
+        several = _batched(req) or any(item.request.n > 1 for item in items)
+        starts = [
+            sum(item.request.n for item in items[:p]) for p in range(len(items))
+        ]  # prompts' n may differ
         try:
             async for p, out in merge_outputs(streams):
                 for sample in out.outputs:
-                    if shown[p][1] and not sample.finished:
+                    if items[p].scores_only and not sample.finished:
                         continue  # a prompt scored alone: only its end is shown
-                    answer = self._answer(req, out, sample, shown[p][1])
+                    answer = self._answer(req, out, sample, items[p].scores_only)
                     if several:
                         answer["index"] = starts[p] + sample.index  # its place in the whole answer
                     yield f"data: {json.dumps(answer)}\n\n"
