@@ -1,5 +1,6 @@
 """Engine request edges: stop strings after min_tokens and at max_tokens, long multi-byte stop strings,
-clashing sample ids, infinite temperatures, requests to a sleeping engine."""
+clashing sample ids, infinite temperatures, requests to a sleeping engine, a weight update from
+an empty path."""
 
 from __future__ import annotations
 
@@ -144,3 +145,17 @@ def test_a_text_prompt_the_model_has_no_embedding_for_is_refused(tiny_model, tmp
         llm.generate([text], SamplingParams(max_tokens=4))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+
+
+def test_a_weight_update_from_an_empty_path_is_refused_not_read_from_the_working_directory(
+    llm, tiny_model, monkeypatch
+):
+    """``Path("")`` is ``.``: an empty ``model_path`` (a trainer's unset variable) loaded the
+    checkpoint the server happened to run in; it is refused and the weights stay."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids
+    monkeypatch.chdir(tiny_model("qwen3", seed=1))  # same shapes, other weights
+    for empty in ("", "  "):
+        with pytest.raises(InvalidRequestError, match="model_path is empty"):
+            llm.engine.update_weights(empty)
+    assert llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids == before

@@ -259,3 +259,21 @@ def test_a_save_cut_off_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
     store.save(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["history.json"]
     assert HistoryStore.load(path).lengths([3, 4], before=1) == [(7, 1.0)]
+
+
+def test_a_reopened_store_decays_as_this_runs_half_life_says(tmp_path):
+    """--history-half-life is this run's: a store saved by a run with a half-life, reopened
+    without one, does not decay (the flag's default), and reopened with another takes it."""
+    from seer_engine.rollout.config import HISTORY_FILE, open_history
+
+    store = open_history(str(tmp_path), half_life=1.0)
+    assert store is not None
+    store.record([9], 100)
+    for _ in range(2):  # two weight updates
+        store.next_iteration()
+    store.save(tmp_path / HISTORY_FILE)
+    assert store.lengths([9]) == [(100, 0.25)]
+    for half_life, weight in ((None, 1.0), (2.0, 0.5), (1.0, 0.25)):
+        again = open_history(str(tmp_path), half_life=half_life)
+        assert again is not None and again.half_life == half_life
+        assert again.lengths([9]) == [(100, weight)]

@@ -444,7 +444,12 @@ class LLMEngine:
         message before anything is loaded; tensor shapes are checked while loading,
         and on any error the current weights stay in place. Running requests keep
         going on the new weights (their earlier KV stays), as in partial rollouts.
+        An empty path is refused: as a Path it is the working directory.
         """
+        if not str(path).strip():
+            raise InvalidRequestError(
+                "model_path is empty: give the folder of the new weights", param="model_path"
+            )
         new_cfg = ModelConfig.from_pretrained(Path(path).expanduser())
         diffs = [
             f"{name}: {getattr(self.model_config, name)!r} -> {getattr(new_cfg, name)!r}"

@@ -45,15 +45,15 @@ def history_help(default: str) -> str:
 
 def open_history(spec: str, half_life: float | None = None) -> HistoryStore | None:
     """``off``: None; ``memory``: a fresh store; else a directory: the store saved there
-    (``HISTORY_FILE``), or a fresh one if there is none yet."""
+    (``HISTORY_FILE``), or a fresh one if there is none yet. ``half_life`` is this run's
+    (None: no decay), whatever the run that saved the store had."""
     if spec == "off":
         return None
     if spec != "memory":
         path = Path(spec).expanduser() / HISTORY_FILE
         if path.is_file():
             store = HistoryStore.load(path)
-            if half_life is not None:
-                store.half_life = half_life
+            store.half_life = half_life
             return store
     return HistoryStore(half_life_iterations=half_life)
 
