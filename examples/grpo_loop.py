@@ -297,7 +297,9 @@ class Trainer:
                 p.requires_grad_(True)
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(list(self.trainable.values()), lr=cfg.lr, weight_decay=0.0)
-        self.reference = {n: p.detach().clone() for n, p in self.trainable.items()} if cfg.kl_coef else None
+        # The first run's initial policy, kept (and saved) with or without a KL term: a run
+        # resumed with --kl-coef > 0 then measures from it, whatever earlier runs used.
+        self.reference: dict | None = {n: p.detach().clone() for n, p in self.trainable.items()}
         if cfg.resume:
             self._load_state(path / TRAINER_STATE_FILE)
         # Read now: the source may be a checkpoint of an earlier run that this run's own
@@ -323,9 +325,16 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr  # this run's --lr, as a fresh run would take it
         reference = state.get("reference")
-        if self.cfg.kl_coef and reference is not None:
-            if set(reference) != set(self.trainable):
-                raise GRPOError(f"--resume: the KL reference in {file} covers other parameters")
+        if reference is None:  # saved without one: the first run's initial policy is gone
+            if self.cfg.kl_coef:
+                raise GRPOError(
+                    f"--resume: {file} holds no KL reference (the first run's initial policy); "
+                    "resume with --kl-coef 0, or start a new run from these weights"
+                )
+            self.reference = None
+        elif set(reference) != set(self.trainable):
+            raise GRPOError(f"--resume: the KL reference in {file} covers other parameters")
+        else:
             self.reference = reference
 
     def logprobs(
@@ -371,7 +380,7 @@ class Trainer:
                 micro = active[start : start + self.cfg.micro_batch]
                 scaled, raw = self.logprobs(micro)
                 ref = None
-                if self.reference is not None:
+                if self.reference is not None and self.cfg.kl_coef:
                     with torch.no_grad():
                         ref, _ = self.logprobs(micro, self.reference)
                 loss = torch.zeros(())

@@ -188,6 +188,17 @@ def test_a_resumed_trainer_trains_as_one_that_went_on(grpo, tiny_model, tmp_path
     fresh = grpo.Trainer(checkpoint, replace(cfg, model=str(checkpoint)))  # without --resume: no state read
     assert not all(torch.equal(fresh.reference[n], initial[n]) for n in initial)
 
+    # The reference outlives runs without a KL term: a later one with it measures from it.
+    no_kl = grpo.Trainer(checkpoint, replace(cfg, model=str(checkpoint), resume=True, kl_coef=0.0))
+    again = no_kl.save(tmp_path / "iter-2", 2)
+    with_kl = grpo.Trainer(again, replace(cfg, model=str(again), resume=True))
+    assert all(torch.equal(with_kl.reference[n], initial[n]) for n in initial)
+    state = torch.load(again / grpo.TRAINER_STATE_FILE, weights_only=True)
+    torch.save({**state, "reference": None}, again / grpo.TRAINER_STATE_FILE)  # as an older loop saved it
+    with pytest.raises(grpo.GRPOError, match="holds no KL reference"):
+        grpo.Trainer(again, replace(cfg, model=str(again), resume=True))
+    assert grpo.Trainer(again, replace(cfg, model=str(again), resume=True, kl_coef=0.0)).reference is None
+
     (checkpoint / grpo.TRAINER_STATE_FILE).rename(tmp_path / "state.pt")
     with pytest.raises(grpo.GRPOError, match="grpo_trainer_state.pt is missing"):
         grpo.Trainer(checkpoint, replace(cfg, resume=True))
