@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from seer_engine.engine.async_engine import AsyncEngine
@@ -35,7 +35,7 @@ from seer_engine.entrypoints.openai.admin import admin_router, package_version
 from seer_engine.entrypoints.openai.batch import BatchManager, batches_router, refusing_router
 from seer_engine.entrypoints.openai.batch_store import BatchAPIClaim, BatchStore
 from seer_engine.entrypoints.openai.chat_output import REASONING_PARSERS
-from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers, invalid_body
+from seer_engine.entrypoints.openai.errors import APIError, install_error_handlers, validate_body
 from seer_engine.entrypoints.openai.files import FileStore, files_router
 from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
 from seer_engine.entrypoints.openai.limits import DEFAULT_MAX_UPLOAD_BYTES, BodyLimits, RequestBounds
@@ -132,10 +132,7 @@ class EventStreamResponse(StreamingResponse):
 
 def parse_body(model: type[M], body: dict, request_id: str) -> M:
     """A batch line's body as a request model (stream off, the line's request id)."""
-    try:
-        req = model.model_validate(body)
-    except ValidationError as e:
-        raise invalid_body(e) from None
+    req = validate_body(model, body)
     if req.stream:
         raise APIError(400, "stream is not supported in a batch", param="stream")
     return req.model_copy(update={"request_id": request_id})

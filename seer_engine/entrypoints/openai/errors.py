@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from seer_engine.engine.client import EngineBusyError, EngineDeadError
 from seer_engine.sampling_params import InvalidRequestError
+
+M = TypeVar("M", bound=BaseModel)
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +89,21 @@ def as_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
 
 
-def invalid_body(exc: ValidationError) -> APIError:
+def invalid_body(exc: ValidationError, prefix: str = "") -> APIError:
     """A body validated outside a route's signature (batch lines, /tokenize's two shapes)
-    refused as a route's body is: a 400 naming the first field at fault."""
+    refused as a route's body is: a 400 naming the first field at fault (``prefix``: where
+    the validated part sits in the body, e.g. ``sampling_params.``)."""
     first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+    where = prefix + (".".join(str(p) for p in first.get("loc", ())) or "body")
     return APIError(400, f"{where}: {first.get('msg', 'invalid')}", param=where)
+
+
+def validate_body(model: type[M], body: Any, prefix: str = "") -> M:
+    """``body`` as ``model``, or the 400 ``invalid_body`` makes of what is wrong with it."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise invalid_body(e, prefix) from None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:

@@ -264,7 +264,7 @@ def token_label(token_id: int, text: str, as_id: bool) -> str:
     return f"token_id:{token_id}" if as_id else text
 
 
-def top_entries(step: dict, chosen: int, top_n: int, as_ids: bool = False) -> list[tuple[int, float, str]]:
+def top_entries(step: dict, top_n: int, as_ids: bool = False) -> list[tuple[int, float, str]]:
     """(token id, logprob, label) of the top-N by rank, best first."""
     ranked = sorted(step.items(), key=lambda kv: kv[1].rank)
     return [
@@ -289,7 +289,7 @@ def completion_logprobs(
         label = token_label(tid, text, as_ids)
         tokens.append(label)
         token_logprobs.append(finite(chosen.logprob))
-        top = {t: finite(lp) for _, lp, t in top_entries(step, tid, top_n, as_ids)}
+        top = {t: finite(lp) for _, lp, t in top_entries(step, top_n, as_ids)}
         top.setdefault(label, finite(chosen.logprob))
         tops.append(top)
         offsets.append(text_offset)
@@ -329,7 +329,7 @@ def chat_logprobs(
                 "bytes": list(label.encode("utf-8")),
                 "top_logprobs": [
                     {"token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8"))}
-                    for _, lp, t in top_entries(step, tid, top_n, as_ids)
+                    for _, lp, t in top_entries(step, top_n, as_ids)
                 ],
             }
         )

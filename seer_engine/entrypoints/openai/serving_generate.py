@@ -14,9 +14,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
-from seer_engine.entrypoints.openai.errors import APIError, invalid_body
+from seer_engine.entrypoints.openai.errors import APIError, validate_body
 from seer_engine.entrypoints.openai.protocol import CompletionRequest, _Strict
 from seer_engine.entrypoints.openai.serving_base import (
     EventStream,
@@ -25,6 +25,7 @@ from seer_engine.entrypoints.openai.serving_base import (
     merge_outputs,
     random_id,
     sse_error,
+    top_entries,
 )
 from seer_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from seer_engine.sampling_params import SamplingParams
@@ -110,7 +111,7 @@ class ServingGenerate(ServingBase):
         return out
 
     async def create(self, body: Any) -> dict | list | EventStream:
-        req = _validate(GenerateRequest, body, "")
+        req = validate_body(GenerateRequest, body)
         for name in _REFUSED_FIELDS:
             if isinstance(body, dict) and body.get(name) is not None:
                 raise APIError(400, f"{name} is not supported", param=name)
@@ -151,7 +152,7 @@ class ServingGenerate(ServingBase):
         return answers if _batched(req) or len(answers) > 1 else answers[0]
 
     def _item(self, req: GenerateRequest, prompt: str | list[int], rid: str, params: dict[str, Any]) -> _Item:
-        sp = _validate(SGLangSamplingParams, params, "sampling_params.")
+        sp = validate_body(SGLangSamplingParams, params, "sampling_params.")
         if not sp.spaces_between_special_tokens:
             message = "spaces_between_special_tokens false is not supported"
             raise APIError(400, message, param="sampling_params.spaces_between_special_tokens")
@@ -238,14 +239,6 @@ class ServingGenerate(ServingBase):
         yield "data: [DONE]\n\n"
 
 
-def _validate(model: type, body: Any, prefix: str) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = invalid_body(e)
-        raise APIError(400, f"{prefix}{err.message}", param=f"{prefix}{err.param}") from None
-
-
 def _batched(req: GenerateRequest) -> bool:
     """Whether the prompts came as a list (a batch, answered with a list, as SGLang's)."""
     prompt = req.text if req.text is not None else req.input_ids
@@ -291,8 +284,7 @@ def _entry(lp: Logprob, token_id: int, with_text: bool) -> list:
 
 
 def _tops(step: dict[int, Logprob], top_n: int, with_text: bool) -> list[list]:
-    ranked = sorted(step.items(), key=lambda kv: kv[1].rank)
-    return [_entry(lp, t, with_text) for t, lp in ranked if lp.rank <= top_n]
+    return [[lp, t, text if with_text else None] for t, lp, text in top_entries(step, top_n)]
 
 
 def _scored_only(sample: CompletionOutput) -> CompletionOutput:

@@ -13,11 +13,10 @@ import copy
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import ValidationError
 
 from seer_engine.engine.client import EngineClient
 from seer_engine.engine.detokenizer import Detokenizer
-from seer_engine.entrypoints.openai.errors import APIError, invalid_body
+from seer_engine.entrypoints.openai.errors import APIError, validate_body
 from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
 from seer_engine.entrypoints.openai.limits import RequestBounds
 from seer_engine.entrypoints.openai.protocol import (
@@ -48,7 +47,7 @@ class ServingTokenize:
     async def tokenize(self, body: Any) -> dict:
         if isinstance(body, dict) and "messages" in body:
             self.bounds.chat(body, truncates=False)
-            chat = _validate(TokenizeChatRequest, body)
+            chat = validate_body(TokenizeChatRequest, body)
             self.chat.check_model(chat.model or None)
             rendered = await self.chat.render_prompt(
                 ChatCompletionRequest(
@@ -63,7 +62,7 @@ class ServingTokenize:
             text, special, strs = rendered, chat.add_special_tokens, chat.return_token_strs
         else:
             self.bounds.completion(body, truncates=False)
-            req = _validate(TokenizeCompletionRequest, body)
+            req = validate_body(TokenizeCompletionRequest, body)
             self.chat.check_model(req.model or None)
             text, special, strs = req.prompt, req.add_special_tokens, req.return_token_strs
         ids, pieces = await self._run(self._encode, self._tokenizer, text, special, strs)
@@ -71,7 +70,7 @@ class ServingTokenize:
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": pieces}
 
     async def detokenize(self, body: Any) -> dict:
-        req = _validate(DetokenizeRequest, body)
+        req = validate_body(DetokenizeRequest, body)
         self.chat.check_model(req.model or None)
         vocab = self.engine.vocab_size
         for i, t in enumerate(req.tokens):
@@ -93,13 +92,6 @@ class ServingTokenize:
     ) -> tuple[list[int], list[str] | None]:
         ids = tokenizer.encode(text, add_special_tokens)
         return ids, tokenizer.token_strings(ids) if strs else None
-
-
-def _validate(model: type, body: Any) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise invalid_body(e) from None
 
 
 def tokenize_router(serving: ServingTokenize) -> APIRouter:
