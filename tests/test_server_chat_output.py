@@ -263,9 +263,9 @@ def test_streamed_parts_add_up_to_the_whole_responses(prompt, text, reasoning, t
     deltas never show what the whole response would not, and add up to it."""
 
     def splitter() -> ChatOutputSplitter:
-        return ChatOutputSplitter(
-            [], prompt, ThinkReasoningParser() if reasoning else None, HermesToolParser() if tools else None
-        )
+        think = ThinkReasoningParser() if reasoning else None
+        prompt_open = think is not None and think.opens(prompt)
+        return ChatOutputSplitter([], think, HermesToolParser() if tools else None, prompt_open)
 
     whole = splitter().parts(text)
     stream, got_reasoning, got_content, got_calls = splitter(), "", "", []

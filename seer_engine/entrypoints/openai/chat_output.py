@@ -64,15 +64,14 @@ class ChatOutputSplitter:
     def __init__(
         self,
         stops: list[str],
-        prompt: str,
         reasoning: ThinkReasoningParser | None,
         tools: HermesToolParser | None,
-        quoted: Sequence[str] = (),
+        prompt_open: bool = False,
     ) -> None:
-        """``quoted``: the texts the conversation's messages put in the prompt."""
+        """``prompt_open``: the prompt left a reasoning block open (``reasoning.opens``)."""
         self.reasoning = reasoning
         self.tools = tools
-        self.prompt_open = reasoning is not None and reasoning.opens(prompt, quoted)
+        self.prompt_open = prompt_open
         self._visible = TextDeltas(stops)
         self._sent_reasoning = 0
         self._sent_content = 0

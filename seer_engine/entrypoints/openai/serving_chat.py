@@ -145,17 +145,14 @@ class OpenAIServingChat(ServingBase):
         params = self.sampling_params(req, getattr(req, _max_tokens_field(req)), logprobs)
         request_id = req.request_id or random_id("chatcmpl-")
         (stream,), release = await self.submit(req, request_id, [prompt], params)
+        splitter = self._splitters(req, prompt, parser)
         if req.stream:
-            split = functools.partial(self._splitter, req, prompt, parser)
-            return EventStream(self._stream(req, request_id, stream, split), [stream], release)
+            return EventStream(self._stream(req, request_id, stream, splitter), [stream], release)
         try:
             out = await final_output(stream)
         finally:
             release()
-        choices = [
-            self._choice(req, out.prompt_token_ids, s, self._splitter(req, prompt, parser))
-            for s in out.outputs
-        ]
+        choices = [self._choice(req, out.prompt_token_ids, s, splitter()) for s in out.outputs]
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -193,13 +190,17 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, message, param="tool_choice")
         return self.tool_parser
 
-    def _splitter(
+    def _splitters(
         self, req: ChatCompletionRequest, prompt: str, tools: HermesToolParser | None
-    ) -> ChatOutputSplitter:
-        # A final message being continued is the answer so far: its tags count as the answer's.
-        quoted = req.messages[:-1] if req.continue_final_message else req.messages
-        texts = [_content_text(m, i) for i, m in enumerate(quoted)]
-        return ChatOutputSplitter(stop_strings(req.stop), prompt, self.reasoning_parser, tools, texts)
+    ) -> Callable[[], ChatOutputSplitter]:
+        """What makes each choice's splitter; whether the prompt left a reasoning block
+        open is read once. A final message being continued is the answer so far: its tags
+        count as the answer's; the other messages' texts open and close nothing."""
+        reasoning, prompt_open = self.reasoning_parser, False
+        if reasoning is not None:
+            quoted = req.messages[:-1] if req.continue_final_message else req.messages
+            prompt_open = reasoning.opens(prompt, [_content_text(m, i) for i, m in enumerate(quoted)])
+        return functools.partial(ChatOutputSplitter, stop_strings(req.stop), reasoning, tools, prompt_open)
 
     def _choice(
         self,
