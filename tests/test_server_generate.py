@@ -199,6 +199,8 @@ def test_generate_batch_is_aborted_by_its_rid(server, http):
         ({"input_ids": [1, -4]}, "input_ids"),
         ({"text": "x", "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
         ({"text": "x", "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+        ({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 8}, "logprob_start_len"),
+        ({"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
         ([1, 2], "body"),
     ],
 )

@@ -79,7 +79,7 @@ class GenerateRequest(_Strict):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
-    logprob_start_len: int = -1  # >= 0: the prompt's logprobs from this position too
+    logprob_start_len: int = Field(default=-1, ge=-1)  # >= 0: the prompt's logprobs from this position too
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     stream: bool = False
@@ -207,6 +207,9 @@ class ServingGenerate(ServingBase):
     def _prompt_logprobs(req: GenerateRequest, out: RequestOutput) -> dict:
         start, text = req.logprob_start_len, req.return_text_in_logprobs
         ids, scored = out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        if start > len(ids):  # as SGLang aborts it; a text prompt's length is known once tokenized
+            message = f"logprob_start_len ({start}) is higher than the number of input tokens ({len(ids)})"
+            raise APIError(400, message, param="logprob_start_len")
         pairs = zip(ids[start:], scored[start:])
         entries = [[None, t, None] if step is None else _entry(step[t], t, text) for t, step in pairs]
         body: dict = {"input_token_logprobs": entries}
