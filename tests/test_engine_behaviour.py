@@ -193,6 +193,22 @@ def test_invalid_prompts_are_named(llm):
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
+def test_prompts_are_taken_in_each_form_vllms_llm_takes(llm):
+    import numpy as np
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    ids = [5, 6, 7]
+    expected = llm.generate([ids], greedy)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": ids}, np.array(ids), list(np.array(ids))):
+        (out,) = llm.generate(prompt, greedy)
+        assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, expected)
+    text, tokens = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids}], greedy)
+    assert text.prompt == "Hello" and tokens.prompt_token_ids == ids
+    assert len(llm.generate((p for p in ["a", "b"]), greedy)) == 2
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        llm.generate({"text": "Hello"}, greedy)
+
+
 def test_bad_model_folders_are_named(tmp_path, model_path):
     with pytest.raises(ModelLoadError, match="not a directory"):
         LLM(str(tmp_path / "nope"))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -12,7 +13,36 @@ from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's TextPrompt / TokensPrompt: {"prompt": ...} / {"prompt_token_ids": ...}.
+Prompt = str | Sequence[int] | Mapping[str, object]
+
+
+def _engine_prompt(prompt: Prompt) -> str | Sequence[int]:
+    """The text or token ids of a prompt as vLLM's ``LLM`` takes it: a prompt dict is
+    unpacked, and numpy integer ids (``list(array)``) become ints, which the engine checks."""
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]  # type: ignore[assignment]
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]  # type: ignore[assignment]
+        else:
+            keys = sorted(map(str, prompt))
+            raise InvalidRequestError(
+                f"a prompt dict must hold 'prompt' or 'prompt_token_ids', got keys {keys}", param="prompt"
+            )
+    if hasattr(prompt, "tolist"):  # a numpy array or torch tensor of ids
+        prompt = prompt.tolist()  # type: ignore[union-attr]
+    if isinstance(prompt, (list, tuple)):
+        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
+    return prompt  # type: ignore[return-value]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """``generate``'s prompts as a list, one prompt (text, ids, a dict) becoming a list of one."""
+    if isinstance(prompts, (str, Mapping)) or hasattr(prompts, "tolist"):
+        return [prompts]
+    listed = list(prompts)
+    return [listed] if listed and isinstance(listed[0], numbers.Integral) else listed  # type: ignore[list-item]
 
 
 class LLM:
@@ -33,9 +63,9 @@ class LLM:
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Generate for every prompt (text, token ids or a vLLM prompt dict); outputs in
+        prompt order."""
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompts):
@@ -50,7 +80,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, param_list)):
                 rid = str(next(self._ids))
                 try:
-                    self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                    engine_prompt = _engine_prompt(prompt)
+                    self.engine.add_request(rid, engine_prompt, p, priority=priority[i] if priority else 0)
                 except InvalidRequestError as e:  # of several prompts, say which
                     if len(prompts) == 1:
                         raise
