@@ -149,9 +149,21 @@ def test_batch_create_errors(client, http):
         ({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "1h"}, 400),
         ({"input_file_id": 5, "endpoint": "/v1/completions"}, 400),
         ({"endpoint": "/v1/completions"}, 400),
+        # OpenAI's metadata bounds: 16 pairs, 64-character keys, 512-character values
+        (
+            {
+                "input_file_id": file_id,
+                "endpoint": "/v1/completions",
+                "metadata": {f"k{i}": "v" for i in range(17)},
+            },
+            400,
+        ),
+        ({"input_file_id": file_id, "endpoint": "/v1/completions", "metadata": {"k" * 65: "v"}}, 400),
+        ({"input_file_id": file_id, "endpoint": "/v1/completions", "metadata": {"k": "v" * 513}}, 400),
     ]:
         resp = http.post("/v1/batches", json=body)
         assert resp.status_code == status and "message" in resp.json()["error"], resp.text
+        assert "metadata" not in body or resp.json()["error"]["param"].startswith("metadata"), resp.text
     assert http.get("/v1/batches/batch_missing").status_code == 404
     assert http.post("/v1/batches/batch_missing/cancel").status_code == 404
     assert http.get("/v1/batches", params={"limit": 0}).status_code == 400

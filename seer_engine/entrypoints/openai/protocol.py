@@ -12,7 +12,7 @@ own (``max_tokens``: up to the context length) it is kept.
 from __future__ import annotations
 
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -222,11 +222,16 @@ class DetokenizeRequest(_Strict):
 # --------------------------------------------------------------------------- batches
 
 
+# OpenAI's metadata: at most 16 pairs, keys of up to 64 characters, values of up to 512.
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
 class BatchCreateRequest(_Strict):
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
-    metadata: dict[str, str] | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
 
 
 # ------------------------------------------------------------------------ RL control
