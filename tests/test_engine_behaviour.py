@@ -209,6 +209,19 @@ def test_prompts_are_taken_in_each_form_vllms_llm_takes(llm):
         llm.generate({"text": "Hello"}, greedy)
 
 
+def test_chat_renders_each_conversation_with_the_chat_template(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    first = [{"role": "user", "content": "hi"}]
+    second = [*first, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    outs = llm.chat([first, second], greedy)
+    for conversation, out in zip([first, second], outs):
+        text = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        alone = llm.generate(text, greedy.clone(add_special_tokens=False))[0]
+        assert out.prompt == text and out.prompt_token_ids == alone.prompt_token_ids
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.chat(first, greedy)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
 def test_bad_model_folders_are_named(tmp_path, model_path):
     with pytest.raises(ModelLoadError, match="not a directory"):
         LLM(str(tmp_path / "nope"))

@@ -97,5 +97,41 @@ class LLM:
             raise
         return [done[rid] for rid in ids]
 
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, object]] | Sequence[Sequence[Mapping[str, object]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation or a list of them, each rendered with the
+        model's chat template and generated; the template writes the special tokens, so
+        the rendered text is tokenized without adding them again."""
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        prompts = [
+            self.engine.detokenizer.apply_chat_template(
+                [dict(m) for m in conversation],  # type: ignore[arg-type]
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
+            for conversation in conversations
+        ]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        chat_params = [p.clone(add_special_tokens=False) for p in params]
+        return self.generate(prompts, chat_params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
     def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         return self.engine.abort_request(request_ids)
