@@ -26,8 +26,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's (``RequestOutput.finished`` is a field)."""
         return self.finish_reason is not None
 
 

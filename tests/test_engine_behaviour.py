@@ -209,6 +209,11 @@ def test_prompts_are_taken_in_each_form_vllms_llm_takes(llm):
         llm.generate({"text": "Hello"}, greedy)
 
 
+def test_a_samples_finished_is_a_method_as_in_vllm(llm):
+    (out,) = llm.generate("Hello", SamplingParams(max_tokens=2))
+    assert out.finished is True and out.outputs[0].finished() is True
+
+
 def test_chat_renders_each_conversation_with_the_chat_template(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     first = [{"role": "user", "content": "hi"}]

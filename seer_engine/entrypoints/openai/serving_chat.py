@@ -263,9 +263,9 @@ class OpenAIServingChat(ServingBase):
                     if first:
                         deltas[i] = splitter()
                         sent_tokens[i] = 0
-                    reasoning, text, calls = deltas[i].step(sample.text, sample.finished)
+                    reasoning, text, calls = deltas[i].step(sample.text, sample.finished())
                     new_ids = sample.token_ids[sent_tokens[i] :]
-                    if not (text or reasoning or new_ids or sample.finished or first):
+                    if not (text or reasoning or new_ids or sample.finished() or first):
                         continue
                     delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
                     if reasoning:
@@ -288,7 +288,7 @@ class OpenAIServingChat(ServingBase):
                             choice["prompt_token_ids"] = out.prompt_token_ids
                         choice["token_ids"] = new_ids
                     sent_tokens[i] = len(sample.token_ids)
-                    if sample.finished:
+                    if sample.finished():
                         done.add(i)
                     choices.append(choice)
                 if choices:

@@ -189,11 +189,11 @@ class OpenAIServingCompletion(ServingBase):
                         offsets[index] = 0
                         if req.echo and req.logprobs is not None:
                             echoed, offsets[index] = self._echo_logprobs(req, out)
-                    text = deltas[index].delta(sample.text, sample.finished)
+                    text = deltas[index].delta(sample.text, sample.finished())
                     if first and req.echo:
                         text = self._prompt_text(out) + text
                     new_ids = sample.token_ids[sent_tokens[index] :]
-                    if not (text or new_ids or sample.finished or first):
+                    if not (text or new_ids or sample.finished() or first):
                         continue
                     choice: dict = {
                         "index": index,
@@ -213,7 +213,7 @@ class OpenAIServingCompletion(ServingBase):
                             choice["prompt_token_ids"] = out.prompt_token_ids
                         choice["token_ids"] = new_ids
                     sent_tokens[index] = len(sample.token_ids)
-                    if sample.finished:
+                    if sample.finished():
                         done.add(index)
                     choices.append(choice)
                 if choices:
@@ -239,7 +239,7 @@ def _shown(req: CompletionRequest, out: RequestOutput) -> RequestOutput:
     samples = [
         dataclasses.replace(
             s, text="", token_ids=[], cumulative_logprob=None if s.logprobs is None else 0.0,
-            logprobs=None if s.logprobs is None else [], finish_reason="length" if s.finished else None,
+            logprobs=None if s.logprobs is None else [], finish_reason="length" if s.finished() else None,
             stop_reason=None,
         )
         for s in out.outputs

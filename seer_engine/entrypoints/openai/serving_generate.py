@@ -231,7 +231,7 @@ class ServingGenerate(ServingBase):
         try:
             async for p, out in merge_outputs(streams):
                 for sample in out.outputs:
-                    if items[p].scores_only and not sample.finished:
+                    if items[p].scores_only and not sample.finished():
                         continue  # a prompt scored alone: only its end is shown
                     answer = self._answer(req, out, sample, items[p].scores_only)
                     if several:
