@@ -185,6 +185,19 @@ def test_files_api(client, http):
     assert http.post("/v1/files", json={"purpose": "batch"}).status_code == 400
 
 
+def test_files_and_batches_made_in_the_same_second_list_newest_first(server, client, model):
+    file_ids = [_upload(client, [_completion_line("a", model, max_tokens=1)]) for _ in range(5)]
+    assert [f.id for f in client.files.list(purpose="batch", limit=5).data] == file_ids[::-1]
+    create = client.batches.create
+    batch_ids = [
+        create(input_file_id=file_ids[0], endpoint="/v1/completions", completion_window="24h").id
+        for _ in range(5)
+    ]
+    assert [b.id for b in client.batches.list(limit=5).data] == batch_ids[::-1]
+    for batch_id in batch_ids:
+        _wait(server, client, batch_id)
+
+
 def test_cancel_batch(server, client, http, model):
     assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
     try:

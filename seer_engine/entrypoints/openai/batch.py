@@ -32,7 +32,7 @@ from fastapi import APIRouter, Query
 from seer_engine.engine.client import EngineDeadError
 from seer_engine.entrypoints.openai.batch_store import BatchStore, pause_for_test, plan_fields
 from seer_engine.entrypoints.openai.errors import APIError, BodyError, as_api_error, error_body
-from seer_engine.entrypoints.openai.files import FileStore, new_file_id, page
+from seer_engine.entrypoints.openai.files import FileStore, new_file_id, ordered_hex, page
 from seer_engine.entrypoints.openai.json_body import JSONRoute, decode_utf8, parse_json_text
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, BatchCreateRequest
 
@@ -210,7 +210,7 @@ class BatchManager:
             raise APIError(400, message, param="input_file_id")
         now = int(time.time())
         batch = {
-            "id": f"batch_{uuid.uuid4().hex}",
+            "id": f"batch_{ordered_hex()}",
             "object": "batch",
             "endpoint": req.endpoint,
             "model": self.model,

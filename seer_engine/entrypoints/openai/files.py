@@ -46,8 +46,14 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def ordered_hex() -> str:
+    """32 hex digits that sort in creation order (nanoseconds, then random bits), so ids
+    of the same second list newest first, as OpenAI's lists do, after a restart too."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"
+
+
 def new_file_id() -> str:
-    return f"file-{uuid.uuid4().hex}"
+    return f"file-{ordered_hex()}"
 
 
 def remove_partial_writes(root: Path) -> None:
