@@ -225,6 +225,9 @@ def test_chat_renders_each_conversation_with_the_chat_template(llm):
         assert out.prompt == text and out.prompt_token_ids == alone.prompt_token_ids
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     assert llm.chat(first, greedy)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    (as_parts,) = llm.chat([{"role": "user", "content": parts}], greedy)
+    assert as_parts.prompt == llm.chat([{"role": "user", "content": "hi\nthere"}], greedy)[0].prompt
 
 
 def test_bad_model_folders_are_named(tmp_path, model_path):

@@ -10,6 +10,8 @@ from tqdm import tqdm
 
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
+from seer_engine.entrypoints.openai.chat_messages import template_message
+from seer_engine.entrypoints.openai.protocol import ChatMessage
 from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -109,13 +111,14 @@ class LLM:
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation or a list of them, each rendered with the
-        model's chat template and generated; the template writes the special tokens, so
-        the rendered text is tokenized without adding them again."""
+        model's chat template as the server's chat route renders it (text content parts
+        joined) and generated; the template writes the special tokens, so the rendered text
+        is tokenized without adding them again."""
         one = bool(messages) and isinstance(messages[0], Mapping)
         conversations = [messages] if one else list(messages)
         prompts = [
             self.engine.detokenizer.apply_chat_template(
-                [dict(m) for m in conversation],  # type: ignore[arg-type]
+                [template_message(ChatMessage.model_validate(m), i) for i, m in enumerate(conversation)],
                 add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any
 
 from seer_engine.engine.client import EngineClient
+from seer_engine.entrypoints.openai.chat_messages import content_text, template_message
 from seer_engine.entrypoints.openai.chat_output import ChatOutputSplitter, ThinkReasoningParser
 from seer_engine.entrypoints.openai.errors import APIError
-from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from seer_engine.entrypoints.openai.protocol import ChatCompletionRequest
 from seer_engine.entrypoints.openai.serving_base import (
     EventStream,
     RequestRegistry,
@@ -29,45 +28,6 @@ from seer_engine.entrypoints.openai.serving_base import (
 )
 from seer_engine.entrypoints.openai.tool_parsers import HermesToolParser, tool_call_id
 from seer_engine.outputs import CompletionOutput
-
-
-def _content_text(message: ChatMessage, index: int) -> str:
-    """A message's text; text parts are joined by newlines, as vLLM renders them for a
-    template that reads ``content`` as a string (the same prompt tokens as under vLLM)."""
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise APIError(
-                400, f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}"
-            )
-        texts.append(part.text)
-    return "\n".join(texts)
-
-
-def _template_message(message: ChatMessage, index: int) -> dict:
-    """What the template sees of a message: its text, name and extra fields as sent; an
-    assistant's tool calls with their arguments as objects (OpenAI sends them as JSON
-    text; templates write them out as objects), as vLLM hands them over."""
-    out = {**(message.model_extra or {}), "role": message.role, "content": _content_text(message, index)}
-    if message.name is not None:
-        out["name"] = message.name
-    if isinstance(out.get("tool_calls"), list):
-        out["tool_calls"] = [_arguments_as_object(call) for call in out["tool_calls"]]
-    return out
-
-
-def _arguments_as_object(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    arguments = function.get("arguments") if isinstance(function, dict) else None
-    if not isinstance(arguments, str):
-        return call
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def _max_tokens_field(req: ChatCompletionRequest) -> str:
@@ -119,7 +79,7 @@ class OpenAIServingChat(ServingBase):
             raise APIError(
                 400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
             )
-        messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+        messages = [template_message(m, i) for i, m in enumerate(req.messages)]
         render = functools.partial(
             detokenizer.apply_chat_template,
             messages,
@@ -199,7 +159,7 @@ class OpenAIServingChat(ServingBase):
         reasoning, prompt_open = self.reasoning_parser, False
         if reasoning is not None:
             quoted = req.messages[:-1] if req.continue_final_message else req.messages
-            prompt_open = reasoning.opens(prompt, [_content_text(m, i) for i, m in enumerate(quoted)])
+            prompt_open = reasoning.opens(prompt, [content_text(m, i) for i, m in enumerate(quoted)])
         return functools.partial(ChatOutputSplitter, stop_strings(req.stop), reasoning, tools, prompt_open)
 
     def _choice(

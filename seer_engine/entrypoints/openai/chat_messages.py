@@ -1,0 +1,49 @@
+"""Chat messages as a chat template sees them, for the server's chat route and ``LLM.chat``
+alike, so both render a conversation into the same prompt."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from seer_engine.entrypoints.openai.protocol import ChatMessage
+from seer_engine.sampling_params import InvalidRequestError
+
+
+def content_text(message: ChatMessage, index: int) -> str:
+    """A message's text; text parts are joined by newlines, as vLLM renders them for a
+    template that reads ``content`` as a string (the same prompt tokens as under vLLM)."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise InvalidRequestError(
+                f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def template_message(message: ChatMessage, index: int) -> dict:
+    """What the template sees of a message: its text, name and extra fields as sent; an
+    assistant's tool calls with their arguments as objects (OpenAI sends them as JSON
+    text; templates write them out as objects), as vLLM hands them over."""
+    out = {**(message.model_extra or {}), "role": message.role, "content": content_text(message, index)}
+    if message.name is not None:
+        out["name"] = message.name
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_arguments_as_object(call) for call in out["tool_calls"]]
+    return out
+
+
+def _arguments_as_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
