@@ -228,6 +228,13 @@ def test_chat_renders_each_conversation_with_the_chat_template(llm):
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     (as_parts,) = llm.chat([{"role": "user", "content": parts}], greedy)
     assert as_parts.prompt == llm.chat([{"role": "user", "content": "hi\nthere"}], greedy)[0].prompt
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set tokenize"):
+        llm.chat(first, greedy, chat_template_kwargs={"tokenize": True})
+
+
+def test_a_sampling_params_list_of_the_wrong_type_is_named(llm):
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got str"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=1), "x"])  # type: ignore[list-item]
 
 
 def test_bad_model_folders_are_named(tmp_path, model_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from seer_engine.model_executor.model_config import ModelLoadError
 from seer_engine.outputs import Logprob, SampleLogprobs
+from seer_engine.sampling_params import InvalidRequestError
 
 
 class Detokenizer:
@@ -60,6 +61,13 @@ class Detokenizer:
         named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
         return frozenset(named | {"messages"})
 
+    def check_template_kwargs(self, template_kwargs: dict) -> None:
+        """Template variables may not pass for ``apply_chat_template``'s own arguments."""
+        reserved = sorted(set(template_kwargs) & self.chat_template_arguments)
+        if reserved:
+            message = f"chat_template_kwargs may not set {', '.join(reserved)}"
+            raise InvalidRequestError(message, param="chat_template_kwargs")
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -72,6 +80,7 @@ class Detokenizer:
     ) -> str:
         """The conversation as text; ``template_kwargs`` are variables the template reads
         (e.g. Qwen3's ``enable_thinking``); ``tools``: OpenAI tool definitions it renders."""
+        self.check_template_kwargs(template_kwargs or {})
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools,

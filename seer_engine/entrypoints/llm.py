@@ -72,6 +72,9 @@ class LLM:
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompts):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        for i, p in enumerate(param_list):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []

@@ -74,11 +74,7 @@ class OpenAIServingChat(ServingBase):
             )
         kwargs = req.chat_template_kwargs or {}
         detokenizer = self.engine.detokenizer
-        reserved = sorted(set(kwargs) & detokenizer.chat_template_arguments)
-        if reserved:
-            raise APIError(
-                400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
-            )
+        detokenizer.check_template_kwargs(kwargs)  # before the thread, whose errors blame the template
         messages = [template_message(m, i) for i, m in enumerate(req.messages)]
         render = functools.partial(
             detokenizer.apply_chat_template,
