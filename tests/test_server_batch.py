@@ -245,7 +245,7 @@ def test_restart_keeps_files_and_batches_and_resumes(server, client, http, model
         endpoint="/v1/completions",
         completion_window="24h",
     )
-    _wait(server, client, pending.id, statuses=("in_progress",))
+    started = _wait(server, client, pending.id, statuses=("in_progress",)).in_progress_at
     server.restart()
     with server.openai() as fresh:
         again = fresh.batches.retrieve(finished.id)
@@ -254,6 +254,7 @@ def test_restart_keeps_files_and_batches_and_resumes(server, client, http, model
         assert finished.input_file_id in [f.id for f in fresh.files.list()]
         resumed = _wait(server, fresh, pending.id)
         assert resumed.status == "completed" and resumed.request_counts.completed == 2
+        assert resumed.in_progress_at == started  # its start, not the restart's
         assert set(_records(fresh, resumed.output_file_id)) == {"p0", "p1"}
 
 

@@ -326,7 +326,8 @@ class BatchManager:
         if left_s <= 0:  # its window ended while no server ran it
             await self._finalize(batch, lines, [TimeoutError()] * len(lines), "expired")
             return
-        self._set(batch, "in_progress", in_progress_at=int(time.time()))
+        started = batch["in_progress_at"] or int(time.time())  # a batch run again keeps its start
+        self._set(batch, "in_progress", in_progress_at=started)
         handler = self.handlers[batch["endpoint"]]
         tasks = [asyncio.create_task(self._run_line(batch, handler, i, line)) for i, line in enumerate(lines)]
         self._lines[batch["id"]] = tasks
