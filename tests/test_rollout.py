@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from seer_engine.engine.config import EngineConfig
+from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.policies import make_rollout_policy
 from seer_engine.rollout.pool import EnginePool
@@ -106,6 +107,39 @@ def test_min_tokens_holds_across_chunks(model):
         assert all(s.num_generated == 40 for v in result.samples.values() for s in v)
     outs = lambda r: {k: [s.output_token_ids for s in v] for k, v in r.samples.items()}
     assert outs(whole) == outs(chunked)
+
+
+def test_a_stop_string_at_a_chunk_end_before_min_tokens_does_not_stop(model):
+    """A chunk shorter than min_tokens ends at its limit; a stop string its last token
+    completes comes before min_tokens in the response, so it must not stop it."""
+    prompt = _groups()[0].prompt_token_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, plain = _run(model, "baseline", 1, 10_000, groups=[Group("g0", prompt, greedy, 1, 40)])
+    tokens = plain.samples["g0"][0].output_token_ids
+    detok = Detokenizer.from_pretrained(model)
+    stop = detok.decode(tokens[:8])[len(detok.decode(tokens[:7])) :]
+    assert stop.strip() and "\ufffd" not in stop
+    params = greedy.clone(min_tokens=40, stop=[stop])
+    _, whole = _run(model, "baseline", 1, 10_000, groups=[Group("g0", prompt, params, 1, 40)])
+    _, chunked = _run(model, "context", 2, 8, groups=[Group("g0", prompt, params, 1, 40)])
+    want, got = whole.samples["g0"][0], chunked.samples["g0"][0]
+    assert want.output_token_ids == tokens
+    assert (got.output_token_ids, got.finish_reason) == (tokens, want.finish_reason)
+
+
+def test_allowed_stop_tokens_stop_no_chunk_short_of_min_tokens(model):
+    """Allowed tokens that are all stop ids are sampled before min_tokens (the sampler
+    has nothing else); they stop the response only once it has min_tokens tokens, not
+    at the end of an earlier chunk."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, min_tokens=10, stop_token_ids=[5, 6], allowed_token_ids=[5, 6]
+    )
+    groups = lambda: [Group("g0", [3, 4, 7, 8], params, 1, 12)]
+    _, whole = _run(model, "baseline", 1, 10_000, groups=groups())
+    _, chunked = _run(model, "context", 2, 4, groups=groups())
+    want, got = whole.samples["g0"][0], chunked.samples["g0"][0]
+    assert want.num_generated == 10 and want.finish_reason == "stop"
+    assert (got.output_token_ids, got.finish_reason) == (want.output_token_ids, "stop")
 
 
 def test_peak_admission_keeps_seeded_outputs_and_never_preempts(model):

@@ -366,10 +366,7 @@ class Dispatcher:
             load = self.pooled and self.placement.should_pull(missing)
             if not load:
                 self.counters.migrated_tokens += missing
-        # The engine counts the resumed output towards both limits: they bound the whole response.
-        params = sample.params.clone(
-            n=1, seed=sample.seed, max_tokens=limit, min_tokens=min(sample.params.min_tokens, limit)
-        )
+        params = sample.chunk_params(limit)
         sample.chunks += 1
         sample.chunk_start = sample.num_generated
         rid = sample.chunk_request_id()

@@ -82,6 +82,17 @@ class RolloutSample:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def chunk_params(self, limit: int) -> SamplingParams:
+        """The engine's params for a chunk ending at ``limit`` output tokens. The engine
+        counts the resumed output towards max_tokens and min_tokens, so both bound the
+        whole response. min_tokens stays the response's even past the chunk's limit (set
+        after the check that refuses that in a request): a chunk that ends short of it
+        must not stop on a stop string, a stop id or EOS, as the response would not."""
+        p = self.params
+        params = p.clone(n=1, seed=self.seed, max_tokens=limit, min_tokens=min(p.min_tokens, limit))
+        params.min_tokens = p.min_tokens
+        return params
+
     def chunk_request_id(self) -> str:
         """The engine request id of the chunk dispatched last."""
         return f"{self.key}#{self.chunks - 1}"
