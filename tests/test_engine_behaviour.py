@@ -436,3 +436,16 @@ def test_top_k_keeps_samples_inside_the_top_k(llm):
     for seed in range(40):
         nucleus.seed = seed
         assert Sampler()(logits, [nucleus]).token_ids[0] in nucleus_set
+
+
+def test_min_p_truncates_before_top_p_as_in_vllm():
+    """vLLM applies min_p first and top-p to what it keeps: with probabilities .5, .3, .2,
+    min_p .5 keeps .5 and .3 (.625 and .375 after renormalizing), and top_p .6 then only
+    the first; top-p first would keep both."""
+    import torch
+
+    from seer_engine.model_executor.sampler import apply_min_p_top_k_top_p
+
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    kept = apply_min_p_top_k_top_p(logits.clone(), -1, 0.6, 0.5)
+    assert torch.isfinite(kept).tolist() == [True, False, False]

@@ -20,11 +20,11 @@ def test_a_stop_string_before_min_tokens_does_not_stop_the_output_later(llm):
     tokens = free.outputs[0].token_ids
     texts = [llm.tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
     min_tokens = 10
-    early = texts[min_tokens - 1]  # stop strings completed here came before min_tokens
-    # A one-character stop string seen before min_tokens and again after it.
+    early = texts[min_tokens]  # stop strings completed here do not count: up to min_tokens
+    # A one-character stop string seen up to min_tokens and again after it.
     stop = next(c for c in early if c.isalnum() and c in texts[-1][len(early) :])
     at = texts[-1].index(stop, len(early))
-    length = next(i for i in range(min_tokens, len(texts)) if len(texts[i]) > at)
+    length = next(i for i in range(min_tokens + 1, len(texts)) if len(texts[i]) > at)
 
     out = llm.generate(
         [prompt],
@@ -33,6 +33,26 @@ def test_a_stop_string_before_min_tokens_does_not_stop_the_output_later(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == tokens[:length]
     assert out.text == texts[-1][:at]
+
+
+def test_a_stop_string_completed_by_the_min_tokens_th_token_does_not_stop(llm):
+    """As vLLM: stop strings count once the output has more than min_tokens tokens, as
+    EOS and stop token ids, banned up to the min_tokens-th token, do."""
+    prompt = list(range(50, 70))
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    texts = [llm.tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    added = [texts[i][len(texts[i - 1]) :] if i else "" for i in range(len(texts))]
+    k = next(i for i in range(1, len(tokens)) if added[i].strip() and "\ufffd" not in texts[i])
+    stop = added[k]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=40, min_tokens=k, stop=[stop], ignore_eos=True)
+    )[0].outputs[0]
+    later = texts[-1].find(stop, len(texts[k]))
+    if later < 0:
+        assert out.token_ids == tokens and out.finish_reason == "length"
+    else:
+        assert out.stop_reason == stop and out.text == texts[-1][:later]
 
 
 def test_a_request_whose_sample_id_is_in_use_is_refused_and_changes_nothing(llm):

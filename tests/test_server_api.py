@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from seer_engine.entrypoints.openai.serving_base import TextDeltas
+
 pytest_plugins = ["server_harness"]
 
 
@@ -107,6 +109,15 @@ def test_stop_string_is_never_streamed_past(client, model):
     assert resp.choices[0].text == want and resp.choices[0].finish_reason == "stop"
     stream = client.completions.create(**base, stop=[stop], stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.text for chunk in stream for c in chunk.choices) == want
+
+
+def test_text_held_for_a_stop_string_does_not_count_an_unfinished_character():
+    """A trailing U+FFFD (a character whose bytes are still coming) may become the start
+    of a stop string: the text before it is held back as much as without it."""
+    deltas = TextDeltas(["\U0001f600\U0001f600"])
+    sent = [deltas.delta(text, False) for text in ("\ufffd", "\U0001f600", "\U0001f600\ufffd")]
+    assert sent == ["", "", ""]
+    assert deltas.delta("\U0001f600x", False) == "\U0001f600"
 
 
 def test_streamed_echo_logprobs_match_non_streamed(client, model):

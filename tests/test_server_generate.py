@@ -120,6 +120,23 @@ def test_generate_streams_its_answer_so_far(http):
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
 
 
+def test_generate_streams_a_text_that_only_grows(http):
+    """A streamed answer's text never shows a character whose bytes are still coming (as
+    SGLang holds it back) nor text a stop string may still cut: each event's text is a
+    prefix of the final one. Byte tokens 130 and 105 spell "é" in the tiny tokenizer (the
+    stop string matches at the start)."""
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "logit_bias": {"130": 100, "105": 100}}  # fmt: skip
+    for stop in ([], ["\u00e9\u00e9\u00e9"]):
+        body = {"input_ids": PROMPT, "sampling_params": {**sampling, "stop": stop}}
+        whole = _generate(http, body)
+        with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        texts = [e["text"] for e in events]
+        assert texts[-1] == whole["text"] == ("" if stop else "\u00e9" * 4)
+        assert all(whole["text"].startswith(t) for t in texts), texts
+
+
 def test_generate_streams_a_batch_of_unequal_n_under_its_answers_indices(http):
     """Each streamed output's index is its place in the whole answer's list, also when the
     batch's prompts ask for different n (no two outputs share one, none is skipped)."""

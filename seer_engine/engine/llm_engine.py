@@ -349,12 +349,13 @@ class LLMEngine:
 
         A request that just finished is checked too: a stop string completed by its last
         token (at max_tokens) makes it stop, as in vLLM. One ended by EOS or a stop token
-        id is checked up to the token before: that token adds no text.
+        id is checked up to the token before: that token adds no text. As in vLLM, only
+        tokens past the first min_tokens complete one (EOS and stop ids are banned up to there).
         """
         params = req.sampling_params
         total = req.num_output_tokens
         last = total - 1 if req.status is RequestStatus.FINISHED_STOPPED else total
-        for length in range(max(total - num_new + 1, params.min_tokens, 1), last + 1):
+        for length in range(max(total - num_new + 1, params.min_tokens + 1), last + 1):
             hit = self.detokenizer.find_stop_string(req.output_token_ids[:length], params.stop)
             if hit is not None:
                 req.stop_reason = hit

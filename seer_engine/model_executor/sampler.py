@@ -1,5 +1,5 @@
-"""Token sampling: allowed tokens, logit bias, penalties, greedy, temperature, top-k, top-p,
-min-p, logprobs.
+"""Token sampling: allowed tokens, logit bias, penalties, greedy, temperature, min-p, top-k,
+top-p, logprobs.
 
 Random draws use the exponential-race trick (argmax of p / q with q ~ Exp(1) is a
 sample from p) with noise seeded by (request seed, position) only, through
@@ -59,9 +59,13 @@ def exponential_noise(seed: int, position: int, vocab: int, device: torch.device
     return torch.empty(vocab, device=device).exponential_(generator=gen)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask one row's temperature-scaled logits to the allowed set (in place)."""
+def apply_min_p_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask one row's temperature-scaled logits to the allowed set (in place), in vLLM's
+    order: min-p first, then top-k and top-p over what it keeps."""
     vocab = logits.shape[-1]
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits.masked_fill_(probs < min_p * probs.max(), float("-inf"))
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k).values[-1]
         logits.masked_fill_(logits < kth, float("-inf"))
@@ -72,9 +76,6 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
         drop_sorted[0] = False  # a top_p below float32's smallest number rounds to 0
         logits[order[drop_sorted]] = float("-inf")
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits.masked_fill_(probs < min_p * probs.max(), float("-inf"))
     return logits
 
 
@@ -132,7 +133,7 @@ class Sampler:
                 # when negative): softmax would give NaNs and argmax the first NaN, token 0.
                 # The limit of such temperatures is greedy.
                 continue
-            scaled = apply_top_k_top_p_min_p(scaled, row.top_k, row.top_p, row.min_p)
+            scaled = apply_min_p_top_k_top_p(scaled, row.top_k, row.top_p, row.min_p)
             probs = scaled.softmax(-1)
             noise = exponential_noise(row.seed, row.position, probs.shape[-1], probs.device)
             tokens[i] = (probs / noise).argmax()

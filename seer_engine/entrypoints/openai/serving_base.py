@@ -357,10 +357,8 @@ class TextDeltas:
         """How much of the text may be shown now (it only grows)."""
         if finished:
             end = len(text)
-        else:
-            end = len(text) - self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
+        else:  # an unfinished character may become the start of a stop string
+            end = len(text.rstrip("\ufffd")) - self.hold
         self.sent = max(self.sent, end)
         return self.sent
 

@@ -21,10 +21,12 @@ from seer_engine.entrypoints.openai.protocol import CompletionRequest, _Strict
 from seer_engine.entrypoints.openai.serving_base import (
     EventStream,
     ServingBase,
+    TextDeltas,
     final_output,
     merge_outputs,
     random_id,
     sse_error,
+    stop_strings,
     top_entries,
 )
 from seer_engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -223,19 +225,24 @@ class ServingGenerate(ServingBase):
         self, req: GenerateRequest, items: list[_Item], streams: list
     ) -> AsyncGenerator[str, None]:
         """SGLang's stream: each event is one output's answer so far (cumulative text and
-        ids), with ``index`` where the request has several outputs."""
+        ids), with ``index`` where the request has several outputs. The text leaves out an
+        unfinished character and what a stop string may still cut, so it only grows."""
         several = _batched(req) or any(item.request.n > 1 for item in items)
         starts = [
             sum(item.request.n for item in items[:p]) for p in range(len(items))
         ]  # prompts' n may differ
+        shown: dict[int, TextDeltas] = {}
         try:
             async for p, out in merge_outputs(streams):
                 for sample in out.outputs:
                     if items[p].scores_only and not sample.finished():
                         continue  # a prompt scored alone: only its end is shown
                     answer = self._answer(req, out, sample, items[p].scores_only)
+                    index = starts[p] + sample.index
+                    held = shown.setdefault(index, TextDeltas(stop_strings(items[p].request.stop)))
+                    answer["text"] = answer["text"][: held.visible_end(answer["text"], sample.finished)]
                     if several:
-                        answer["index"] = starts[p] + sample.index  # its place in the whole answer
+                        answer["index"] = index  # its place in the whole answer
                     yield f"data: {json.dumps(answer)}\n\n"
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(e)
