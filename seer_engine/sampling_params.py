@@ -115,7 +115,10 @@ class SamplingParams:
             is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
         )
-        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(
+            self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+            f"seed must be a 64-bit signed integer, got {self.seed!r}",
+        )
         check(
             self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",

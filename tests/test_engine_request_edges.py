@@ -80,6 +80,13 @@ def test_an_infinite_temperature_is_refused():
         SamplingParams(temperature=float("inf"))
 
 
+def test_a_seed_outside_64_bits_is_refused_not_folded_onto_another():
+    for seed in (2**63, 2**64 + 5, -(2**63) - 1):
+        with pytest.raises(InvalidRequestError, match="seed must be a 64-bit signed integer"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
 def test_a_sleeping_engine_refuses_requests_until_it_wakes(tiny_model):
     llm = LLM(str(tiny_model("qwen3")), max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

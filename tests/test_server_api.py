@@ -376,6 +376,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 10]"),
+    ({"prompt": "x", "seed": 2**64 + 5}, 400, "seed must be a 64-bit signed integer"),
     (
         {"prompt": "x", "prompt_logprobs": 1, "stream": True},
         400,
