@@ -351,6 +351,25 @@ def test_freeing_a_response_leaves_one_whose_key_extends_it(master):
     conn.close()
 
 
+def test_servers_sharing_a_master_never_load_or_free_each_others_blocks(master):
+    """Every server numbers its groups alike (``grp0/0``): two servers on one given master
+    (other models, dtypes or weights) must not find, load or free each other's blocks."""
+    address, metadata, gib = master.address, master.metadata_server, (16 << 20) / 2**30
+    a, b = (make_kv_pool("mooncake", 4, 64, mooncake_master=address, mooncake_metadata=metadata,
+                         capacity_gib=gib) for _ in range(2))  # fmt: skip
+    try:
+        context = list(range(9))
+        a.connector.store.put(a.connector._keys("grp0/0", context, 1), filled(1))
+        assert a.connector.lookup("grp0/0", context) == 4
+        assert b.connector.lookup("grp0/0", context) == 0
+        b.connector.free("grp0/0")
+        assert a.connector.lookup("grp0/0", context) == 4
+        assert a.connector.stats.failures == b.connector.stats.failures == 0
+    finally:
+        a.close()
+        b.close()
+
+
 # -- two engines -----------------------------------------------------------------------
 
 
