@@ -277,6 +277,46 @@ def test_no_master_fails_fast_and_says_where(master):
         MooncakeStore(master.address, protocol="rdma")
 
 
+class _Spy:
+    """A client stand-in that records which of its methods are called."""
+
+    def __init__(self, client) -> None:
+        self.client, self.calls = client, []
+
+    def __getattr__(self, name: str):
+        self.calls.append(name)
+        return getattr(self.client, name)
+
+
+def test_a_stopped_master_times_out_once_then_calls_fail_at_once(monkeypatch):
+    """A stopped (or hung) master still accepts TCP connects, so the probe passes: the
+    call that finds it waits out the RPC timeout, and the calls after it fail without
+    reaching the client instead of each waiting as long (a rollout would stall)."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "300")
+    with MooncakeMaster(segment_bytes=64 << 20) as m:
+        s = MooncakeStore(m.address, m.metadata_server)
+        s.put(["q/0"], filled(1))
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KVPoolError, match="RPC_TIMEOUT"):
+                s.count_leading(["q/0"])
+            spy = s._h.client = _Spy(s._h.client)
+            for call in (
+                lambda: s.count_leading(["q/0"]),
+                lambda: s.get_into(["q/0"], torch.empty(1, 16)),
+                lambda: s.put(["q/1"], filled(1)),
+                lambda: s.remove_prefix("q/"),
+            ):
+                with pytest.raises(KVPoolError, match="timed out"):
+                    call()
+            assert spy.calls == []
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+        s._h.quiet.until = 0.0  # the quiet time is over
+        assert s.count_leading(["q/0"]) == 1 and not s._h.quiet.timed_out_last
+        s.close()
+
+
 def _child_reads_and_writes(spec: MooncakeSpec, keys: list[str]) -> list[float]:
     s = MooncakeStore.open(spec)
     try:
