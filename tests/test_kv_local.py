@@ -7,6 +7,8 @@ import gc
 import multiprocessing
 import os
 import pickle
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -272,6 +274,36 @@ def test_a_dead_writer_not_yet_reaped_counts_as_gone():
     finally:
         assert child.wait() == 3, child.stderr.read().decode()
         store.close()
+
+
+_OWNS_A_POOL = (
+    "import pickle, sys\n"
+    "from multiprocessing import resource_tracker\n"
+    "from seer_engine.kv_connector.local import LocalStore\n"
+    "s = LocalStore.create(capacity_bytes=4 * 64, block_bytes=64)\n"
+    "print(pickle.dumps(s.spec).hex(), resource_tracker._resource_tracker._pid, flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_killed_owner_leaves_nothing_behind():
+    """SIGKILL runs no finalizer: the owner's resource tracker unlinks its segments, and
+    the pool's lock must go with them (no lock file left in the temp directory)."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNS_A_POOL], cwd=REPO, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        spec_hex, tracker = owner.stdout.readline().split()
+        spec = pickle.loads(bytes.fromhex(spec_hex))
+        assert len(segments_of(spec)) == 3
+        tracker_exit = os.pidfd_open(int(tracker))
+        owner.send_signal(signal.SIGKILL)
+        assert owner.wait(60) == -signal.SIGKILL
+        assert select.select([tracker_exit], [], [], 60)[0], "its resource tracker exits once it is gone"
+        os.close(tracker_exit)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert segments_of(spec) == []
 
 
 def test_unrelated_process_exit_keeps_the_pool(store):

@@ -277,6 +277,46 @@ def test_no_master_fails_fast_and_says_where(master):
         MooncakeStore(master.address, protocol="rdma")
 
 
+class _Spy:
+    """A client stand-in that records which of its methods are called."""
+
+    def __init__(self, client) -> None:
+        self.client, self.calls = client, []
+
+    def __getattr__(self, name: str):
+        self.calls.append(name)
+        return getattr(self.client, name)
+
+
+def test_a_stopped_master_times_out_once_then_calls_fail_at_once(monkeypatch):
+    """A stopped (or hung) master still accepts TCP connects, so the probe passes: the
+    call that finds it waits out the RPC timeout, and the calls after it fail without
+    reaching the client instead of each waiting as long (a rollout would stall)."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "300")
+    with MooncakeMaster(segment_bytes=64 << 20) as m:
+        s = MooncakeStore(m.address, m.metadata_server)
+        s.put(["q/0"], filled(1))
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KVPoolError, match="RPC_TIMEOUT"):
+                s.count_leading(["q/0"])
+            spy = s._h.client = _Spy(s._h.client)
+            for call in (
+                lambda: s.count_leading(["q/0"]),
+                lambda: s.get_into(["q/0"], torch.empty(1, 16)),
+                lambda: s.put(["q/1"], filled(1)),
+                lambda: s.remove_prefix("q/"),
+            ):
+                with pytest.raises(KVPoolError, match="timed out"):
+                    call()
+            assert spy.calls == []
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+        s._h.quiet.until = 0.0  # the quiet time is over
+        assert s.count_leading(["q/0"]) == 1 and not s._h.quiet.timed_out_last
+        s.close()
+
+
 def _child_reads_and_writes(spec: MooncakeSpec, keys: list[str]) -> list[float]:
     s = MooncakeStore.open(spec)
     try:
@@ -349,6 +389,25 @@ def test_freeing_a_response_leaves_one_whose_key_extends_it(master):
     finally:
         pool.close()
     conn.close()
+
+
+def test_servers_sharing_a_master_never_load_or_free_each_others_blocks(master):
+    """Every server numbers its groups alike (``grp0/0``): two servers on one given master
+    (other models, dtypes or weights) must not find, load or free each other's blocks."""
+    address, metadata, gib = master.address, master.metadata_server, (16 << 20) / 2**30
+    a, b = (make_kv_pool("mooncake", 4, 64, mooncake_master=address, mooncake_metadata=metadata,
+                         capacity_gib=gib) for _ in range(2))  # fmt: skip
+    try:
+        context = list(range(9))
+        a.connector.store.put(a.connector._keys("grp0/0", context, 1), filled(1))
+        assert a.connector.lookup("grp0/0", context) == 4
+        assert b.connector.lookup("grp0/0", context) == 0
+        b.connector.free("grp0/0")
+        assert a.connector.lookup("grp0/0", context) == 4
+        assert a.connector.stats.failures == b.connector.stats.failures == 0
+    finally:
+        a.close()
+        b.close()
 
 
 # -- two engines -----------------------------------------------------------------------

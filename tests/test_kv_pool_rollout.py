@@ -189,6 +189,38 @@ def test_a_pool_lock_held_by_a_stuck_process_fails_calls_instead_of_hanging(mode
         assert connector.store.used_slots == 0, "the failed free of 'a' was done with the next one"
 
 
+def test_a_weight_update_drops_the_pools_kv_with_the_prefix_caches(model):
+    """Instances drop their prefix caches at a weight update (that KV is stale); the pool
+    holds the same KV of the responses between chunks and must drop it too, or a response
+    that moves loads old-weight KV where one that stays recomputes."""
+    from seer_engine.rollout.backend import RolloutBackend
+    from seer_engine.rollout.config import RolloutConfig
+    from seer_engine.sampling_params import SamplingParams
+
+    rollout = RolloutConfig(policy="context", instances=2, chunk_tokens=8, distributed_backend="inproc",
+                            kv_connector="local", kv_pool_gib=0.05, pool_pull_tokens=0)  # fmt: skip
+    backend = RolloutBackend(pool_config(model, 16), rollout)
+    try:
+        params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.0, seed=5, n=4)
+        samples = backend.add_request("a", pool_groups()[2].prompt_token_ids, params)
+        connector = backend.pool.kv_connector
+
+        def pooled() -> list[int]:
+            contexts = [(s.key, [*s.group.prompt_token_ids, *s.output_token_ids]) for s in samples]
+            return [connector.lookup(key, context) for key, context in contexts]
+
+        while backend.has_unfinished_requests() and not any(pooled()):
+            backend.step()
+        assert any(pooled()), "a chunk ended and saved its KV before the update"
+        backend.update_weights(str(model))
+        assert pooled() == [0] * 4
+        while backend.has_unfinished_requests():
+            backend.step()
+        assert all(s.num_generated == 48 for s in samples)
+    finally:
+        backend.close()
+
+
 def test_cli_names_an_unreachable_mooncake_master(tmp_path, capsys):
     from seer_engine.entrypoints.cli import main
 

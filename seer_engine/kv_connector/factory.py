@@ -8,6 +8,7 @@ their own connector from ``spec``, a small picklable description.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,16 +79,20 @@ def make_kv_pool(
     mooncake_master: str | None = None,
     mooncake_metadata: str | None = None,
     capacity_gib: float = DEFAULT_LOCAL_POOL_GIB,
-    namespace: str = "seer",
+    namespace: str | None = None,
 ) -> KVPool:
     """A new pool of ``kind`` for blocks of ``block_size`` tokens (``block_bytes`` each).
 
     ``mooncake``: without ``mooncake_master`` a master on 127.0.0.1 starts here and stops
     with the pool; either way this process mounts ``capacity_gib`` into the pool.
     ``mooncake_metadata`` is the metadata server of a given master (default: its host's
-    port 8080)."""
+    port 8080). ``namespace`` (default: one of this pool's own) prefixes every key: servers
+    sharing a master all name their responses ``grp0/0``, ..., and must never load (other
+    weights, dtype) or free each other's blocks, nor a restarted server its predecessor's."""
     if kind == "none":
         return KVPool.recompute()
+    if namespace is None:
+        namespace = f"seer-{secrets.token_hex(8)}"
     if not (is_real(capacity_gib) and capacity_gib > 0):
         raise ValueError(f"--kv-pool-gib must be a finite number > 0, got {capacity_gib!r}")
     capacity = int(capacity_gib * 2**30)

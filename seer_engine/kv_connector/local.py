@@ -1,14 +1,15 @@
 """``local``: a KV block pool in POSIX shared memory, for engine instances that run as
 separate processes on one host.
 
-The pool is two shared-memory segments and a lock file:
+The pool is two shared-memory segments and a lock:
 
 * the data slab: ``num_slots`` fixed-size slots of ``block_bytes`` (one KV block each);
 * the index: a small header and four ``uint64`` arrays, one entry per slot: the hash of
   the key in the slot, the hash of its parent (the key up to its last ``/``), a
   version that changes whenever the slot changes hands, and the pid of the put that
   claimed it;
-* a lock file: ``fcntl.flock`` on it serialises index access across processes. It is
+* a lock: ``fcntl.flock`` on the index segment's file (a lock file in the temp directory
+  where shared memory has no path) serialises index access across processes. It is
   always taken exclusive: the sections are short (a scan of the index), and shared locks
   would let a stream of readers starve a writer. The kernel drops a dead process's lock,
   so a crash cannot wedge the pool; a process that stops while holding it (SIGSTOP, a
@@ -60,7 +61,7 @@ import numpy as np
 import torch
 
 from seer_engine.kv_connector.base import BlockStore, KVPoolError
-from seer_engine.kv_connector.shm import TRACKER_LOCK, attach, check_shm_room, pid_alive
+from seer_engine.kv_connector.shm import TRACKER_LOCK, attach, check_shm_room, lock_file_for, pid_alive
 
 # Values of a slot's key hash that are states, not keys (real hashes are shifted past them).
 _FREE = 0  # nothing in the slot
@@ -228,29 +229,24 @@ class LocalStore(BlockStore):
             )
         check_shm_room(num_slots * block_bytes + 8 * (_HEADER_WORDS + 4 * num_slots))
         base = f"seer_kv_{os.getpid()}_{secrets.token_hex(6)}"  # the pid tells whose segment it is
-        spec = LocalPoolSpec(
-            data_name=f"{base}_data",
-            index_name=f"{base}_index",
-            num_slots=num_slots,
-            block_bytes=block_bytes,
-            lock_path=os.path.join(lock_dir or tempfile.gettempdir(), f"{base}.lock"),
-        )
+        data_name, index_name = f"{base}_data", f"{base}_index"
+        fallback = os.path.join(lock_dir or tempfile.gettempdir(), f"{base}.lock")
         made: list[SharedMemory] = []
-        lock_made = False
+        lock_path = None
         try:
             with TRACKER_LOCK:  # registered: the tracker unlinks them if this process dies
-                made.append(SharedMemory(spec.data_name, create=True, size=num_slots * block_bytes))
+                made.append(SharedMemory(data_name, create=True, size=num_slots * block_bytes))
                 index_bytes = 8 * (_HEADER_WORDS + 4 * num_slots)
-                made.append(SharedMemory(spec.index_name, create=True, size=index_bytes))  # zeros: free
-            os.close(os.open(spec.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-            lock_made = True
+                made.append(SharedMemory(index_name, create=True, size=index_bytes))  # zeros: free
+            lock_path = lock_file_for(index_name, fallback)
+            spec = LocalPoolSpec(data_name, index_name, num_slots, block_bytes, lock_path)
             mapping = _Mapping(spec, made[0], made[1], owner=True)
         except BaseException:
             for shm in made:
                 shm.close()
                 shm.unlink()
-            if lock_made:
-                os.unlink(spec.lock_path)
+            if lock_path == fallback:
+                os.unlink(fallback)
             raise
         mapping.header[:] = [_MAGIC, _LAYOUT, num_slots, block_bytes]
         return cls(spec, mapping)

@@ -29,6 +29,17 @@ def check_shm_room(size: int) -> None:
         )
 
 
+def lock_file_for(segment: str, fallback: str) -> str:
+    """The file to ``flock`` for a pool: its ``segment``'s own file where shared memory has a
+    path, which goes with the segment (a killed owner's resource tracker unlinks it; a
+    separate lock file would be left behind), else ``fallback``, created here."""
+    path = os.path.join(SHM_DIR, segment)
+    if os.path.exists(path):
+        return path
+    os.close(os.open(fallback, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    return fallback
+
+
 TRACKER_LOCK = threading.Lock()  # held while segments are made or attached: the tracker is patched meanwhile
 
 

@@ -258,9 +258,20 @@ class RolloutBackend:
         """New weights on every instance; the history store starts its next iteration
         (its lengths decay by ``--history-half-life``) and is saved."""
         self._call_all("update_weights", str(path))
+        self._drop_pooled_kv()
         if self.history is not None:
             self.history.next_iteration()
             self._save_history()
+
+    def _drop_pooled_kv(self) -> None:
+        """The instances dropped their prefix caches with the old weights; the pool holds the
+        same KV of the responses between chunks, which a moved response would load where one
+        that stays recomputes: it goes too, and every response recomputes its context."""
+        if self.dispatcher.pooled:
+            for request in self._requests.values():
+                for sample in request.samples:
+                    if not sample.finished:
+                        self.pool.kv_connector.free(sample.key)
 
     def _save_history(self) -> None:
         """Save the store; a failure (a full or read-only disk, a store of another

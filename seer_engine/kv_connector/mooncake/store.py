@@ -15,6 +15,9 @@ Traps this module works around, all seen with ``mooncake-transfer-engine-non-cud
   probed (a TCP connect, ~40 us on loopback) before each call; a client whose master is gone
   is abandoned rather than closed. A master that dies between the probe and the call still
   costs that call its retries.
+* A stopped or hung master still accepts TCP connects (the kernel answers), so the probe
+  passes and each call waits out the RPC timeout (30 s by default; ``MC_RPC_TIMEOUT_MS`` is
+  set to 5 s here unless given). After a timeout, calls fail at once for a while (``_Quiet``).
 * Staging copies use numpy: a torch copy of a block wakes torch's intra-op threads, which
   then spin and, on a small host, delay the transfer threads by milliseconds per call.
 * All processes of one pool must use the same metadata mode: a client in P2PHANDSHAKE mode
@@ -29,7 +32,9 @@ import socket
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +51,8 @@ from seer_engine.kv_connector.mooncake.common import (
 MAX_BATCH = 1024  # keys per Mooncake batch call (a few thousand to one peer fail)
 DEFAULT_METADATA_PORT = 8080  # mooncake_master's default --http_metadata_server_port
 DEFAULT_BUFFER_BYTES = 64 << 20
+RPC_TIMEOUT_MS = "5000"  # a master call takes micro- to milliseconds; Mooncake waits 30 s
+QUIET_S = (1.0, 60.0)  # after a master timeout calls fail at once this long, doubling to the cap
 
 # Mooncake's ErrorCode values that these calls return (the Python binding exports no enum).
 _ERRORS = {
@@ -122,6 +129,7 @@ def _store_class() -> Any:
     """
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", RPC_TIMEOUT_MS)  # read by each new client
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
@@ -159,6 +167,34 @@ def _abandon(*objects: object) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # survives the list's teardown at exit
 
 
+class _Quiet:
+    """Calls fail at once for a while after the master timed out (``QUIET_S``, doubling
+    while it keeps timing out): a stopped master would otherwise cost every call of every
+    instance the RPC timeout, holding the GIL, and stall the rollout instead of recomputing."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.pause_s = QUIET_S[0]
+        self.timed_out_last = False  # the last call to reach the master timed out
+
+    def check(self, master: str, what: str) -> None:
+        left = self.until - time.monotonic()
+        if left > 0:
+            raise KVPoolError(
+                f"cannot {what}: the Mooncake master at {master} timed out (stopped or hung?); "
+                f"pool calls fail at once for {left:.1f} s more"
+            )
+
+    def timed_out(self) -> None:
+        self.until = time.monotonic() + self.pause_s
+        self.pause_s = min(2 * self.pause_s, QUIET_S[1])
+        self.timed_out_last = True
+
+    def answered(self) -> None:
+        self.pause_s = QUIET_S[0]
+        self.timed_out_last = False
+
+
 @dataclass
 class _Client:
     """One process's Mooncake client and the buffers registered with it (apart from the
@@ -168,6 +204,7 @@ class _Client:
     staging: torch.Tensor
     retired: list[torch.Tensor]  # staging buffers replaced by larger ones
     pid: int
+    quiet: _Quiet = field(default_factory=_Quiet)
 
 
 def _release(handle: _Client, host: str, port: int) -> None:
@@ -177,7 +214,7 @@ def _release(handle: _Client, host: str, port: int) -> None:
     if client is None:
         return
     buffers = [handle.staging, *handle.retired]
-    if os.getpid() != handle.pid or not answers(host, port):
+    if os.getpid() != handle.pid or handle.quiet.timed_out_last or not answers(host, port):
         _abandon(client, *buffers)
         return
     client.unregister_buffer(handle.staging.data_ptr())
@@ -310,10 +347,23 @@ class MooncakeStore(BlockStore):
     def _check_master_answers(self, what: str) -> None:
         """Fail fast where the client would retry for seconds: with its master gone, every
         call (lookups included) can block for ~4 to ~13 s. A loopback probe costs ~40 us."""
+        self._h.quiet.check(self.master, what)
         if not answers(self._host, self._port):
             raise KVPoolError(f"cannot {what}: the Mooncake master at {self.master} does not answer")
 
+    @contextmanager
+    def _calling(self, what: str) -> Iterator[Any]:
+        """The client, under this store's lock, once the master looks alive; a call that
+        ends without raising ends a run of master timeouts."""
+        with self._lock:
+            client = self._live(what)
+            self._check_master_answers(what)
+            yield client
+            self._h.quiet.answered()
+
     def _fail(self, what: str, key: str, code: int) -> KVPoolError:
+        if code in (-900, -901):
+            self._h.quiet.timed_out()
         where = f" (master {self.master})" if code in (-900, -901) else ""
         return KVPoolError(f"Mooncake {what} of {key!r} failed{where}: {_describe(code)}")
 
@@ -353,9 +403,7 @@ class MooncakeStore(BlockStore):
         if len(last) < len(keys):
             keys, rows = list(last), rows[list(last.values())]
         rows = rows.to("cpu").contiguous().reshape(len(keys), -1).view(torch.uint8).numpy()
-        with self._lock:
-            client = self._live("put")
-            self._check_master_answers(f"put {len(keys)} blocks")
+        with self._calling(f"put {len(keys)} blocks") as client:
             per = self._stage(bb)
             staging = self._h.staging
             base = staging.data_ptr()
@@ -381,9 +429,7 @@ class MooncakeStore(BlockStore):
             dst = out.detach().view(len(keys), -1).view(torch.uint8).numpy()
         else:
             dst = np.empty((len(keys), bb), dtype=np.uint8)
-        with self._lock:
-            client = self._live("get")
-            self._check_master_answers(f"get {len(keys)} blocks")
+        with self._calling(f"get {len(keys)} blocks") as client:
             per = self._stage(bb)
             staging = self._h.staging
             base = staging.data_ptr()
@@ -403,9 +449,7 @@ class MooncakeStore(BlockStore):
             out.copy_(torch.from_numpy(dst).view(out.dtype).view(out.shape))
 
     def count_leading(self, keys: list[str]) -> int:
-        with self._lock:
-            client = self._live("look up keys")
-            self._check_master_answers(f"look up {len(keys)} keys")
+        with self._calling(f"look up {len(keys)} keys") as client:
             for start in range(0, len(keys), self.max_batch):
                 part = keys[start : start + self.max_batch]
                 for i, (key, found) in enumerate(zip(part, client.batch_is_exist(part))):
@@ -419,13 +463,11 @@ class MooncakeStore(BlockStore):
         """Remove every key starting with ``prefix`` on the master (whoever put them)."""
         if not prefix:
             raise ValueError("an empty prefix would remove the whole pool")
-        with self._lock:
-            client = self._live(f"remove {prefix!r}")
-            self._check_master_answers(f"remove {prefix!r}")
+        with self._calling(f"remove {prefix!r}") as client:
             # force: readers hold leases (10 s) that would make the removal fail
             removed = client.remove_by_regex(_regex_prefix(prefix), force=True)
-        if removed < 0:
-            raise self._fail("removal", prefix + "*", removed)
+            if removed < 0:
+                raise self._fail("removal", prefix + "*", removed)
         return removed
 
     def close(self) -> None:
