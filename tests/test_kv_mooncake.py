@@ -30,6 +30,7 @@ from seer_engine.engine.llm_engine import LLMEngine  # noqa: E402
 from seer_engine.kv_connector.base import KVPoolError  # noqa: E402
 from seer_engine.kv_connector.factory import kv_pool_for, make_kv_pool  # noqa: E402
 from seer_engine.kv_connector.mooncake import MooncakeMaster, MooncakeSpec, MooncakeStore  # noqa: E402
+from seer_engine.kv_connector.mooncake import store as mooncake_store  # noqa: E402
 from seer_engine.kv_connector.mooncake.common import answers, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,6 +294,7 @@ def test_a_stopped_master_times_out_once_then_calls_fail_at_once(monkeypatch):
     call that finds it waits out the RPC timeout, and the calls after it fail without
     reaching the client instead of each waiting as long (a rollout would stall)."""
     monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "300")
+    monkeypatch.setattr(mooncake_store, "QUIET_S", (3600.0, 3600.0))  # outlasts any stall of the host
     with MooncakeMaster(segment_bytes=64 << 20) as m:
         s = MooncakeStore(m.address, m.metadata_server)
         s.put(["q/0"], filled(1))
