@@ -147,3 +147,28 @@ def test_a_reused_key_never_loads_a_context_a_failed_free_left(pool, monkeypatch
     assert torch.equal(contents(target, new), data)
     conn.free("g/0")  # frees both contexts' entries (and retries nothing more)
     assert conn.lookup("g/0", new) == 0 and conn.lookup("g/0", old) == 0
+
+
+def test_a_full_pool_is_not_down_and_a_pool_that_serves_again_is_up(monkeypatch):
+    """Health reads ``stats.down``: a pool at capacity works on (its saves fail, its
+    responses recompute) and a pool that failed and serves again is up; only a pool whose
+    last call failed for another reason is down. Failures are counted either way."""
+    tiny = make_kv_pool("local", BS, BLOCK_BYTES, capacity_gib=2 * BLOCK_BYTES / 2**30)
+    try:
+        conn = tiny.connector
+        context = list(range(3 * BS))
+        source = TensorBlocks(8)
+        holding(source, context, torch.randn(3, *SHAPE).to(DTYPE))
+        assert conn.save("a", source, context) == 0  # 3 blocks, room for 2
+        assert conn.stats.failures == 1 and conn.stats.down is None
+
+        def unreachable(keys: list[str]) -> int:
+            raise KVPoolError("lock held")
+
+        with monkeypatch.context() as m:
+            m.setattr(conn.store, "count_leading", unreachable)
+            assert conn.lookup("a", context) == 0
+        assert conn.stats.failures == 2 and "lock held" in (conn.stats.down or "")
+        assert conn.lookup("a", context) == 0 and conn.stats.down is None
+    finally:
+        tiny.close()

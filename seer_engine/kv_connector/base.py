@@ -86,6 +86,11 @@ class KVPoolError(RuntimeError):
     """The pool cannot serve a call (down, full, or the entry is gone)."""
 
 
+class KVPoolFull(KVPoolError):
+    """The pool has no room for a put: a cache at capacity, which works on (its responses
+    recompute), not a pool that is down."""
+
+
 @dataclass
 class LoadResult:
     tokens: int  # leading context tokens whose KV the target instance now holds
@@ -102,6 +107,7 @@ class ConnectorStats:
     save_s: float = 0.0
     load_s: float = 0.0
     failures: int = 0  # calls the pool could not serve (the request recomputed)
+    down: str | None = None  # why the last call failed, other than for room; None once one is served
 
 
 class KVConnector:
@@ -214,6 +220,8 @@ class PooledConnector(KVConnector):
     def _failed(self, what: str, err: Exception) -> str:
         self.stats.failures += 1
         message = f"KV pool ({self.name}) could not {what}: {err}; the request recomputes"
+        if not isinstance(err, KVPoolFull):
+            self.stats.down = message
         if not self._warned:  # once: a pool that is down fails every call
             logger.warning("%s (further pool failures are only counted)", message)
             self._warned = True
@@ -237,6 +245,7 @@ class PooledConnector(KVConnector):
         except KVPoolError as e:
             self._failed(f"save {key}", e)
             return 0
+        self.stats.down = None
         return len(keys) * self.block_size
 
     def _check(self, engine: KVBlockIO) -> None:
@@ -249,10 +258,12 @@ class PooledConnector(KVConnector):
     def lookup(self, key: str, token_ids: list[int]) -> int:
         bs = self.block_size
         try:
-            return self.store.count_leading(self._keys(key, token_ids, len(token_ids) // bs)) * bs
+            found = self.store.count_leading(self._keys(key, token_ids, len(token_ids) // bs)) * bs
         except KVPoolError as e:
             self._failed(f"look up {key}", e)
             return 0
+        self.stats.down = None
+        return found
 
     def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
         self._check(engine)
@@ -262,6 +273,7 @@ class PooledConnector(KVConnector):
         try:
             keys = self._keys(key, token_ids, len(hashes))
             pooled = self.store.count_leading(keys)
+            self.stats.down = None
             if pooled <= cached:
                 return LoadResult(cached * bs)
             start = time.perf_counter()
@@ -289,6 +301,7 @@ class PooledConnector(KVConnector):
                 self._failed(f"free {self._unfreed[-1]}", e)
                 return
             self._unfreed.pop()
+        self.stats.down = None
 
     def close(self) -> None:
         self.store.close()

@@ -60,7 +60,7 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 import torch
 
-from seer_engine.kv_connector.base import BlockStore, KVPoolError
+from seer_engine.kv_connector.base import BlockStore, KVPoolError, KVPoolFull
 from seer_engine.kv_connector.shm import TRACKER_LOCK, attach, check_shm_room, lock_file_for, pid_alive
 
 # Values of a slot's key hash that are states, not keys (real hashes are shifted past them).
@@ -365,7 +365,7 @@ class LocalStore(BlockStore):
                     self._free_slots(m, _abandoned(m))
                     free = np.flatnonzero(m.keys == _FREE)
                 if len(free) < need:  # before any change: a failed put leaves nothing behind
-                    raise KVPoolError(
+                    raise KVPoolFull(
                         f"local KV pool full: {need} new blocks, {len(free)} of {m.keys.size} slots free "
                         f"(capacity {self.capacity_bytes} bytes in blocks of {self.block_bytes})"
                     )

@@ -314,12 +314,14 @@ class RolloutBackend:
             for inst in self.pool.instances
         ]
         lost = [inst.index for inst in self.pool.instances if not inst.alive]
+        connectors = [self.pool.kv_connector.stats, *(inst.books.connector_stats for inst in self.pool.alive)]
         pool_failures = self.pool.kv_connector.stats.failures + sum(
             inst.books.connector_stats.failures for inst in self.pool.instances
         )
         reasons = [f"engine instances {lost} lost"] if lost else []
-        if pool_failures:
-            reasons.append(f"the KV pool failed {pool_failures} times (moved responses recompute)")
+        down = next((c.down for c in connectors if c.down is not None), None)
+        if down is not None:  # a full pool, or one that failed and serves again, is not down
+            reasons.append(f"the KV pool is failing ({pool_failures} failed calls so far): {down}")
         if self._history_error is not None:
             reasons.append(f"the history store is not saved: {self._history_error}")
         return Health(

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from seer_engine.kv_connector.base import BlockStore, KVPoolError
+from seer_engine.kv_connector.base import BlockStore, KVPoolError, KVPoolFull
 from seer_engine.kv_connector.mooncake.common import (
     CONNECT_TIMEOUT_S,
     MIN_SEGMENT_BYTES,
@@ -365,7 +365,8 @@ class MooncakeStore(BlockStore):
         if code in (-900, -901):
             self._h.quiet.timed_out()
         where = f" (master {self.master})" if code in (-900, -901) else ""
-        return KVPoolError(f"Mooncake {what} of {key!r} failed{where}: {_describe(code)}")
+        error = KVPoolFull if code == -200 else KVPoolError
+        return error(f"Mooncake {what} of {key!r} failed{where}: {_describe(code)}")
 
     def _stage(self, block_bytes: int) -> int:
         """Blocks per batch; grows the staging buffer when one block does not fit."""
