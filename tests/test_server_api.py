@@ -342,6 +342,15 @@ def test_chat_template_options_render_as_vllm_does(client, model):
     assert ids == _completion_ids(client, model, "<user>Hi</user><assistant>The answer is")
 
 
+def test_documents_reach_the_chat_template_as_vllm_hands_them_over(client, model):
+    """vLLM's ``documents`` (retrieval-augmented templates) are rendered, not dropped."""
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[0].content }}"
+    documents = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = _chat_prompt_ids(client, model, messages, chat_template=template, documents=documents)
+    assert ids == _completion_ids(client, model, "[a: one][b: two]Hi")
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

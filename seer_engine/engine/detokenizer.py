@@ -77,13 +77,16 @@ class Detokenizer:
         chat_template: str | None = None,
         template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
     ) -> str:
         """The conversation as text; ``template_kwargs`` are variables the template reads
-        (e.g. Qwen3's ``enable_thinking``); ``tools``: OpenAI tool definitions it renders."""
+        (e.g. Qwen3's ``enable_thinking``); ``tools``: OpenAI tool definitions it renders;
+        ``documents``: vLLM's retrieval documents, for templates that render them (Command-R, Granite)."""
         self.check_template_kwargs(template_kwargs or {})
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
+            documents=documents,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

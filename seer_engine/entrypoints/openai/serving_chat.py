@@ -84,6 +84,7 @@ class OpenAIServingChat(ServingBase):
             chat_template=req.chat_template,
             template_kwargs=kwargs,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            documents=req.documents,
         )
         try:
             return await asyncio.to_thread(render)
