@@ -180,6 +180,28 @@ def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id(client, 
     assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes(client, http, model):
+    """A token holding part of a character decodes to U+FFFD; its ``bytes`` are still its
+    own (OpenAI's), so the tokens' bytes join into the content, streamed or not."""
+    pieces = http.post("/tokenize", json={"model": model, "prompt": "\u00e9", "add_special_tokens": False})
+    ids = pieces.json()["tokens"]
+    assert len(ids) == 2  # 0xC3 and 0xA9, one byte each
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=7, logprobs=True,
+        top_logprobs=2, seed=3, extra_body={"allowed_token_ids": ids, "ignore_eos": True},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True) for ch in c.choices
+                if ch.logprobs for e in ch.logprobs.content]  # fmt: skip
+    for entries in (whole.logprobs.content, streamed):
+        assert len(entries) == 7
+        assert all(e.bytes in ([0xC3], [0xA9]) for e in entries)
+        tops = [t for e in entries for t in e.top_logprobs]
+        assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token for t in tops)
+        joined = bytes(b for e in entries for b in e.bytes)
+        assert joined.decode("utf-8", "replace") == whole.message.content
+
+
 def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(client, http, model):
     """vLLM's truncate_prompt_tokens: the request runs on its prompt's last k tokens, as
     if sent alone (same seeded tokens, usage counts k); echo shows what was kept; chat
