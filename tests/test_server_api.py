@@ -335,6 +335,17 @@ def test_text_parts_are_joined_by_newlines_as_vllm_does(client, model):
     assert ids == _chat_prompt_ids(client, model, [{"role": "user", "content": "Hello\nWorld"}])
 
 
+def test_an_assistant_refusal_part_renders_as_its_text_as_vllm_does(client, model):
+    """OpenAI's assistant content may hold ``refusal`` parts; vLLM renders their text."""
+    parts = [{"type": "text", "text": "Well"}, {"type": "refusal", "refusal": "I can't help with that."}]
+    said = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}]
+    as_text = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Well\nI can't help with that."},
+    ]
+    assert _chat_prompt_ids(client, model, said) == _chat_prompt_ids(client, model, as_text)
+
+
 def test_chat_template_options_render_as_vllm_does(client, model):
     """A request's own chat_template, the variables in chat_template_kwargs, message fields
     the template reads (name, tool_call_id) and continue_final_message all reach the prompt."""

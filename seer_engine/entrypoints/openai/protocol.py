@@ -143,6 +143,7 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(_Strict):
     type: str
     text: str | None = None
+    refusal: str | None = None  # OpenAI's assistant part {"type": "refusal", "refusal": ...}
 
 
 class ChatMessage(_Strict):
