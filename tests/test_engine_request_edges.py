@@ -1,12 +1,13 @@
 """Engine request edges: stop strings after min_tokens and at max_tokens, long multi-byte stop strings,
 clashing sample ids, infinite temperatures, requests to a sleeping engine, a weight update from
-an empty path."""
+an empty path, a partial character's token bytes."""
 
 from __future__ import annotations
 
 import pytest
 
 from seer_engine import LLM, InvalidRequestError, SamplingParams
+from seer_engine.engine.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +187,19 @@ def test_a_weight_update_from_an_empty_path_is_refused_not_read_from_the_working
         with pytest.raises(InvalidRequestError, match="model_path is empty"):
             llm.engine.update_weights(empty)
     assert llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids == before
+
+
+@pytest.mark.parametrize(
+    ("spelled", "raw"), [("<0xE6>", b"\xe6"), ("\u00e4\u00bd", b"\xe4\xbd"), ("\u0120\u00c3", b" \xc3")]
+)
+def test_a_partial_characters_token_bytes_come_from_its_spelling(spelled, raw):
+    """SentencePiece byte fallback and GPT-2's byte-level alphabet: a token that decodes to
+    U+FFFD alone still has its own bytes (chat logprobs' ``bytes``)."""
+
+    class Spelling:
+        @staticmethod
+        def convert_ids_to_tokens(token_id: int) -> str:
+            return spelled
+
+    assert Detokenizer(Spelling()).token_bytes(7, "\ufffd") == raw
+    assert Detokenizer(Spelling()).token_bytes(7, "é") == "é".encode()

@@ -180,6 +180,28 @@ def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id(client, 
     assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes(client, http, model):
+    """A token holding part of a character decodes to U+FFFD; its ``bytes`` are still its
+    own (OpenAI's), so the tokens' bytes join into the content, streamed or not."""
+    pieces = http.post("/tokenize", json={"model": model, "prompt": "\u00e9", "add_special_tokens": False})
+    ids = pieces.json()["tokens"]
+    assert len(ids) == 2  # 0xC3 and 0xA9, one byte each
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=7, logprobs=True,
+        top_logprobs=2, seed=3, extra_body={"allowed_token_ids": ids, "ignore_eos": True},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True) for ch in c.choices
+                if ch.logprobs for e in ch.logprobs.content]  # fmt: skip
+    for entries in (whole.logprobs.content, streamed):
+        assert len(entries) == 7
+        assert all(e.bytes in ([0xC3], [0xA9]) for e in entries)
+        tops = [t for e in entries for t in e.top_logprobs]
+        assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token for t in tops)
+        joined = bytes(b for e in entries for b in e.bytes)
+        assert joined.decode("utf-8", "replace") == whole.message.content
+
+
 def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(client, http, model):
     """vLLM's truncate_prompt_tokens: the request runs on its prompt's last k tokens, as
     if sent alone (same seeded tokens, usage counts k); echo shows what was kept; chat
@@ -313,6 +335,17 @@ def test_text_parts_are_joined_by_newlines_as_vllm_does(client, model):
     assert ids == _chat_prompt_ids(client, model, [{"role": "user", "content": "Hello\nWorld"}])
 
 
+def test_an_assistant_refusal_part_renders_as_its_text_as_vllm_does(client, model):
+    """OpenAI's assistant content may hold ``refusal`` parts; vLLM renders their text."""
+    parts = [{"type": "text", "text": "Well"}, {"type": "refusal", "refusal": "I can't help with that."}]
+    said = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}]
+    as_text = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Well\nI can't help with that."},
+    ]
+    assert _chat_prompt_ids(client, model, said) == _chat_prompt_ids(client, model, as_text)
+
+
 def test_chat_template_options_render_as_vllm_does(client, model):
     """A request's own chat_template, the variables in chat_template_kwargs, message fields
     the template reads (name, tool_call_id) and continue_final_message all reach the prompt."""
@@ -340,6 +373,15 @@ def test_chat_template_options_render_as_vllm_does(client, model):
         add_generation_prompt=False,
     )
     assert ids == _completion_ids(client, model, "<user>Hi</user><assistant>The answer is")
+
+
+def test_documents_reach_the_chat_template_as_vllm_hands_them_over(client, model):
+    """vLLM's ``documents`` (retrieval-augmented templates) are rendered, not dropped."""
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[0].content }}"
+    documents = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = _chat_prompt_ids(client, model, messages, chat_template=template, documents=documents)
+    assert ids == _completion_ids(client, model, "[a: one][b: two]Hi")
 
 
 @pytest.mark.parametrize(

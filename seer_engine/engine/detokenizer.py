@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -53,6 +54,20 @@ class Detokenizer:
             text = self._piece_cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """The token's own bytes (``text``: its decoded piece). A token that holds part of
+        a character decodes to U+FFFD alone; its bytes come from its vocabulary spelling
+        (a byte-level alphabet, or a ``<0xNN>`` byte-fallback piece), so that the bytes of
+        consecutive tokens join into the text, as OpenAI's logprobs ``bytes`` promise."""
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        spelled = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        if _BYTE_PIECE.fullmatch(spelled):
+            return bytes([int(spelled[3:5], 16)])
+        if all(c in _BYTE_LEVEL for c in spelled):
+            return bytes(_BYTE_LEVEL[c] for c in spelled)
+        return text.encode("utf-8")
+
     @functools.cached_property
     def chat_template_arguments(self) -> frozenset[str]:
         """Names a template variable may not take: ``apply_chat_template``'s own
@@ -77,13 +92,16 @@ class Detokenizer:
         chat_template: str | None = None,
         template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
     ) -> str:
         """The conversation as text; ``template_kwargs`` are variables the template reads
-        (e.g. Qwen3's ``enable_thinking``); ``tools``: OpenAI tool definitions it renders."""
+        (e.g. Qwen3's ``enable_thinking``); ``tools``: OpenAI tool definitions it renders;
+        ``documents``: vLLM's retrieval documents, for templates that render them (Command-R, Granite)."""
         self.check_template_kwargs(template_kwargs or {})
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
+            documents=documents,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -114,6 +132,18 @@ class Detokenizer:
         return [
             {tid: Logprob(lp, rank, self.piece(tid)) for tid, (lp, rank) in step.items()} for step in logprobs
         ]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (character -> byte): printable Latin-1 bytes stand
+    for themselves, the others for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def new_stop_match(before: str, text: str, stops: Sequence[str]) -> tuple[int, str] | None:

@@ -11,17 +11,19 @@ from seer_engine.sampling_params import InvalidRequestError
 
 
 def content_text(message: ChatMessage, index: int) -> str:
-    """A message's text; text parts are joined by newlines, as vLLM renders them for a
-    template that reads ``content`` as a string (the same prompt tokens as under vLLM)."""
+    """A message's text; text parts (and an assistant's refusal parts, as OpenAI's API sends
+    them back) are joined by newlines, as vLLM renders them for a template that reads
+    ``content`` as a string (the same prompt tokens as under vLLM)."""
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
     for part in message.content:
-        if part.type != "text" or part.text is None:
+        text = {"text": part.text, "refusal": part.refusal}.get(part.type)
+        if text is None:
             raise InvalidRequestError(
                 f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}"
             )
-        texts.append(part.text)
+        texts.append(text)
     return "\n".join(texts)
 
 

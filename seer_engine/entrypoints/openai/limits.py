@@ -180,5 +180,6 @@ def _content_chars(message: Any) -> int:
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
-        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        texts = (p.get(key) for p in content if isinstance(p, dict) for key in ("text", "refusal"))
+        return sum(len(t) for t in texts if isinstance(t, str))
     return 0

@@ -143,6 +143,7 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(_Strict):
     type: str
     text: str | None = None
+    refusal: str | None = None  # OpenAI's assistant part {"type": "refusal", "refusal": ...}
 
 
 class ChatMessage(_Strict):
@@ -185,6 +186,7 @@ class ChatCompletionRequest(_SamplingFields):
     # --enable-auto-tool-choice); "required" and a named function are refused.
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # every call the model writes is returned
+    documents: list[dict[str, str]] | None = None  # vLLM's: retrieval documents the template renders
     add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
 
 
@@ -206,6 +208,7 @@ class TokenizeChatRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
+    documents: list[dict[str, str]] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -315,21 +315,29 @@ def prompt_logprobs_body(out: RequestOutput) -> list[dict | None] | None:
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int, as_ids: bool = False
+    token_ids: Sequence[int],
+    logprobs: SampleLogprobs,
+    top_n: int,
+    token_bytes: Callable[[int, str], bytes],
+    as_ids: bool = False,
 ) -> list[dict]:
-    """OpenAI chat format: one entry per token with its top alternatives."""
+    """OpenAI chat format: one entry per token with its top alternatives. ``bytes`` are
+    each token's own (``token_bytes(id, text)``), or a ``token_id:<id>`` label's."""
+
+    def entry(tid: int, logprob: float, text: str) -> dict:
+        label = token_label(tid, text, as_ids)
+        raw = label.encode("utf-8") if as_ids else token_bytes(tid, text)
+        return {"token": label, "logprob": finite(logprob), "bytes": list(raw)}
+
     content = []
     for tid, step in zip(token_ids, logprobs):
         chosen = step[tid]
-        label = token_label(tid, chosen.decoded_token or "", as_ids)
+        tops = sorted(step.items(), key=lambda kv: kv[1].rank)
         content.append(
             {
-                "token": label,
-                "logprob": finite(chosen.logprob),
-                "bytes": list(label.encode("utf-8")),
+                **entry(tid, chosen.logprob, chosen.decoded_token or ""),
                 "top_logprobs": [
-                    {"token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8"))}
-                    for _, lp, t in top_entries(step, top_n, as_ids)
+                    entry(t, lp.logprob, lp.decoded_token or "") for t, lp in tops if lp.rank <= top_n
                 ],
             }
         )

@@ -84,6 +84,7 @@ class OpenAIServingChat(ServingBase):
             chat_template=req.chat_template,
             template_kwargs=kwargs,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            documents=req.documents,
         )
         try:
             return await asyncio.to_thread(render)
@@ -185,14 +186,14 @@ class OpenAIServingChat(ServingBase):
             choice["token_ids"] = sample.token_ids
         return choice
 
-    @staticmethod
     def _logprobs(
-        req: ChatCompletionRequest, token_ids: list[int], sample: CompletionOutput, start: int = 0
+        self, req: ChatCompletionRequest, token_ids: list[int], sample: CompletionOutput, start: int = 0
     ) -> dict | None:
         if not req.logprobs or sample.logprobs is None:
             return None
         top_n, as_ids = req.top_logprobs or 0, req.return_tokens_as_token_ids
-        return {"content": chat_logprobs(token_ids, sample.logprobs[start:], top_n, as_ids)}
+        token_bytes = self.engine.detokenizer.token_bytes
+        return {"content": chat_logprobs(token_ids, sample.logprobs[start:], top_n, token_bytes, as_ids)}
 
     async def _stream(
         self, req: ChatCompletionRequest, request_id: str, stream, splitter: Callable[[], ChatOutputSplitter]

@@ -53,6 +53,7 @@ class ServingTokenize:
                 ChatCompletionRequest(
                     messages=chat.messages,
                     tools=chat.tools,
+                    documents=chat.documents,
                     add_generation_prompt=chat.add_generation_prompt,
                     continue_final_message=chat.continue_final_message,
                     chat_template=chat.chat_template,
