@@ -228,6 +228,8 @@ def test_chat_renders_each_conversation_with_the_chat_template(llm):
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     (as_parts,) = llm.chat([{"role": "user", "content": parts}], greedy)
     assert as_parts.prompt == llm.chat([{"role": "user", "content": "hi\nthere"}], greedy)[0].prompt
+    with pytest.raises(InvalidRequestError, match="a 'text' content part needs its 'text' field"):
+        llm.chat([{"role": "user", "content": [{"type": "text"}]}], greedy)
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs may not set tokenize"):
         llm.chat(first, greedy, chat_template_kwargs={"tokenize": True})
 

@@ -18,10 +18,14 @@ def content_text(message: ChatMessage, index: int) -> str:
         return message.content or ""
     texts = []
     for part in message.content:
-        text = {"text": part.text, "refusal": part.refusal}.get(part.type)
-        if text is None:
+        if part.type not in ("text", "refusal"):
             raise InvalidRequestError(
                 f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}"
+            )
+        text = part.text if part.type == "text" else part.refusal
+        if text is None:
+            raise InvalidRequestError(
+                f"a {part.type!r} content part needs its {part.type!r} field", param=f"messages.{index}"
             )
         texts.append(text)
     return "\n".join(texts)
