@@ -240,7 +240,7 @@ class ServingGenerate(ServingBase):
                     answer = self._answer(req, out, sample, items[p].scores_only)
                     index = starts[p] + sample.index
                     held = shown.setdefault(index, TextDeltas(stop_strings(items[p].request.stop)))
-                    answer["text"] = answer["text"][: held.visible_end(answer["text"], sample.finished)]
+                    answer["text"] = answer["text"][: held.visible_end(answer["text"], sample.finished())]
                     if several:
                         answer["index"] = index  # its place in the whole answer
                     yield f"data: {json.dumps(answer)}\n\n"
