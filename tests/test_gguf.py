@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -266,3 +269,31 @@ def test_an_unwritable_cache_is_a_clear_error(tiny_model, tmp_path, monkeypatch)
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "cannot write the model cache" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _files_capped_at(limit: int) -> Callable[[], None]:
+    """A child's ``preexec_fn``: writes past ``limit`` bytes fail (EFBIG) as on a full disk."""
+
+    def cap() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return cap
+
+
+def test_a_full_disk_is_a_clear_error(tiny_model, tmp_path, cache):
+    """Writing the weights fails (disk full) while converting and while casting: the CLI says
+    which cache could not be written, exit 2, no traceback, and nothing is left half-built."""
+    gguf_file = write_gguf(tiny_model("qwen2"), tmp_path / "m.gguf")
+    resolve_model(str(gguf_file), "float32")  # a float32 folder to cast from
+    fresh = write_gguf(tiny_model("llama"), tmp_path / "fresh.gguf")
+    for model, dtype in ((fresh, "float32"), (gguf_file, "bfloat16")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "seer_engine.entrypoints.cli", "generate", "--model", str(model),
+             "--dtype", dtype, "--prompt", "hi"],
+            capture_output=True, text=True, env=dict(os.environ), timeout=300,
+            preexec_fn=_files_capped_at(16_000),
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert "cannot write the model cache" in proc.stderr and "Traceback" not in proc.stderr
+    assert not [p for p in (cache / "gguf").iterdir() if p.name.startswith(".") and ".tmp-" in p.name]

@@ -34,7 +34,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from seer_engine.model_executor.gguf import CONVERT_DTYPES, convert_gguf, default_notice, read_gguf_info
+from seer_engine.model_executor.gguf import (
+    CONVERT_DTYPES,
+    convert_gguf,
+    default_notice,
+    read_gguf_info,
+    safetensors_writes,
+)
 from seer_engine.model_executor.model_config import ModelLoadError
 
 __all__ = [
@@ -255,7 +261,8 @@ def _cast_folder(src: Path, dst: Path, dtype: str) -> None:
             continue
         if f.suffix == ".safetensors":
             tensors = {k: (t.to(target) if t.is_floating_point() else t) for k, t in load_file(f).items()}
-            save_file(tensors, dst / f.name, metadata={"format": "pt"})
+            with safetensors_writes(dst):
+                save_file(tensors, dst / f.name, metadata={"format": "pt"})
         elif f.name == "config.json":
             cfg = json.loads(f.read_text(encoding="utf-8"))
             cfg["dtype"] = cfg["torch_dtype"] = dtype
