@@ -297,3 +297,29 @@ def test_a_full_disk_is_a_clear_error(tiny_model, tmp_path, cache):
         assert proc.returncode == 2, proc.stderr
         assert "cannot write the model cache" in proc.stderr and "Traceback" not in proc.stderr
     assert not [p for p in (cache / "gguf").iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
+
+
+def test_serving_one_dtype_converts_only_that_one(tiny_model, tmp_path, cache, monkeypatch):
+    """``serve --dtype bfloat16`` on an empty cache: the server's tokenizer and the KV pool's
+    sizing read the bfloat16 folder the engine loads; no float32 one is converted for them."""
+    from seer_engine.engine.async_engine import AsyncEngine
+    from seer_engine.engine.config import EngineConfig
+    from seer_engine.entrypoints.openai.api_server import ServerSettings, build_engine_client
+    from seer_engine.kv_connector.factory import kv_pool_for
+    from seer_engine.rollout.config import RolloutConfig
+
+    gguf_file = write_gguf(tiny_model("qwen2"), tmp_path / "m.gguf")
+    config = EngineConfig(model=str(gguf_file), dtype="bfloat16")
+    monkeypatch.setattr(AsyncEngine, "start", lambda self, timeout=None: self)  # builds no engine
+    uses = {
+        "kv pool": lambda: kv_pool_for("local", config, capacity_gib=0.01).close(),
+        "engine": lambda: build_engine_client(config, ServerSettings(["m"])),
+        "rollout": lambda: build_engine_client(
+            config, ServerSettings(["m"], rollout=RolloutConfig(rollout_mode=True))
+        ),
+    }
+    for name, use in uses.items():
+        shutil.rmtree(cache, ignore_errors=True)
+        use()
+        built = [p.name.rsplit("-", 1)[1] for p in (cache / "gguf").iterdir() if not p.name.startswith(".")]
+        assert built == ["bfloat16"], name
