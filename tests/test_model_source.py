@@ -8,7 +8,6 @@ check, extraction, conversion, cache) without network access.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from gguf_writer import build_wheel, write_gguf  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from seer_engine.engine.llm_engine import resolve_model_path  # noqa: E402
+from seer_engine.model_executor.model_config import ModelLoadError  # noqa: E402
 from seer_engine.model_executor.model_source import (  # noqa: E402
     ALIASES,
     FIND_LINKS_ENV,
@@ -145,6 +145,18 @@ def test_other_names_pass_through(tmp_path, monkeypatch):
     monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path / "cache"))
     assert resolve_model("tiny") == tmp_path / "cache" / "tiny-qwen3"
     assert resolve_model(str(tmp_path)) == tmp_path
-    assert resolve_model("~/some-folder") == Path(os.path.expanduser("~/some-folder"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "some-folder").mkdir()
+    assert resolve_model("~/some-folder") == tmp_path / "some-folder"
     with pytest.raises(ValueError, match="unsupported dtype 'int4'"):
         resolve_model("smollm2-135m", "int4")
+
+
+def test_an_unknown_name_lists_the_known_ones(tmp_path, monkeypatch):
+    """A name that is no folder (a misspelt alias, a Hub id) says which names --model knows."""
+    monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    for name in ("SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path / "nope")):
+        with pytest.raises(ModelLoadError, match="is not a directory.*names: tiny, smollm2-135m"):
+            resolve_model(name)
+    assert not (tmp_path / "cache").exists()

@@ -132,7 +132,8 @@ def resolve_model(model: str, dtype: str | None = "auto") -> Path:
 
     ``dtype`` picks the folder of an alias or GGUF (float32, bfloat16, float16);
     ``auto`` takes any already converted one, else float32. A plain folder is
-    returned as given (the loader checks it). A cache that cannot be written
+    returned as given (the loader checks it); a path to nothing is refused naming the
+    known names. A cache that cannot be written
     (read-only, full, a file in a folder's place) is a ``ModelFetchError`` naming the
     path and the way out, not a traceback.
     """
@@ -154,7 +155,13 @@ def _resolve(model: str, dtype: str | None) -> Path:
         return fetch_alias(ALIASES[model], dtype)
     if model.lower().endswith(".gguf"):
         return gguf_model_dir(model, dtype)
-    return Path(model).expanduser()
+    folder = Path(model).expanduser()
+    if not os.path.exists(folder):
+        raise ModelLoadError(
+            f"model path {model!r} is not a directory; --model takes a Hugging Face model folder, "
+            f"a .gguf file or one of the known model names: {', '.join(['tiny', *ALIASES])}"
+        )
+    return folder
 
 
 # ----------------------------------------------------------------------------- cache entries
