@@ -220,6 +220,11 @@ def test_gguf_errors_are_clear(tmp_path, cache):
         resolve_model(str(truncated))
     with pytest.raises(GGUFError, match="cannot convert to dtype 'int8'"):
         convert_gguf(gpt2, tmp_path / "out", "int8")
+    if os.path.exists("/proc/self/mem"):  # a file that cannot be read (EIO), even by root
+        unreadable = tmp_path / "unreadable.gguf"
+        unreadable.symlink_to("/proc/self/mem")
+        with pytest.raises(GGUFError, match="cannot read GGUF file .*mem: Input/output error$"):
+            resolve_model(str(unreadable))  # not blamed on the cache, which it never reached
     assert not cache.exists() or not any((cache / "gguf").glob("*"))  # nothing half-written left
 
 

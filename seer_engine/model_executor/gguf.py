@@ -103,8 +103,11 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
     path = Path(path).expanduser()
     if not path.is_file():
         raise GGUFError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFError(f"cannot read GGUF file {path}: {e.strerror or e}") from e
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path} is not a GGUF file (it does not start with the bytes {GGUF_MAGIC!r})")
     gguf = _import_gguf()
