@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -217,6 +220,11 @@ def test_gguf_errors_are_clear(tmp_path, cache):
         resolve_model(str(truncated))
     with pytest.raises(GGUFError, match="cannot convert to dtype 'int8'"):
         convert_gguf(gpt2, tmp_path / "out", "int8")
+    if os.path.exists("/proc/self/mem"):  # a file that cannot be read (EIO), even by root
+        unreadable = tmp_path / "unreadable.gguf"
+        unreadable.symlink_to("/proc/self/mem")
+        with pytest.raises(GGUFError, match="cannot read GGUF file .*mem: Input/output error$"):
+            resolve_model(str(unreadable))  # not blamed on the cache, which it never reached
     assert not cache.exists() or not any((cache / "gguf").glob("*"))  # nothing half-written left
 
 
@@ -266,3 +274,57 @@ def test_an_unwritable_cache_is_a_clear_error(tiny_model, tmp_path, monkeypatch)
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "cannot write the model cache" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _files_capped_at(limit: int) -> Callable[[], None]:
+    """A child's ``preexec_fn``: writes past ``limit`` bytes fail (EFBIG) as on a full disk."""
+
+    def cap() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return cap
+
+
+def test_a_full_disk_is_a_clear_error(tiny_model, tmp_path, cache):
+    """Writing the weights fails (disk full) while converting and while casting: the CLI says
+    which cache could not be written, exit 2, no traceback, and nothing is left half-built."""
+    gguf_file = write_gguf(tiny_model("qwen2"), tmp_path / "m.gguf")
+    resolve_model(str(gguf_file), "float32")  # a float32 folder to cast from
+    fresh = write_gguf(tiny_model("llama"), tmp_path / "fresh.gguf")
+    for model, dtype in ((fresh, "float32"), (gguf_file, "bfloat16")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "seer_engine.entrypoints.cli", "generate", "--model", str(model),
+             "--dtype", dtype, "--prompt", "hi"],
+            capture_output=True, text=True, env=dict(os.environ), timeout=300,
+            preexec_fn=_files_capped_at(200_000),
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert "cannot write the model cache" in proc.stderr and "Traceback" not in proc.stderr
+    assert not [p for p in (cache / "gguf").iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
+
+
+def test_serving_one_dtype_converts_only_that_one(tiny_model, tmp_path, cache, monkeypatch):
+    """``serve --dtype bfloat16`` on an empty cache: the server's tokenizer and the KV pool's
+    sizing read the bfloat16 folder the engine loads; no float32 one is converted for them."""
+    from seer_engine.engine.async_engine import AsyncEngine
+    from seer_engine.engine.config import EngineConfig
+    from seer_engine.entrypoints.openai.api_server import ServerSettings, build_engine_client
+    from seer_engine.kv_connector.factory import kv_pool_for
+    from seer_engine.rollout.config import RolloutConfig
+
+    gguf_file = write_gguf(tiny_model("qwen2"), tmp_path / "m.gguf")
+    config = EngineConfig(model=str(gguf_file), dtype="bfloat16")
+    monkeypatch.setattr(AsyncEngine, "start", lambda self, timeout=None: self)  # builds no engine
+    uses = {
+        "kv pool": lambda: kv_pool_for("local", config, capacity_gib=0.01).close(),
+        "engine": lambda: build_engine_client(config, ServerSettings(["m"])),
+        "rollout": lambda: build_engine_client(
+            config, ServerSettings(["m"], rollout=RolloutConfig(rollout_mode=True))
+        ),
+    }
+    for name, use in uses.items():
+        shutil.rmtree(cache, ignore_errors=True)
+        use()
+        built = [p.name.rsplit("-", 1)[1] for p in (cache / "gguf").iterdir() if not p.name.startswith(".")]
+        assert built == ["bfloat16"], name

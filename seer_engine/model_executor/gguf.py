@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "GGUFInfo",
     "convert_gguf",
     "read_gguf_info",
+    "safetensors_writes",
 ]
 
 # general.architecture in the file -> the Hugging Face architecture it becomes.
@@ -101,8 +103,11 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
     path = Path(path).expanduser()
     if not path.is_file():
         raise GGUFError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFError(f"cannot read GGUF file {path}: {e.strerror or e}") from e
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path} is not a GGUF file (it does not start with the bytes {GGUF_MAGIC!r})")
     gguf = _import_gguf()
@@ -262,6 +267,18 @@ def _load_dense(info: GGUFInfo, dtype: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+@contextmanager
+def safetensors_writes(folder: Path) -> Iterator[None]:
+    """Raise safetensors' write failures as the OSError they are: its Rust writer reports a
+    full or read-only disk as ``SafetensorError``, which callers would not take for one."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise OSError(None, str(e), str(folder)) from e
+
+
 def _clear_quantizer(model: Any) -> None:
     """Drop the GGUF quantizer marker so ``save_pretrained`` writes the dense weights."""
     model.hf_quantizer = None
@@ -377,7 +394,8 @@ def convert_gguf(
     _clear_quantizer(model)
     say("saving the dequantized weights")
     try:
-        model.save_pretrained(out, safe_serialization=True)
+        with safetensors_writes(out):
+            model.save_pretrained(out, safe_serialization=True)
     except ValueError as e:
         raise GGUFError(f"cannot save the dequantized weights of {info.path}: {e}") from e
     tokenizer.save_pretrained(out)

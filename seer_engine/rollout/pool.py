@@ -372,7 +372,7 @@ class EnginePool:
         """Request checks and a tokenizer of this process's own (the engines may be
         elsewhere): a request must fit one instance."""
         first = self.instances[0].info
-        path = self.config.tokenizer or resolve_model_path(self.config.model)
+        path = self.config.tokenizer or resolve_model_path(self.config.model, self.config.dtype)
         return InputProcessor(
             Detokenizer.from_pretrained(path), first.vocab_size, first.max_model_len, first.num_blocks,
             first.block_size,

@@ -83,7 +83,7 @@ def build_engine_client(config: EngineConfig, settings: ServerSettings) -> Engin
     name = settings.served_model_names[0]
     if not settings.rollout.needs_pool:
         return AsyncEngine.for_engine(config, model_name=name).start()
-    tokenizer = str(config.tokenizer or resolve_model_path(config.model))
+    tokenizer = str(config.tokenizer or resolve_model_path(config.model, config.dtype))
     rollout = settings.rollout
     data_dir = settings.data_dir
     return AsyncEngine(
