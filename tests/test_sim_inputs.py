@@ -12,6 +12,7 @@ import pytest
 from seer_engine.entrypoints.cli import main
 from seer_engine.workloads.paths import default_tokenizer_path
 
+REPEATED = ["--iterations", "2", "--repeat-prompts"]
 SMALL = ["simulate", "--prompts", "2", "--samples", "2", "--instances", "2", "--max-tokens", "500"]
 STEP = {"a_s": 0.01, "b_s_per_token": 1e-5, "c_s_per_kv_token": 1e-9}
 PROFILE = {"name": "p", "step": STEP, "kv_capacity_tokens": 4096, "max_num_seqs": 8,
@@ -53,6 +54,9 @@ def _error(args: list[str], capsys) -> str:
         (["--speculative-config", '{"num_speculative_tokens": 99}'], "num_speculative_tokens must be"),
         (["--speculative-config", '{"method": "ngram"}'], "models grouped multi-path drafts (seer) only"),
         (["--policy", "baseline,context", "--speculative-config", "{}"], "none of the policies"),
+        # a trace's lengths are its own: both were ignored while the report's meta recorded them
+        ([*REPEATED, "--trace", "t.jsonl.gz", "--drift", "0.5"], "--drift shapes the synthetic"),
+        (["--trace", "t.jsonl.gz", "--across-sigma", "0"], "--across-sigma shapes the synthetic"),
     ],
 )
 def test_simulate_names_bad_arguments(args, message, capsys):

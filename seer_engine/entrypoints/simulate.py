@@ -197,6 +197,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         writable_dir(args.report, "--report")
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
+    if args.trace and (args.drift or args.across_sigma is not None):  # it would change nothing
+        flag = "--drift" if args.drift else "--across-sigma"
+        raise ValueError(f"{flag} shapes the synthetic workload's lengths; --trace replays the trace's own")
     if args.groups and args.iterations > 1 and not args.repeat_prompts:  # each would replay the first
         raise ValueError(
             "--groups fixes the groups, so every iteration would replay the same responses: pass "
