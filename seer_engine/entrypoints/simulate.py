@@ -98,6 +98,9 @@ def _setups(args: argparse.Namespace) -> list:
     names = [s.strip() for s in args.setup.split(",") if s.strip()]
     if not names:
         raise ValueError("--setup names no setup")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # the second would run again and overwrite the first's report
+        raise ValueError(f"--setup names {', '.join(twice)} more than once")
     profile = InstanceProfile.load(args.profile) if args.profile else None
     overrides = {
         "instances": args.instances, "prompts": args.prompts, "samples": args.samples,
