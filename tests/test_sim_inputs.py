@@ -151,7 +151,9 @@ def test_trace_groups_are_the_prompts_in_the_header_and_the_report(tmp_path, cap
     args = [*SMALL, "--trace", str(trace), "--groups", "1:4", "--policy", "baseline"]
     assert main([*args, "--report", str(tmp_path)]) == 0
     assert "3 prompts x 2 responses" in capsys.readouterr().out
-    assert json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]["prompts"] == 3
+    meta = json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]
+    assert meta["prompts"] == 3
+    assert meta["mean_tokens"] is None and meta["across_sigma"] is None, "the trace's, not the setup's"
 
 
 def test_context_order_reaches_the_context_manager_and_the_report(tmp_path, capsys):
