@@ -266,3 +266,10 @@ def test_fixed_trace_groups_over_iterations_need_repeat_prompts(capsys):
     iteration: N identical runs, not the fresh workload each that --iterations promises."""
     args = [*SMALL, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
     assert "pass --repeat-prompts to take disjoint sibling sets" in _error(args, capsys)
+
+
+def test_a_file_where_a_setups_report_folder_goes_is_named_before_the_run(tmp_path, capsys):
+    """The root was checked, not ``<root>/<setup>``: a FileExistsError traceback after the run."""
+    (tmp_path / "moonlight").write_text("")
+    err = _error([*SMALL, "--policy", "divided", "--report", str(tmp_path)], capsys)
+    assert f"--report {str(tmp_path / 'moonlight')!r} is not a directory this run can write to" in err

@@ -218,7 +218,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     spec_overrides = _speculative_overrides(args.speculative_config, policies)
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     acceptance = _acceptance_models(args)
-    for setup in _setups(args):
+    setups = _setups(args)
+    if args.report:  # each setup's folder too: a file in its place failed only after the run
+        for setup in setups:
+            writable_dir(Path(args.report) / setup.name, "--report")
+    for setup in setups:
         built = {}  # iteration -> its workload, built ahead of its turn
         if args.trace and args.groups:
             # The trace groups are the prompts (the header and report count them); a trace
