@@ -158,6 +158,15 @@ def test_a_response_larger_than_an_instance_is_named_before_anything_runs():
         simulate(groups, policy_for("divided", groups, 4096, 60.0), _profile(kv_tokens=1024), 1, 4096, 2048)
 
 
+@pytest.mark.parametrize("name", ["baseline", "seer"])
+def test_a_response_that_fits_the_capacity_but_not_whole_blocks_is_named_before_anything_runs(name):
+    """2,250 tokens in 64-token blocks are 2,240, a row's last block part-filled: a 2,245-token
+    response passed the check, then stalled on 'lower chunk_tokens', which cannot help."""
+    groups = [SimGroup("g", 1000, [1245])]
+    with pytest.raises(ValueError, match=r"need KV for 2245 tokens .* 2208.5 tokens fit"):
+        simulate(groups, policy_for(name, groups, 4096, 60.0), _profile(2250, block_size=64), 1, 4096, 2048)
+
+
 def test_the_simulator_schedules_with_the_engines_own_classes():
     # No second implementation: the names the simulator uses are the engine's objects.
     assert simulator.Dispatcher is engine_dispatcher.Dispatcher

@@ -235,6 +235,20 @@ def test_admission_rules_never_preempt_and_stay_within_kv(admission, name, sim_i
         assert result.metrics.chunk_cuts == 0
 
 
+@pytest.mark.parametrize("admission", ["reserve", "peak"])
+def test_a_speculative_row_at_its_chunks_end_is_not_preempted_for_tokens_past_it(admission, sim_instances):
+    """Each response fills its instance to the last token: a step that accepts 2.7 tokens
+    where half of one was left counted all 2.7 and preempted the row (the rules never do)."""
+    groups = [simulator.SimGroup("g", 27, [55, 52, 58, 64, 59, 60, 56, 56])]
+    profile = InstanceProfile("t", StepTimeModel(0.0134, 4.55e-5, 1.22e-8), kv_capacity_tokens=91,
+                              max_num_seqs=16, max_num_batched_tokens=16, block_size=1)  # fmt: skip
+    policy = policy_for("seer", groups, 64, 3600.0)
+    result = simulate(groups, policy, profile, 5, 64, 100, admission=admission)
+    assert result.metrics.preemptions == 0
+    assert result.metrics.output_tokens == sum(groups[0].lengths)
+    assert all(inst.peak_kv_tokens <= inst.capacity for inst in sim_instances)
+
+
 def test_peak_admission_runs_more_rows_than_reserving_every_chunk_and_fewer_than_knowing_the_ends():
     groups = synthetic_groups(12, 8, MAX_TOKENS, prompt_len=200, seed=4)
     runs = {

@@ -12,6 +12,7 @@ import pytest
 from seer_engine.entrypoints.cli import main
 from seer_engine.workloads.paths import default_tokenizer_path
 
+REPEATED = ["--iterations", "2", "--repeat-prompts"]
 SMALL = ["simulate", "--prompts", "2", "--samples", "2", "--instances", "2", "--max-tokens", "500"]
 STEP = {"a_s": 0.01, "b_s_per_token": 1e-5, "c_s_per_kv_token": 1e-9}
 PROFILE = {"name": "p", "step": STEP, "kv_capacity_tokens": 4096, "max_num_seqs": 8,
@@ -40,6 +41,7 @@ def _error(args: list[str], capsys) -> str:
         (["--starvation-s", "nan"], "--starvation-s must be >= 0, got nan"),
         (["--setup", ""], "--setup names no setup"),
         (["--setup", " , "], "--setup names no setup"),
+        (["--setup", "kimi-k2,moonlight, kimi-k2"], "--setup names kimi-k2 more than once"),
         (["--drift", "nan", "--repeat-prompts", "--iterations", "2"], "--drift must be >= 0, got nan"),
         (["--repeat-prompts"], "samples the same prompts in later iterations: pass --iterations N > 1"),
         (["--across-sigma", "-0.5"], "--across-sigma must be >= 0, got -0.5"),
@@ -53,6 +55,9 @@ def _error(args: list[str], capsys) -> str:
         (["--speculative-config", '{"num_speculative_tokens": 99}'], "num_speculative_tokens must be"),
         (["--speculative-config", '{"method": "ngram"}'], "models grouped multi-path drafts (seer) only"),
         (["--policy", "baseline,context", "--speculative-config", "{}"], "none of the policies"),
+        # a trace's lengths are its own: both were ignored while the report's meta recorded them
+        ([*REPEATED, "--trace", "t.jsonl.gz", "--drift", "0.5"], "--drift shapes the synthetic"),
+        (["--trace", "t.jsonl.gz", "--across-sigma", "0"], "--across-sigma shapes the synthetic"),
     ],
 )
 def test_simulate_names_bad_arguments(args, message, capsys):
@@ -146,7 +151,9 @@ def test_trace_groups_are_the_prompts_in_the_header_and_the_report(tmp_path, cap
     args = [*SMALL, "--trace", str(trace), "--groups", "1:4", "--policy", "baseline"]
     assert main([*args, "--report", str(tmp_path)]) == 0
     assert "3 prompts x 2 responses" in capsys.readouterr().out
-    assert json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]["prompts"] == 3
+    meta = json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]
+    assert meta["prompts"] == 3
+    assert meta["mean_tokens"] is None and meta["across_sigma"] is None, "the trace's, not the setup's"
 
 
 def test_context_order_reaches_the_context_manager_and_the_report(tmp_path, capsys):
@@ -259,3 +266,10 @@ def test_fixed_trace_groups_over_iterations_need_repeat_prompts(capsys):
     iteration: N identical runs, not the fresh workload each that --iterations promises."""
     args = [*SMALL, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
     assert "pass --repeat-prompts to take disjoint sibling sets" in _error(args, capsys)
+
+
+def test_a_file_where_a_setups_report_folder_goes_is_named_before_the_run(tmp_path, capsys):
+    """The root was checked, not ``<root>/<setup>``: a FileExistsError traceback after the run."""
+    (tmp_path / "moonlight").write_text("")
+    err = _error([*SMALL, "--policy", "divided", "--report", str(tmp_path)], capsys)
+    assert f"--report {str(tmp_path / 'moonlight')!r} is not a directory this run can write to" in err

@@ -98,6 +98,9 @@ def _setups(args: argparse.Namespace) -> list:
     names = [s.strip() for s in args.setup.split(",") if s.strip()]
     if not names:
         raise ValueError("--setup names no setup")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # the second would run again and overwrite the first's report
+        raise ValueError(f"--setup names {', '.join(twice)} more than once")
     profile = InstanceProfile.load(args.profile) if args.profile else None
     overrides = {
         "instances": args.instances, "prompts": args.prompts, "samples": args.samples,
@@ -197,6 +200,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         writable_dir(args.report, "--report")
     if args.groups and not args.trace:
         raise ValueError("--groups selects trace groups: pass --trace too")
+    if args.trace and (args.drift or args.across_sigma is not None):  # it would change nothing
+        flag = "--drift" if args.drift else "--across-sigma"
+        raise ValueError(f"{flag} shapes the synthetic workload's lengths; --trace replays the trace's own")
     if args.groups and args.iterations > 1 and not args.repeat_prompts:  # each would replay the first
         raise ValueError(
             "--groups fixes the groups, so every iteration would replay the same responses: pass "
@@ -212,7 +218,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     spec_overrides = _speculative_overrides(args.speculative_config, policies)
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     acceptance = _acceptance_models(args)
-    for setup in _setups(args):
+    setups = _setups(args)
+    if args.report:  # each setup's folder too: a file in its place failed only after the run
+        for setup in setups:
+            writable_dir(Path(args.report) / setup.name, "--report")
+    for setup in setups:
         built = {}  # iteration -> its workload, built ahead of its turn
         if args.trace and args.groups:
             # The trace groups are the prompts (the header and report count them); a trace
@@ -322,7 +332,8 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
         "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,
         "starvation_s": setup.starvation_s, "iterations": args.iterations, "seed": args.seed,
         "workload": args.trace or "synthetic", "kv_pool": not args.no_kv_pool,
-        "mean_tokens": setup.mean_tokens, "across_sigma": None if args.trace else setup.across_sigma,
+        "mean_tokens": None if args.trace else setup.mean_tokens,
+        "across_sigma": None if args.trace else setup.across_sigma,
         "repeat_prompts": args.repeat_prompts, "drift": args.drift,
         "admission": args.admission, "backfill": args.backfill, "context_order": args.context_order,
         "acceptance": args.acceptance or "default",

@@ -59,6 +59,13 @@ class DecodeBand:
             heapq.heappop(self._ends)
         return self._ends[0][0] if self._ends else float("inf")
 
+    def growth(self, gain: float) -> float:
+        """Tokens the rows write in a step of ``gain`` each: none past its chunk's end (a
+        speculative step may accept more than a row has left)."""
+        if self.first_end() - self.progress >= gain - EPS:
+            return len(self.rows) * gain
+        return sum(min(gain, self._progress_end(req) - self.progress) for req in self.rows.values())
+
     def advance(self, tokens: float) -> None:
         """Every row gains ``tokens``."""
         self.progress += tokens

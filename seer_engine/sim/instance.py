@@ -337,7 +337,8 @@ class SimInstance(InstanceHandle):
         stopped = False
         while self.decoding or self.prefilling:
             decode, _, prefill = self._next_step()
-            if self._running_kv() + decode.growth + sum(n for _, n in prefill) <= self.capacity:
+            growth = sum(band.growth(gain) for band, gain in zip(self.bands, decode.gain))
+            if self._running_kv() + growth + sum(n for _, n in prefill) <= self.capacity:
                 return stopped
             stopped = True
             running = list(self.decoding.values()) + self.prefilling
@@ -425,13 +426,13 @@ class SimInstance(InstanceHandle):
         st.draft_tokens_accepted += steps * sum(n * (g - 1) for n, g in zip(seg.rows, seg.gain))
         for band, gain in zip(self.bands, seg.gain):
             band.advance(steps * gain)
-        self._note_kv()
         self._evict()  # the rows grew into cached blocks before any of them ended
+        ended = [req for band in self.bands for req in band.take_ended()]
+        self._note_kv(sum(req.context for req in ended))  # at their chunks' ends, not past them
         outputs = []
-        for band in self.bands:
-            for req in band.take_ended():
-                del self.decoding[req.request_id]
-                outputs.append(self._end_chunk(req))
+        for req in ended:
+            del self.decoding[req.request_id]
+            outputs.append(self._end_chunk(req))
         return outputs
 
     def _end_chunk(self, req: SimRequest) -> RequestOutput:
@@ -454,8 +455,8 @@ class SimInstance(InstanceHandle):
         self._stats.chunk_cuts += 1
         return req.output("length")
 
-    def _note_kv(self) -> None:
-        self.peak_kv_tokens = max(self.peak_kv_tokens, self._running_kv())
+    def _note_kv(self, ended: float = 0.0) -> None:
+        self.peak_kv_tokens = max(self.peak_kv_tokens, self._running_kv() + ended)
 
     # -- decoding rows and KV ------------------------------------------------------------
 

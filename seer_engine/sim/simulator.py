@@ -187,16 +187,19 @@ def _speculation(policy: RolloutPolicy, acceptance, samples: int) -> SimSpeculat
 
 
 def _check_kv_holds(groups: Sequence[SimGroup], max_tokens: int, profile: InstanceProfile) -> None:
-    """Every response's prompt and tokens fit one instance's KV: one that does not can never
-    finish, whatever the chunk size (its context alone outgrows the instance)."""
+    """Every response's prompt and tokens fit one instance's KV, as its rows hold it (whole
+    blocks, the last one part-filled): one that does not can never finish, whatever the
+    chunk size (its context alone outgrows the instance)."""
     capacity = profile.kv_capacity_tokens
+    room = profile.num_blocks * profile.block_size - profile.partial_block_tokens
     for g in groups:
         longest = min(max(g.lengths, default=0), max_tokens)
-        if g.prompt_len + longest > capacity:
+        if g.prompt_len + longest > room:
             raise ValueError(
                 f"group {g.group_id}: its {g.prompt_len}-token prompt and {longest}-token response need KV "
                 f"for {g.prompt_len + longest} tokens but an instance holds {capacity} "
-                "(kv_capacity_tokens): raise it or lower max_tokens"
+                f"(kv_capacity_tokens): raise it or lower max_tokens (a row holds whole "
+                f"{profile.block_size}-token blocks, its last part-filled: {room:g} tokens fit)"
             )
 
 
