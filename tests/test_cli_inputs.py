@@ -76,6 +76,14 @@ def test_a_data_dir_that_cannot_be_written_is_named_before_the_model_loads(tmp_p
     assert f"--data-dir {str(a_file)!r} is not a directory this run can write to" in err
 
 
+def test_the_default_data_dir_follows_seer_engine_cache(tmp_path, capsys, monkeypatch):
+    """The server's files and batches go where the run's cache is (a file there is named)."""
+    monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path))
+    (tmp_path / "server").write_text("")
+    err = _error(["serve", "--model", "/nonexistent-model", "--port", "0"], capsys)
+    assert f"--data-dir {str(tmp_path / 'server')!r} is not a directory this run can write to" in err
+
+
 def test_a_kv_budget_that_holds_no_block_is_an_error_not_an_oversized_cache(tiny_model, capsys):
     """One block of 2^30 tokens is far over the 1 GiB CPU budget: it was allocated anyway
     (at least one block), a torch out-of-memory traceback."""

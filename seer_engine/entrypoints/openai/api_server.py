@@ -47,13 +47,18 @@ from seer_engine.entrypoints.openai.serving_completions import OpenAIServingComp
 from seer_engine.entrypoints.openai.serving_generate import ServingGenerate
 from seer_engine.entrypoints.openai.serving_tokenize import ServingTokenize, tokenize_router
 from seer_engine.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
+from seer_engine.model_executor.model_source import cache_root
 from seer_engine.rollout.backend import RolloutBackend
 from seer_engine.rollout.config import RolloutConfig
 from seer_engine.rollout.report import writable_dir
 
 logger = logging.getLogger("seer_engine.serve")
 
-DEFAULT_DATA_DIR = Path("~/.cache/seer_engine/server")
+
+def default_data_dir() -> Path:
+    """``$SEER_ENGINE_CACHE/server``: a run pointed at another cache keeps its files there too."""
+    return cache_root() / "server"
+
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -64,7 +69,7 @@ class ServerSettings:
     """Server-level options (everything that is not an engine flag)."""
 
     served_model_names: list[str]
-    data_dir: Path = DEFAULT_DATA_DIR
+    data_dir: Path = field(default_factory=default_data_dir)
     api_key: str | None = None
     max_body_bytes: int | None = None  # JSON routes; None: sized to max_model_len (limits.py)
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # POST /v1/files
@@ -274,7 +279,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients use (default: --model)"
     )
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where files and batches are kept")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where files and batches are kept (default: $SEER_ENGINE_CACHE/server)",
+    )
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -367,6 +377,7 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--served-model-name must not be blank, got {args.served_model_name!r}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    args.data_dir = args.data_dir or default_data_dir()
     writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
