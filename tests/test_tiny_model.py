@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from seer_engine.model_executor import tiny_model
+from seer_engine.model_executor.model_source import tiny_model_dir
 from seer_engine.model_executor.tiny_model import (
     ARCHITECTURES,
     build_default_tokenizer,
-    default_tiny_model_dir,
     make_tiny_model,
 )
 from seer_engine.model_executor.tiny_model_cli import add_cli
@@ -273,15 +273,20 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert exc.value.code == 2 and message in err and "Traceback" not in err
 
 
-def test_default_tiny_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))
+
+
+def test_tiny_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path / "cache"))
-    # Racing builders (threads here; processes take the same rename path) must all
-    # end up with the one complete folder and leave no temporary folders behind.
+    # Racing builders (threads here; processes take the same lock) must all end up
+    # with the one complete folder and leave no temporary folders behind.
     with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda _: default_tiny_model_dir(), range(3)))
-    expected = tmp_path / "cache" / "tiny-qwen3"
+        outs = list(pool.map(lambda _: tiny_model_dir(), range(3)))
+    cache = tmp_path / "cache"
+    expected = cache / "tiny-qwen3"
     assert outs == [expected] * 3
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny-qwen3"]
+    assert _entries(cache) == ["tiny-qwen3"]
     cfg = json.loads((expected / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["hidden_size"] == 64
     transformers.AutoModelForCausalLM.from_pretrained(expected)
@@ -295,12 +300,14 @@ def test_default_tiny_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     a, b = _weights(expected), _weights(ref)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    # A folder left by an older maker version is rebuilt; a current one is reused.
-    stamp = expected / "seer_tiny_model.json"
+    # A folder left by an older maker version is rebuilt, and what a killed build left
+    # behind is removed with it; a current one is reused.
+    stamp = expected / "seer_model_source.json"
     stamp.write_text(json.dumps({"format_version": -1}))
-    assert default_tiny_model_dir() == expected
-    assert json.loads(stamp.read_text())["format_version"] != -1
+    (cache / ".tiny-qwen3.tmp-killed").mkdir()
+    assert tiny_model_dir() == expected
+    assert json.loads(stamp.read_text())["format_version"] == tiny_model.FORMAT_VERSION
     mtime = (expected / "model.safetensors").stat().st_mtime_ns
-    assert default_tiny_model_dir() == expected
+    assert tiny_model_dir() == expected
     assert (expected / "model.safetensors").stat().st_mtime_ns == mtime
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny-qwen3"]
+    assert _entries(cache) == ["tiny-qwen3"]

@@ -150,9 +150,7 @@ def resolve_model(model: str, dtype: str | None = "auto") -> Path:
 
 def _resolve(model: str, dtype: str | None) -> Path:
     if model == "tiny":
-        from seer_engine.model_executor.tiny_model import default_tiny_model_dir
-
-        return default_tiny_model_dir()
+        return tiny_model_dir()
     if model in ALIASES:
         return fetch_alias(ALIASES[model], dtype)
     if model.lower().endswith(".gguf"):
@@ -295,6 +293,16 @@ def gguf_model_dir(path: str | Path, dtype: str | None = "auto") -> Path:
 
 
 # ----------------------------------------------------------------------------- aliases
+
+
+def tiny_model_dir() -> Path:
+    """``--model tiny``: the tiny model's default build (qwen3, seed 0), made on first use
+    under the cache as ``tiny-qwen3`` and rebuilt when the maker's output changes."""
+    from seer_engine.model_executor.tiny_model import FORMAT_VERSION, make_tiny_model
+
+    build = functools.partial(make_tiny_model, arch="qwen3", seed=0)
+    source = "make_tiny_model(arch='qwen3', seed=0)"
+    return _materialize(cache_root() / "tiny-qwen3", build, "the tiny model", source, FORMAT_VERSION)
 
 
 def _alias_dir(alias: ModelAlias, dtype: str) -> Path:

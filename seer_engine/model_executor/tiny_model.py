@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import threading
-import uuid
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,6 @@ __all__ = [
     "SPECIAL_TOKENS",
     "INIT_STD",
     "build_default_tokenizer",
-    "default_tiny_model_dir",
     "make_tiny_model",
 ]
 
@@ -76,7 +73,7 @@ INIT_STD = 0.2
 NORM_WEIGHT_STD = 0.1
 
 # Bumped whenever the maker's output changes, so cached default models are rebuilt.
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 1
 _STAMP_FILE = "seer_tiny_model.json"
 _INIT_LOCK = threading.Lock()
 
@@ -339,7 +336,7 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     _add_classic_config_keys(out / "config.json", dtype, classic_scaling, head_dim)
     (out / _STAMP_FILE).write_text(
-        json.dumps({"format_version": _FORMAT_VERSION, "arch": arch, "seed": seed}) + "\n",
+        json.dumps({"format_version": FORMAT_VERSION, "arch": arch, "seed": seed}) + "\n",
         encoding="utf-8",
     )
     return out
@@ -371,56 +368,3 @@ def _add_classic_config_keys(
     cfg["torch_dtype"] = dtype
     cfg["head_dim"] = head_dim
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _cache_root() -> Path:
-    env = os.environ.get("SEER_ENGINE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "seer_engine"
-
-
-def _is_current(folder: Path) -> bool:
-    try:
-        stamp = json.loads((folder / _STAMP_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return stamp.get("format_version") == _FORMAT_VERSION
-
-
-def default_tiny_model_dir() -> Path:
-    """Path of the built-in model (`--model tiny`): qwen3, default sizes, seed 0.
-
-    Built on first use under `$SEER_ENGINE_CACHE` (default ~/.cache/seer_engine)
-    as `tiny-qwen3`. It is written into a temporary sibling folder and renamed into
-    place, so concurrent processes never see a half-written folder; a process that
-    loses the race discards its copy and uses the winner's.
-    """
-    root = _cache_root()
-    final = root / "tiny-qwen3"
-    if _is_current(final):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen3.tmp-", dir=root))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it owner-only
-        make_tiny_model(tmp, arch="qwen3", seed=0)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)  # some writers create owner-only temp files
-        if final.exists() and not _is_current(final):
-            # A folder from an older maker version: move it aside, then replace it.
-            stale = root / f".tiny-qwen3.stale-{uuid.uuid4().hex}"
-            try:
-                os.rename(final, stale)
-                shutil.rmtree(stale, ignore_errors=True)
-            except OSError:
-                pass  # another process moved it first
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_current(final):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
