@@ -332,13 +332,10 @@ def chat_logprobs(
     content = []
     for tid, step in zip(token_ids, logprobs):
         chosen = step[tid]
-        tops = sorted(step.items(), key=lambda kv: kv[1].rank)
         content.append(
             {
                 **entry(tid, chosen.logprob, chosen.decoded_token or ""),
-                "top_logprobs": [
-                    entry(t, lp.logprob, lp.decoded_token or "") for t, lp in tops if lp.rank <= top_n
-                ],
+                "top_logprobs": [entry(t, lp, text) for t, lp, text in top_entries(step, top_n)],
             }
         )
     return content
