@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # SIGTERM's default action ends the process on the spot: a rollout's instance processes
     # then die on a broken pipe with tracebacks and its shared memory is left to the
-    # resource tracker. As SystemExit it unwinds as Ctrl-C does, closing them first.
+    # resource tracker (serve: uvicorn re-raises it once drained, before the engine's
+    # shutdown and the history store's save). As SystemExit it unwinds as Ctrl-C does.
     on_main_thread = threading.current_thread() is threading.main_thread()  # where signals may be set
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if on_main_thread else None
     try:

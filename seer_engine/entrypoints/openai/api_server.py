@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 import threading
@@ -355,10 +354,6 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _exit_on_signal(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -398,10 +393,6 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     engine = build_engine_client(config, settings)
-    # uvicorn re-raises the signal that stopped it once it has drained; SIGTERM's default
-    # action would then end the process before the engine shuts down (its instances, the
-    # KV pool and the history store's save), so it ends the process as SystemExit instead.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         app = create_app(engine, settings)
         host, port = sock.getsockname()[:2]
