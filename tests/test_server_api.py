@@ -384,13 +384,49 @@ def test_documents_reach_the_chat_template_as_vllm_hands_them_over(client, model
     assert ids == _completion_ids(client, model, "[a: one][b: two]Hi")
 
 
+def test_reasoning_effort_reaches_the_template_unless_its_kwargs_name_it(client, model):
+    template = "[{{ reasoning_effort }}]{{ messages[0].content }}"
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = _chat_prompt_ids(client, model, messages, chat_template=template, reasoning_effort="low")
+    assert ids == _completion_ids(client, model, "[low]Hi", add_special_tokens=False)
+    kwargs = {"reasoning_effort": "high"}
+    ids = _chat_prompt_ids(
+        client, model, messages, chat_template=template, reasoning_effort="low", chat_template_kwargs=kwargs
+    )
+    assert ids == _completion_ids(client, model, "[high]Hi", add_special_tokens=False)
+
+
+def test_chat_echo_writes_the_continued_message_before_each_answer(client, model):
+    """vLLM's chat ``echo``: the final message, when the answer continues it (or follows an
+    assistant message), comes before each choice's content, whole and streamed; after a
+    user message with a generation prompt there is nothing to echo."""
+    messages = [{"role": "user", "content": "Tell"}, {"role": "assistant", "content": "Once upon"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    kwargs = dict(model=model, messages=messages, max_tokens=5, n=2, seed=4)
+    plain = client.chat.completions.create(**kwargs, extra_body=body)
+    echoed = client.chat.completions.create(**kwargs, extra_body={**body, "echo": True})
+    answers = [c.message.content for c in plain.choices]
+    assert [c.message.content for c in echoed.choices] == ["Once upon" + a for a in answers]
+    assert echoed.usage == plain.usage
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(**kwargs, stream=True, extra_body={**body, "echo": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == ["Once upon" + a for a in answers]
+    after_user = dict(kwargs, messages=messages[:1])
+    fresh = client.chat.completions.create(**after_user, extra_body={"echo": True})
+    assert [c.message.content for c in fresh.choices] == [
+        c.message.content for c in client.chat.completions.create(**after_user).choices
+    ]
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"chat_template": "{% for %}"}, "chat_template"),
-        ({"echo": True}, "echo"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ],
 )
 def test_bad_chat_template_options_are_refused_by_name(http, body, param):

@@ -85,7 +85,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "response_format": (None, {"type": "text"}),
     "prediction": (None,),
     "spaces_between_special_tokens": (None, True),
-    "echo": (None, False),  # chat only: completions implement it
     # The deprecated way to ask for tool calls (``tools`` and ``tool_choice`` replace it).
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
@@ -188,6 +187,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None  # every call the model writes is returned
     documents: list[dict[str, str]] | None = None  # vLLM's: retrieval documents the template renders
     add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
+    echo: bool = False  # vLLM's: a continued final message is written before each answer
+    # OpenAI's: reaches the template as ``reasoning_effort`` (templates that read it, e.g. gpt-oss)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
 # -------------------------------------------------------------------------- tokenize

@@ -34,6 +34,18 @@ def _max_tokens_field(req: ChatCompletionRequest) -> str:
     return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
 
 
+def echoed_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the final message's text, written before each answer when the
+    answer is in its role (the message being continued, or an assistant message before a
+    fresh generation prompt)."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    if req.add_generation_prompt and last.role != "assistant":
+        return ""
+    return content_text(last, len(req.messages) - 1)
+
+
 class OpenAIServingChat(ServingBase):
     def __init__(
         self,
@@ -73,6 +85,8 @@ class OpenAIServingChat(ServingBase):
                 param="continue_final_message",
             )
         kwargs = req.chat_template_kwargs or {}
+        if req.reasoning_effort is not None:  # chat_template_kwargs name it more precisely
+            kwargs = {"reasoning_effort": req.reasoning_effort, **kwargs}
         detokenizer = self.engine.detokenizer
         detokenizer.check_template_kwargs(kwargs)  # before the thread, whose errors blame the template
         messages = [template_message(m, i) for i, m in enumerate(req.messages)]
@@ -109,7 +123,8 @@ class OpenAIServingChat(ServingBase):
             out = await final_output(stream)
         finally:
             release()
-        choices = [self._choice(req, out.prompt_token_ids, s, splitter()) for s in out.outputs]
+        echo = echoed_text(req)
+        choices = [self._choice(req, out.prompt_token_ids, s, splitter(), echo) for s in out.outputs]
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -165,9 +180,11 @@ class OpenAIServingChat(ServingBase):
         prompt_ids: list[int],
         sample: CompletionOutput,
         splitter: ChatOutputSplitter,
+        echo: str = "",
     ) -> dict:
         parts = splitter.parts(sample.text)
-        message: dict = {"role": "assistant", "content": parts.content}
+        content = echo + (parts.content or "") if echo else parts.content
+        message: dict = {"role": "assistant", "content": content}
         if parts.reasoning is not None:
             message["reasoning_content"] = parts.reasoning
         finish_reason = sample.finish_reason
@@ -199,6 +216,7 @@ class OpenAIServingChat(ServingBase):
         self, req: ChatCompletionRequest, request_id: str, stream, splitter: Callable[[], ChatOutputSplitter]
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
+        echo = echoed_text(req)
         deltas: dict[int, ChatOutputSplitter] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
@@ -224,7 +242,9 @@ class OpenAIServingChat(ServingBase):
                     new_ids = sample.token_ids[sent_tokens[i] :]
                     if not (text or reasoning or new_ids or sample.finished() or first):
                         continue
-                    delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+                    delta: dict = {"content": text}
+                    if first:
+                        delta = {"role": "assistant", "content": echo + text}
                     if reasoning:
                         delta["reasoning_content"] = reasoning
                     finish_reason = sample.finish_reason
