@@ -237,6 +237,20 @@ def test_chat_renders_each_conversation_with_the_chat_template(llm):
 def test_a_sampling_params_list_of_the_wrong_type_is_named(llm):
     with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got str"):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=1), "x"])  # type: ignore[list-item]
+    conversations = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got str"):
+        llm.chat(conversations, [SamplingParams(max_tokens=1), "x"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        llm.chat(conversations, [SamplingParams(max_tokens=1)])
+
+
+def test_chat_documents_reach_the_template(llm):
+    template = "{% for d in documents %}[{{ d.title }}]{% endfor %}{{ messages[0].content }}"
+    documents = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    messages = [{"role": "user", "content": "Hi"}]
+    (out,) = llm.chat(messages, greedy, chat_template=template, documents=documents)
+    assert out.prompt == "[a][b]Hi"
 
 
 def test_bad_model_folders_are_named(tmp_path, model_path):

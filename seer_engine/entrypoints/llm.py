@@ -47,6 +47,20 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return [listed] if listed and isinstance(listed[0], numbers.Integral) else listed  # type: ignore[list-item]
 
 
+def _param_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt, as vLLM's ``LLM`` takes them: one for all, or a list."""
+    params = sampling_params or SamplingParams()
+    param_list = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
+    if len(param_list) != num_prompts:
+        raise ValueError(f"got {len(param_list)} SamplingParams for {num_prompts} prompts")
+    for i, p in enumerate(param_list):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return param_list
+
+
 class LLM:
     """``LLM(model="tiny").generate(["Hello"], SamplingParams(max_tokens=32))``."""
 
@@ -68,13 +82,7 @@ class LLM:
         """Generate for every prompt (text, token ids or a vLLM prompt dict); outputs in
         prompt order."""
         prompts = _prompt_list(prompts)
-        params = sampling_params or SamplingParams()
-        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(param_list) != len(prompts):
-            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
-        for i, p in enumerate(param_list):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        param_list = _param_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
@@ -112,6 +120,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation or a list of them, each rendered with the
         model's chat template as the server's chat route renders it (text content parts
@@ -127,13 +136,11 @@ class LLM:
                 chat_template=chat_template,
                 template_kwargs=chat_template_kwargs,
                 tools=tools,
+                documents=documents,
             )
             for conversation in conversations
         ]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        chat_params = [p.clone(add_special_tokens=False) for p in params]
+        chat_params = [p.clone(add_special_tokens=False) for p in _param_list(sampling_params, len(prompts))]
         return self.generate(prompts, chat_params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
 
     def get_tokenizer(self):
