@@ -203,3 +203,23 @@ def test_a_partial_characters_token_bytes_come_from_its_spelling(spelled, raw):
 
     assert Detokenizer(Spelling()).token_bytes(7, "\ufffd") == raw
     assert Detokenizer(Spelling()).token_bytes(7, "é") == "é".encode()
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_special_tokens_text_completes_a_stop_string_only_where_the_text_shows_it(llm, skip_special_tokens):
+    """vLLM's rule: stop strings are found in the output's text; skipped special tokens
+    are not in it, so their text completes no stop string."""
+    special = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    params = SamplingParams(
+        max_tokens=3,
+        ignore_eos=True,
+        allowed_token_ids=[special],
+        stop=["<|im_start|>"],
+        skip_special_tokens=skip_special_tokens,
+    )
+    out = llm.generate([[50, 51, 52]], params)[0].outputs[0]
+    assert out.text == ""
+    if skip_special_tokens:
+        assert (out.finish_reason, out.stop_reason, out.token_ids) == ("length", None, [special] * 3)
+    else:
+        assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", "<|im_start|>", [special])

@@ -109,19 +109,23 @@ class Detokenizer:
             **(template_kwargs or {}),
         )
 
-    def find_stop_string(self, output_ids: Sequence[int], stops: Sequence[str]) -> str | None:
+    def find_stop_string(
+        self, output_ids: Sequence[int], stops: Sequence[str], skip_special_tokens: bool = True
+    ) -> str | None:
         """A stop string that the last output token completed.
 
         Only a match ending in the last token's text counts: an earlier one (made before
-        min_tokens allowed stopping) must not stop the output later, as in vLLM. Only a
-        window of trailing tokens is decoded, which keeps the check cheap on long
+        min_tokens allowed stopping) must not stop the output later, as in vLLM. Stops are
+        found in the output's text as the response shows it: with ``skip_special_tokens``
+        a special token's text is not there, so it completes no stop string (vLLM's rule).
+        Only a window of trailing tokens is decoded, which keeps the check cheap on long
         outputs; the window is wide enough for the longest stop string, counted in UTF-8
         bytes since a byte-level tokenizer may spend a token on every byte.
         """
         window = 2 * max(len(s.encode("utf-8", "surrogatepass")) for s in stops) + 8
         tail = output_ids[-window:]
-        before = self.decode(tail[:-1], skip_special_tokens=False)
-        hit = new_stop_match(before, self.decode(tail, skip_special_tokens=False), stops)
+        before = self.decode(tail[:-1], skip_special_tokens)
+        hit = new_stop_match(before, self.decode(tail, skip_special_tokens), stops)
         return hit[1] if hit else None
 
     def logprobs_to_output(

@@ -356,7 +356,8 @@ class LLMEngine:
         total = req.num_output_tokens
         last = total - 1 if req.status is RequestStatus.FINISHED_STOPPED else total
         for length in range(max(total - num_new + 1, params.min_tokens + 1), last + 1):
-            hit = self.detokenizer.find_stop_string(req.output_token_ids[:length], params.stop)
+            output_ids = req.output_token_ids[:length]
+            hit = self.detokenizer.find_stop_string(output_ids, params.stop, params.skip_special_tokens)
             if hit is not None:
                 req.stop_reason = hit
                 self.scheduler.finish_truncated(req, length, RequestStatus.FINISHED_STOPPED)
