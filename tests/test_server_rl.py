@@ -198,6 +198,33 @@ def test_sleep_and_wake_up(server, client, http, model, pool):
     assert client.completions.create(model=model, prompt="awake", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_sglangs_names_for_the_rl_endpoints(server, client, http, model, pool):
+    """SGLang's /abort_request (rid or abort_all), pause modes in_place / retract (held,
+    then continued: nothing lost), /continue_generation, /release_memory_occupation and
+    /resume_memory_occupation act as their vLLM-named twins."""
+    assert http.post("/abort_request", json={}).json()["num_aborted"] == 0  # SGLang: a no-op
+    fut = pool.submit(_long_completion, client, model, "rl-sglang-1")
+    _wait_running(server)
+    assert http.post("/abort_request", json={"rid": "rl-sglang-1"}).json()["num_aborted"] == 1
+    assert fut.result(timeout=30).choices[0].finish_reason == "abort"
+    fut = pool.submit(_long_completion, client, model)
+    _wait_running(server)
+    assert http.post("/abort_request", json={"abort_all": True}).json()["num_aborted"] == 1
+    assert fut.result(timeout=30).choices[0].finish_reason == "abort"
+    for mode in ("in_place", "retract"):
+        assert http.post("/pause_generation", json={"mode": mode}).json() == {"success": True, "mode": mode}
+        held = pool.submit(_long_completion, client, model, None, 5)
+        server.wait_until(lambda: server.metrics()["num_requests_held"] == 1, what="a held request")
+        assert server.metrics()["paused"] == 1 and not held.done()
+        assert http.post("/continue_generation").status_code == 200
+        choice = held.result(timeout=30).choices[0]
+        assert choice.finish_reason == "length" and len(choice.token_ids) == 5
+    assert http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert http.post("/resume_memory_occupation", json={"tags": None}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
 def test_a_request_id_that_two_requests_share_aborts_both(server, client, http, model, pool):
     """A completion of several prompts runs as <id>-0, <id>-1, ..., so a one-prompt request
     may carry the same request_id meanwhile (its engine request is <id> itself). Aborting the

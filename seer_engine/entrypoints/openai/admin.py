@@ -20,6 +20,7 @@ from seer_engine.entrypoints.openai.protocol import (
     ERROR_RESPONSES,
     AbortRequest,
     PauseRequest,
+    SGLangAbortRequest,
     UpdateWeightsRequest,
 )
 
@@ -151,11 +152,12 @@ def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], lis
 
     @router.post("/pause_generation")
     async def pause_generation(req: PauseRequest | None = None) -> dict:
-        mode = (req or PauseRequest()).mode
-        await engine.pause(mode)
-        return {"success": True, "mode": mode}
+        req = req or PauseRequest()
+        await engine.pause(req.engine_mode())
+        return {"success": True, "mode": req.mode}
 
     @router.post("/resume_generation")
+    @router.post("/continue_generation")  # SGLang's name
     async def resume_generation() -> dict:
         await engine.resume()
         return {"success": True}
@@ -168,12 +170,22 @@ def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], lis
         count = await engine.abort(ids)
         return {"success": True, "num_aborted": count}
 
+    @router.post("/abort_request")
+    async def abort_request(req: SGLangAbortRequest) -> dict:
+        """SGLang's form of /abort_requests."""
+        if not req.abort_all and not req.rid:
+            return {"success": True, "num_aborted": 0}
+        count = await engine.abort(None if req.abort_all else expand_ids([req.rid]))
+        return {"success": True, "num_aborted": count}
+
     @router.post("/sleep")
+    @router.post("/release_memory_occupation")  # SGLang's name
     async def sleep() -> dict:
         await engine.sleep()
         return {"success": True}
 
     @router.post("/wake_up")
+    @router.post("/resume_memory_occupation")  # SGLang's name
     async def wake_up() -> dict:
         await engine.wake_up()
         return {"success": True}

@@ -248,7 +248,20 @@ class UpdateWeightsRequest(_Strict):
 
 
 class PauseRequest(_Strict):
-    mode: Literal["abort", "wait", "keep"] = "abort"
+    # SGLang's "in_place" and "retract" both hold running requests and continue them at the
+    # resume with the same tokens: "keep" (this engine keeps their KV for either).
+    mode: Literal["abort", "wait", "keep", "in_place", "retract"] = "abort"
+
+    def engine_mode(self) -> Literal["abort", "wait", "keep"]:
+        return "keep" if self.mode in ("in_place", "retract") else self.mode  # type: ignore[return-value]
+
+
+class SGLangAbortRequest(_Strict):
+    """SGLang's /abort_request: one request by ``rid``, or every one with ``abort_all``; an
+    empty ``rid`` without ``abort_all`` aborts nothing, as in SGLang."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 class AbortRequest(_Strict):
