@@ -1,6 +1,6 @@
 """Engine request edges: stop strings after min_tokens and at max_tokens, long multi-byte stop strings,
 clashing sample ids, infinite temperatures, requests to a sleeping engine, a weight update from
-an empty path, a partial character's token bytes."""
+an empty path, KV computed over stale KV after a weight update, a partial character's token bytes."""
 
 from __future__ import annotations
 
@@ -187,6 +187,28 @@ def test_a_weight_update_from_an_empty_path_is_refused_not_read_from_the_working
         with pytest.raises(InvalidRequestError, match="model_path is empty"):
             llm.engine.update_weights(empty)
     assert llm.generate([[5, 6, 7]], greedy)[0].outputs[0].token_ids == before
+
+
+def test_kv_computed_after_a_weight_update_over_stale_kv_is_not_shared(tiny_model):
+    """A request running across a weight update keeps its KV (partial rollouts), and the
+    blocks it fills afterwards attend to that stale KV: they must not enter the prefix
+    cache, or a later request with the same context gets outputs of neither model."""
+    old, new = tiny_model("qwen3"), tiny_model("qwen3", seed=1)
+    llm = LLM(str(old), block_size=4, num_kv_blocks=64, max_model_len=128)
+    engine, prompt = llm.engine, list(range(50, 58))
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.update_weights(str(new))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    context = prompt + outputs["long"].outputs[0].token_ids[:16]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = LLM(str(new), block_size=4, num_kv_blocks=64).generate([context], greedy)[0]
+    for _ in range(2):  # the second one finds the first one's blocks in the prefix cache
+        assert llm.generate([context], greedy)[0].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert engine.kv_manager.prefix_hits > 0
 
 
 @pytest.mark.parametrize(

@@ -179,6 +179,27 @@ def test_siblings_share_prompt_blocks_after_a_one_step_wait() -> None:
     assert (kv.prefix_queries, kv.prefix_hits) == (20, 8)
 
 
+def test_a_request_running_across_a_cache_reset_registers_no_block_until_preempted() -> None:
+    """After a reset (a weight update) the blocks a running request fills attend to its
+    stale KV: none is registered. Preempted, it recomputes all of it and registers again."""
+    sched = make_scheduler(budget=16)
+    a = make_request("a", 8, max_tokens=12)
+    sched.add_request(a)
+    step(sched)
+    kv = sched.kv
+    assert len(kv.pool.cached) == 2  # the prompt's blocks
+    kv.reset_prefix_cache()
+    for _ in range(6):
+        step(sched)
+    assert a.num_computed_tokens == 14 and not kv.pool.cached  # a third block filled, unregistered
+    sched._preempt(a)
+    step(sched)
+    assert a.num_computed_tokens == 15 and len(kv.pool.cached) == 3
+    run_to_end(sched)
+    assert_all_blocks_free(sched)
+    assert not kv.stale
+
+
 def test_block_hashes_do_not_collide_where_pythons_hash_does() -> None:
     """A prefix hit reuses KV without comparing tokens. Python hashes an int modulo
     2**61 - 1, so (5,) and (5 + 2**61 - 1,) hash alike as tuples; the block digests

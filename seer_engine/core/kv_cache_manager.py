@@ -118,6 +118,9 @@ class KVCacheManager:
         self.num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
         # Hashes of full prompt blocks that a running request is about to compute.
         self.pending: dict[int, str] = {}
+        # Requests that held blocks at a prefix-cache reset: their later KV attends to
+        # stale KV, so none of their blocks is registered again (until preempted).
+        self.stale: set[str] = set()
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -244,7 +247,7 @@ class KVCacheManager:
             self.num_hashed[rid] = len(blocks)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and rid not in self.stale:
             hashes = self._full_block_hashes(request, request.num_prompt_tokens)
             for h in hashes[self.num_hashed.get(rid, 0) : len(blocks)]:
                 self.pending.setdefault(h, rid)
@@ -252,9 +255,9 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks so others can share them."""
-        if not self.enable_prefix_caching:
-            return
         rid = request.request_id
+        if not self.enable_prefix_caching or rid in self.stale:
+            return
         blocks = self.req_blocks.get(rid)
         if not blocks:
             return
@@ -286,6 +289,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, [])
         self.num_hashed.pop(rid, None)
+        self.stale.discard(rid)
         for h in [h for h, owner in self.pending.items() if owner == rid]:
             del self.pending[h]
         self.pool.release(reversed(blocks))
@@ -293,8 +297,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (after a weight update the old KV is stale).
 
-        Blocks that running requests hold now are never registered again.
+        Requests holding blocks now never register a block again, not even ones they
+        fill later: that KV is computed attending to the stale KV before it.
         """
         self.pool.reset_prefix_cache()
         self.num_hashed = {rid: len(blocks) for rid, blocks in self.req_blocks.items()}
+        self.stale.update(self.req_blocks)
         self.pending.clear()
