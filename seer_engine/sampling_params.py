@@ -74,6 +74,8 @@ class SamplingParams:
             self.stop = list(self.stop or [])
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids or [])
+        elif isinstance(self.stop_token_ids, (set, frozenset)):  # vLLM lists what it is given
+            self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.logit_bias, dict) or self.logit_bias is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from seer_engine import LLM, InvalidRequestError, SamplingParams
@@ -242,6 +243,24 @@ def test_a_sampling_params_list_of_the_wrong_type_is_named(llm):
         llm.chat(conversations, [SamplingParams(max_tokens=1), "x"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
         llm.chat(conversations, [SamplingParams(max_tokens=1)])
+
+
+def test_vllm_offline_inputs_priority_and_a_set_of_stop_ids(llm):
+    """As vLLM's LLM: a priority under fcfs scheduling is refused, not ignored; stop ids
+    may come as a set."""
+    with pytest.raises(ValueError, match="priority needs scheduling_policy='priority'"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), priority=[0, 1])
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=1), priority=[0])) == 1
+    rows = np.array([[5, 6, 7], [8, 9, 10]])
+    outs = llm.generate(rows, SamplingParams(max_tokens=1))
+    assert [o.prompt_token_ids for o in outs] == [[5, 6, 7], [8, 9, 10]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (free,) = llm.generate("Hello", greedy)
+    stop_id = free.outputs[0].token_ids[3]
+    as_set = greedy.clone(stop_token_ids={stop_id})
+    assert as_set.stop_token_ids == [stop_id]
+    (out,) = llm.generate("Hello", as_set)
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
 
 
 def test_chat_documents_reach_the_template(llm):

@@ -40,7 +40,10 @@ def _engine_prompt(prompt: Prompt) -> str | Sequence[int]:
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """``generate``'s prompts as a list, one prompt (text, ids, a dict) becoming a list of one."""
+    """``generate``'s prompts as a list, one prompt (text, ids, a dict) becoming a list of one;
+    the rows of a 2-D array of ids are prompts."""
+    if getattr(prompts, "ndim", 1) == 2:
+        return list(prompts)  # type: ignore[arg-type]
     if isinstance(prompts, (str, Mapping)) or hasattr(prompts, "tolist"):
         return [prompts]
     listed = list(prompts)
@@ -85,6 +88,8 @@ class LLM:
         param_list = _param_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if priority is not None and any(priority) and self.engine.config.scheduling_policy != "priority":
+            raise ValueError("priority needs scheduling_policy='priority' (the engine schedules fcfs)")
         ids = []
         done: dict[str, RequestOutput] = {}
         # An error or an interrupt (Ctrl-C) aborts this call's requests: left in the
