@@ -33,6 +33,7 @@ from seer_engine.engine.llm_engine import resolve_model_path  # noqa: E402
 from seer_engine.model_executor.gguf import GGUFError, convert_gguf, read_gguf_info  # noqa: E402
 from seer_engine.model_executor.model_config import ModelConfig  # noqa: E402
 from seer_engine.model_executor.model_source import ModelFetchError, resolve_model  # noqa: E402
+from seer_engine.model_executor.tiny_model import make_tiny_model  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 PROMPTS = ["Once upon a time", "The quick brown fox jumps over", "1 + 2 = 3, 40 + 2 ="]
@@ -302,6 +303,25 @@ def test_a_full_disk_is_a_clear_error(tiny_model, tmp_path, cache):
         assert proc.returncode == 2, proc.stderr
         assert "cannot write the model cache" in proc.stderr and "Traceback" not in proc.stderr
     assert not [p for p in (cache / "gguf").iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
+
+
+def test_a_disk_that_fills_while_the_tokenizer_is_saved_is_a_clear_error(tmp_path, cache):
+    """The Rust tokenizer reports a failed write as a plain Exception: the CLI still says which
+    cache could not be written, exit 2, no traceback. The weights here are smaller than the
+    tokenizer, so the cap falls between them."""
+    small = make_tiny_model(
+        tmp_path / "small", arch="llama", hidden_size=8, num_heads=2, num_kv_heads=1, num_layers=1,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    gguf_file = write_gguf(small, tmp_path / "small.gguf")
+    proc = subprocess.run(
+        [sys.executable, "-m", "seer_engine.entrypoints.cli", "generate", "--model", str(gguf_file),
+         "--prompt", "hi"],
+        capture_output=True, text=True, env=dict(os.environ), timeout=300,
+        preexec_fn=_files_capped_at(50_000),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot save the tokenizer" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_serving_one_dtype_converts_only_that_one(tiny_model, tmp_path, cache, monkeypatch):

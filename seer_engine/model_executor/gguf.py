@@ -398,7 +398,12 @@ def convert_gguf(
             model.save_pretrained(out, safe_serialization=True)
     except ValueError as e:
         raise GGUFError(f"cannot save the dequantized weights of {info.path}: {e}") from e
-    tokenizer.save_pretrained(out)
+    try:
+        tokenizer.save_pretrained(out)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the Rust tokenizer's write errors (a full disk) are plain
+        raise OSError(f"cannot save the tokenizer: {e}") from e
     _repair_config(out, dtype, info)
     _repair_tokenizer(out, info.context_length)
     _repair_generation_config(out, _eog_token_ids(info.path))
