@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from seer_engine.entrypoints.openai.batch import BatchManager
+from seer_engine.entrypoints.openai.batch import TERMINAL, BatchManager
 from seer_engine.entrypoints.openai.batch_store import TEST_PAUSE_ENV, BatchStore
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.files import FileStore
@@ -251,3 +251,20 @@ def test_a_record_that_is_json_but_not_a_record_is_skipped_at_start(tmp_path, da
     assert batch["request_counts"]["completed"] == 2 and files.exists(batch["output_file_id"])
     listed = {f["id"] for f in files.list(None, None, 100, "asc")["data"]}
     assert listed == {batch["input_file_id"], batch["output_file_id"]}
+
+
+@pytest.mark.parametrize("content", [_lines(2, 0), b"not json\n"], ids=["good", "malformed"])
+def test_a_batch_cancelled_while_validating_ends_cancelled(tmp_path, content):
+    """Cancelled before its file is read (the run has not started), a batch ends cancelled,
+    with a malformed file too (not failed: the cancel came first), and runs no line."""
+
+    async def run() -> dict:
+        manager = _manager(tmp_path)
+        batch_id = await _submit(manager, content)
+        assert manager.cancel(batch_id)["status"] == "cancelling"
+        await _wait_for(lambda: manager.get(batch_id)["status"] in TERMINAL, "the batch to end")
+        return manager.get(batch_id)
+
+    batch = asyncio.run(run())
+    assert batch["status"] == "cancelled" and batch["cancelled_at"] and batch["failed_at"] is None
+    assert batch["request_counts"]["completed"] == 0 and batch["output_file_id"] is None

@@ -316,7 +316,10 @@ class BatchManager:
                         "line": None,
                     }
                 ]
-            self._set(batch, "failed", failed_at=int(time.time()), errors=_errors(records))
+            if batch["status"] == "cancelling":  # cancelled while validating: as asked
+                self._set(batch, "cancelled", cancelled_at=int(time.time()))
+            else:
+                self._set(batch, "failed", failed_at=int(time.time()), errors=_errors(records))
             return
         if batch["status"] == "cancelling":
             self._set(batch, "cancelled", cancelled_at=int(time.time()))
