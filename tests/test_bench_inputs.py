@@ -96,6 +96,21 @@ def test_the_report_names_the_trace_it_replayed(tmp_path, game24_trace):
     assert report["policies"]["baseline"]["output_tokens"] == 2
 
 
+def test_the_replay_model_made_for_the_run_is_removed_after_it(tmp_path, monkeypatch, game24_trace):
+    """Without --model a tiny random model is written for the run: it was left in the
+    temporary folder (megabytes per run, for ever), and the report named its path."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    args = [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--layers", "1", "--hidden", "32"]
+    assert main([*args, "--report", str(tmp_path / "report")]) == 0
+    assert list(scratch.iterdir()) == []
+    meta = json.loads((tmp_path / "report" / "report.json").read_text())["meta"]
+    assert meta["model"] == "tiny random qwen3 (1 layers, hidden 32, the trace tokenizer)"
+
+
 @pytest.mark.parametrize("policy", ["baseline", "context"])
 def test_a_response_no_instance_can_hold_is_named_not_run_forever(policy, capsys, game24_trace):
     """A trace response whose prompt and tokens outgrow an instance's whole KV cache can

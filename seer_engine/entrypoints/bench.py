@@ -21,6 +21,7 @@ import shlex
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -129,18 +130,25 @@ def clock_profile(clock: str) -> InstanceProfile | None:
     )
 
 
-def _trace_model(args: argparse.Namespace, max_len: int) -> str:
+def _trace_model(args: argparse.Namespace, max_len: int, scratch: ExitStack) -> tuple[str, str]:
+    """The model the trace is replayed on, and its name in the report: ``--model``, else a
+    tiny random model with the trace's tokenizer, in a temporary folder ``scratch`` removes."""
     if args.model:
-        return args.model
+        return args.model, args.model
     from seer_engine.model_executor.tiny_model import make_tiny_model
 
-    out = Path(tempfile.mkdtemp(prefix="seer-bench-model-"))
+    out = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="seer-bench-model-")))
     model = make_tiny_model(out, tokenizer=args.tokenizer, num_layers=args.layers, hidden_size=args.hidden,
                             max_position_embeddings=max(4096, max_len))  # fmt: skip
-    return str(model)
+    return str(model), f"tiny random qwen3 ({args.layers} layers, hidden {args.hidden}, the trace tokenizer)"
 
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
+    with ExitStack() as scratch:  # what the run makes for itself (a replay model) goes with it
+        return _bench_rollout(args, scratch)
+
+
+def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
     check_source_args(args, "--trace")
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
@@ -183,7 +191,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     ]
     for w in workloads:
         _check_kv_holds(args, w)
-    model = _trace_model(args, max_len)
+    model, model_name = _trace_model(args, max_len, scratch)
     cfg = _engine_config(args, model, max_len)
     path = resolve_model_path(model)
     model_cfg = ModelConfig.from_pretrained(path)
@@ -209,7 +217,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         _save_history(args, name, history)
     _print_iterations(iterations)
     if args.report:
-        meta = _meta(args, machine, model, cluster, trace=args.trace, groups=len(workloads[0].prompts))
+        meta = _meta(args, machine, model_name, cluster, trace=args.trace, groups=len(workloads[0].prompts))
         meta["policies_iteration"] = len(iterations)  # the top-level keys and the figures: the last
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
         print(f"wrote {path} and {path.with_suffix('.png')}")
