@@ -52,6 +52,16 @@ def loads(monkeypatch) -> list[tuple]:
         (["--history", "/dev/null"], "--history '/dev/null' is not a directory this run can write to"),
         (["--seed", "3"], "--seed and --temperature go with --task: a trace replay emits the trace's tokens"),
         (["--temperature", "1.0"], "--seed and --temperature go with --task"),
+        # named only after the trace was read and a replay model made for it
+        (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, got 0"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--instances", "0"], "--instances must be >= 1, got 0"),
+        (["--kv-pool-gib", "0"], "--kv-pool-gib must be a finite number > 0, got 0.0"),
+        (["--migration-spread", "-1"], "--migration-spread and --pool-pull-tokens must be >= 0"),
+        (["--kv-blocks", "0"], "num_kv_blocks must be a positive integer, got 0"),
+        (["--block-size", "3"], "block_size must be a power of two, got 3"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
+        (["--num-threads", "0"], "num_threads must be a positive integer, got 0"),
     ],
 )
 def test_bench_names_bad_arguments_before_loading(args, message, tmp_path, capsys, loads):

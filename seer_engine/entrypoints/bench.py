@@ -160,6 +160,11 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
     policies = parse_policies(args.policy)
     clock = clock_profile(args.clock)  # a bad --clock fails before anything is loaded
     args.admission = check_dispatch_rules(args.admission, args.backfill)
+    for flag in ("chunk_tokens", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    _cluster(args)  # --instances and the KV pool's flags, named before anything loads
+    _engine_config(args, args.model or "tiny", 1)  # and the engine's
     if args.history == "off" and any(split_policy(p)[0] in HISTORY_POLICIES for p in policies):
         raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
     if args.report:
