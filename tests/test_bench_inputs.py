@@ -52,6 +52,16 @@ def loads(monkeypatch) -> list[tuple]:
         (["--history", "/dev/null"], "--history '/dev/null' is not a directory this run can write to"),
         (["--seed", "3"], "--seed and --temperature go with --task: a trace replay emits the trace's tokens"),
         (["--temperature", "1.0"], "--seed and --temperature go with --task"),
+        # named only after the trace was read and a replay model made for it
+        (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, got 0"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--instances", "0"], "--instances must be >= 1, got 0"),
+        (["--kv-pool-gib", "0"], "--kv-pool-gib must be a finite number > 0, got 0.0"),
+        (["--migration-spread", "-1"], "--migration-spread and --pool-pull-tokens must be >= 0"),
+        (["--kv-blocks", "0"], "num_kv_blocks must be a positive integer, got 0"),
+        (["--block-size", "3"], "block_size must be a power of two, got 3"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
+        (["--num-threads", "0"], "num_threads must be a positive integer, got 0"),
     ],
 )
 def test_bench_names_bad_arguments_before_loading(args, message, tmp_path, capsys, loads):
@@ -94,6 +104,21 @@ def test_the_report_names_the_trace_it_replayed(tmp_path, game24_trace):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["meta"]["trace"] == str(game24_trace) and report["meta"]["groups"] == 1
     assert report["policies"]["baseline"]["output_tokens"] == 2
+
+
+def test_the_replay_model_made_for_the_run_is_removed_after_it(tmp_path, monkeypatch, game24_trace):
+    """Without --model a tiny random model is written for the run: it was left in the
+    temporary folder (megabytes per run, for ever), and the report named its path."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    args = [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--layers", "1", "--hidden", "32"]
+    assert main([*args, "--report", str(tmp_path / "report")]) == 0
+    assert list(scratch.iterdir()) == []
+    meta = json.loads((tmp_path / "report" / "report.json").read_text())["meta"]
+    assert meta["model"] == "tiny random qwen3 (1 layers, hidden 32, the trace tokenizer)"
 
 
 @pytest.mark.parametrize("policy", ["baseline", "context"])

@@ -499,3 +499,34 @@ def test_bench_rollout_on_a_modeled_clock(tmp_path, game24_trace):
     assert reports[0]["meta"]["clock"] == "moonlight"
     for name in ("divided", "context"):
         assert reports[0]["policies"][name]["makespan_s"] == reports[1]["policies"][name]["makespan_s"]
+
+
+def test_rollout_cli_times_the_rollout_not_its_setup(model, tmp_path, capsys, monkeypatch):
+    """Instance processes run on the wall clock from the pool's start: the rollout's
+    time (and tokens/s) counted the reading and tokenizing of the input after it."""
+    import json
+    import re
+    from types import SimpleNamespace
+
+    import seer_engine.entrypoints.rollout_cli as rollout_cli
+    import seer_engine.rollout.pool as pool_module
+    from seer_engine.entrypoints.cli import main
+
+    setup_s = 1000.0  # what reading the input takes, on the pool's clock
+    skipped = [0.0]
+    real = pool_module.time.perf_counter
+    monkeypatch.setattr(pool_module, "time", SimpleNamespace(perf_counter=lambda: real() + skipped[0]))
+    read_groups = rollout_cli.read_groups
+
+    def slow_read(*args, **kw):
+        skipped[0] += setup_s
+        return read_groups(*args, **kw)
+
+    monkeypatch.setattr(rollout_cli, "read_groups", slow_read)
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 6}) + "\n")
+    args = ["rollout", "--model", str(model), "--input", str(src), "--output", str(tmp_path / "out.jsonl"),
+            "--n", "2", "--instances", "2", "--rollout-mode", "--num-threads", "1"]  # fmt: skip
+    assert main(args) == 0
+    seconds = float(re.search(r"12 tokens in ([0-9.]+)s", capsys.readouterr().err).group(1))
+    assert 0 < seconds < setup_s

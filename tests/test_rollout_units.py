@@ -118,6 +118,38 @@ def test_divided_serves_the_buffer_in_the_order_responses_entered_it():
     assert [policy.rank_key(s) for s in order] == sorted(policy.rank_key(s) for s in order)
 
 
+@pytest.mark.parametrize("order", ["divided", "estimate"])
+def test_the_priority_index_lets_go_of_responses_that_left_it(order):
+    """Each buffering queued the response for the starvation guard, and the queue let go of
+    an entry only once it starved: under a policy without a guard (divided, oracle, the
+    Context Manager's estimate order) a server kept every chunk end it ever buffered, and
+    every response with its tokens, for as long as it ran."""
+    import gc
+    import weakref
+
+    from seer_engine.rollout.priority_index import PriorityIndex
+
+    policy = DividedPolicy() if order == "divided" else ContextAwarePolicy(ContextManager(order=order))
+    assert policy.starvation_s is None
+    index = PriorityIndex(policy)
+    g = _group(n=2)
+    policy.context.register(g, 1000)
+    left = _sample(g, 0)
+    gone = weakref.ref(left)
+    index.add(left)
+    index.remove(left)
+    del left
+    running = _sample(g, 1)
+    for chunk in range(1, 1001):  # one response, buffered at the end of each of its chunks
+        running.enqueued_at = float(chunk)
+        index.add(running)
+        assert list(index.ranked(float(chunk))) == [running]
+        index.remove(running)
+    gc.collect()
+    assert gone() is None, "a response that left the buffer is still held"
+    assert len(index._arrivals) < 100
+
+
 # -- Context Manager -------------------------------------------------------------------
 
 

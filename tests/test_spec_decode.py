@@ -437,3 +437,20 @@ def test_adaptive_budget_profiles_within_a_short_models_positions(tiny_model, hf
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     waves = [[("a", prompt, params, "g")], [("b", prompt, params, "g")]]
     assert _run_waves(engine, waves, head_start=12) == {"a": [want], "b": [want]}
+
+
+@pytest.mark.parametrize("blocks,block_size", [(3, 16), (1, 16), (1, 8)])
+def test_adaptive_budget_profiles_within_a_small_kv_cache(tiny_model, blocks, block_size):
+    """The profile's dummy requests (64 context tokens plus up to 15 draft nodes) need 5
+    blocks of 16: an engine with fewer (``rollout --rollout-mode --num-kv-blocks 3``, whose
+    seer policy drafts with the adaptive budget) did not start ("a step cost model needs at
+    least one (tokens, seconds) point"). It profiles what its cache holds; drafts change
+    no greedy token."""
+    model = tiny_model("qwen3")
+    engine = _engine(model, {"method": "group_suffix"}, num_kv_blocks=blocks, block_size=block_size)
+    assert engine.drafter.budget.cost.per_token_s >= 0
+    tokens = blocks * block_size
+    params = SamplingParams(temperature=0, max_tokens=tokens - 4, ignore_eos=True)
+    waves = [[("a", [5, 6, 7, 8], params, "g")]]
+    plain = _engine(model, num_kv_blocks=blocks, block_size=block_size)
+    assert _run_waves(engine, waves) == _run_waves(plain, waves)

@@ -21,6 +21,7 @@ import shlex
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.llm_engine import resolve_model_path
+from seer_engine.entrypoints.bench_policies import bench_policy, parse_policies, split_policy
 from seer_engine.entrypoints.rollout_cli import (
     add_task_args,
     check_source_args,
@@ -43,13 +45,7 @@ from seer_engine.rollout.dispatcher import Dispatcher, add_dispatch_args, check_
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.metrics import RolloutResult
-from seer_engine.rollout.policies import (
-    HISTORY_POLICIES,
-    HISTORY_SUFFIX,
-    ROLLOUT_POLICIES,
-    distinct_policies,
-    make_rollout_policy,
-)
+from seer_engine.rollout.policies import HISTORY_POLICIES
 from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, writable_dir, write_report
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
@@ -134,18 +130,25 @@ def clock_profile(clock: str) -> InstanceProfile | None:
     )
 
 
-def _trace_model(args: argparse.Namespace, max_len: int) -> str:
+def _trace_model(args: argparse.Namespace, max_len: int, scratch: ExitStack) -> tuple[str, str]:
+    """The model the trace is replayed on, and its name in the report: ``--model``, else a
+    tiny random model with the trace's tokenizer, in a temporary folder ``scratch`` removes."""
     if args.model:
-        return args.model
+        return args.model, args.model
     from seer_engine.model_executor.tiny_model import make_tiny_model
 
-    out = Path(tempfile.mkdtemp(prefix="seer-bench-model-"))
+    out = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="seer-bench-model-")))
     model = make_tiny_model(out, tokenizer=args.tokenizer, num_layers=args.layers, hidden_size=args.hidden,
                             max_position_embeddings=max(4096, max_len))  # fmt: skip
-    return str(model)
+    return str(model), f"tiny random qwen3 ({args.layers} layers, hidden {args.hidden}, the trace tokenizer)"
 
 
 def run_bench_rollout(args: argparse.Namespace) -> int:
+    with ExitStack() as scratch:  # what the run makes for itself (a replay model) goes with it
+        return _bench_rollout(args, scratch)
+
+
+def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
     check_source_args(args, "--trace")
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
@@ -154,10 +157,15 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     if not args.starvation_s >= 0:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     machine = machine_info()
-    policies = _parse_policies(args.policy)
+    policies = parse_policies(args.policy)
     clock = clock_profile(args.clock)  # a bad --clock fails before anything is loaded
     args.admission = check_dispatch_rules(args.admission, args.backfill)
-    if args.history == "off" and any(_split(p)[0] in HISTORY_POLICIES for p in policies):
+    for flag in ("chunk_tokens", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    _cluster(args)  # --instances and the KV pool's flags, named before anything loads
+    _engine_config(args, args.model or "tiny", 1)  # and the engine's
+    if args.history == "off" and any(split_policy(p)[0] in HISTORY_POLICIES for p in policies):
         raise ValueError("+history policies rank by the history store: they need --history memory or DIR")
     if args.report:
         writable_dir(args.report, "--report")
@@ -188,7 +196,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
     ]
     for w in workloads:
         _check_kv_holds(args, w)
-    model = _trace_model(args, max_len)
+    model, model_name = _trace_model(args, max_len, scratch)
     cfg = _engine_config(args, model, max_len)
     path = resolve_model_path(model)
     model_cfg = ModelConfig.from_pretrained(path)
@@ -214,7 +222,7 @@ def run_bench_rollout(args: argparse.Namespace) -> int:
         _save_history(args, name, history)
     _print_iterations(iterations)
     if args.report:
-        meta = _meta(args, machine, model, cluster, trace=args.trace, groups=len(workloads[0].prompts))
+        meta = _meta(args, machine, model_name, cluster, trace=args.trace, groups=len(workloads[0].prompts))
         meta["policies_iteration"] = len(iterations)  # the top-level keys and the figures: the last
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
         print(f"wrote {path} and {path.with_suffix('.png')}")
@@ -250,7 +258,7 @@ def _fresh_seeds(group: Group, iteration: int) -> Group:
 def _open_history(args: argparse.Namespace, policy: str, processor: InputProcessor) -> HistoryStore | None:
     """The policy's history store (+history policies only): fresh, or from ``--history DIR``,
     bound to the model's tokenizer (one kept under another is refused)."""
-    if _split(policy)[0] not in HISTORY_POLICIES:
+    if split_policy(policy)[0] not in HISTORY_POLICIES:
         return None
     spec = _history_dir(args, policy)
     bind_history(store := open_history(spec), spec, processor)
@@ -277,22 +285,6 @@ def _print_iterations(iterations: list[dict[str, RolloutResult]]) -> None:
 
 def _if_many(iterations: list[dict[str, RolloutResult]]) -> list[dict[str, RolloutResult]] | None:
     return iterations if len(iterations) > 1 else None
-
-
-def _parse_policies(text: str) -> list[str]:
-    policies = [p.strip() for p in text.split(",") if p.strip()]
-    for name in policies:
-        base, spec = _split(name)
-        if (
-            base not in ROLLOUT_POLICIES
-            and base not in HISTORY_POLICIES
-            or spec not in (None, *SPEC_VARIANTS)
-        ):
-            raise ValueError(
-                f"unknown policy {name!r}; choose from {sorted(ROLLOUT_POLICIES) + list(HISTORY_POLICIES)}, "
-                f"optionally with +{'|+'.join(SPEC_VARIANTS)} (speculative decoding on top)"
-            )
-    return distinct_policies(policies)
 
 
 def _engine_config(args: argparse.Namespace, model: str, max_len: int) -> EngineConfig:
@@ -328,7 +320,7 @@ def _run_policy(
 ) -> RolloutResult:
     """One policy on a fresh engine pool (clocks from zero; ``clock``: a modeled clock's profile;
     ``history``: a +history policy's store, filled and seeding drafts)."""
-    policy = _bench_policy(name, true_lengths, args.starvation_s, history, args.context_order)
+    policy = bench_policy(name, true_lengths, args.starvation_s, history, args.context_order)
     spec = policy.speculative
     if clock is not None and spec is not None and "step_cost" not in spec:
         # On a modeled clock the adaptive budget prices drafts with that clock's step,
@@ -455,46 +447,3 @@ def _run_task_bench(
         plot_group_lengths(lengths, out / "lengths.png", f"{args.model}: {task.name}, {first}'s responses")
         print(f"wrote {path}, {path.with_suffix('.png')} and {out / 'lengths.png'}")
     return 0
-
-
-# Speculative decoding variants a bench policy can add, e.g. "context+ngram". They
-# draft a fixed 16 tokens per request and step, so their accepted tokens per step
-# compare the draft sources alone; seer itself sizes drafts with the adaptive budget.
-_FIXED16 = {"budget": "fixed", "num_speculative_tokens": 16}
-SPEC_VARIANTS: dict[str, dict] = {
-    "ngram": {"method": "ngram", **_FIXED16},
-    "suffix": {"method": "suffix", **_FIXED16},  # a tree per response (SuffixDecoding)
-    "group_path": {"method": "group_suffix", "multi_path": False, **_FIXED16},
-    "group_tree": {"method": "group_suffix", **_FIXED16},
-}
-
-
-def _bench_policy(
-    name: str,
-    true_lengths: dict[str, int],
-    starvation_s: float,
-    history: HistoryStore | None = None,
-    context_order: str = "auto",
-):
-    """A rollout policy by name; ``base+variant`` adds that speculative decoding
-    (``seer+history``, ``context+history+group_tree``: ranks by ``history``)."""
-    base, spec = _split(name)
-    order = {"starvation_s": starvation_s, "order": context_order}
-    if base.endswith(HISTORY_SUFFIX):
-        policy = make_rollout_policy(base, history=history, **order)
-    else:
-        policy = make_rollout_policy(base, true_lengths=true_lengths, **order)
-    if spec:
-        policy.name = name
-        policy.speculative = SPEC_VARIANTS[spec]
-    return policy
-
-
-def _split(name: str) -> tuple[str, str | None]:
-    """``context+history+group_tree`` -> (``context+history``, ``group_tree``)."""
-    head, _, tail = name.rpartition("+")
-    if head and tail in SPEC_VARIANTS:
-        return head, tail
-    if head and tail != HISTORY_SUFFIX[1:]:
-        return head, tail  # an unknown variant: refused by _parse_policies
-    return name, None

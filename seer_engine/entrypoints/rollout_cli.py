@@ -177,6 +177,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             groups = read_groups(path, args.n, defaults, processor)
         name = rollout_config.policy
         total = sum(g.n for g in groups)
+        pool.reset_clocks()  # the rollout's time starts now, not when the instances were up
         with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
             dispatcher = Dispatcher(
                 pool,

@@ -250,11 +250,13 @@ class ModelRunner:
         """(scheduled tokens, seconds) of decode-shaped steps with path drafts, for the
         draft budget's cost model. Dummy requests write into the first KV blocks, so
         call it before serving (the cache is empty then). Their positions stay inside the
-        model's rotary table: a model with fewer positions profiles a shorter context."""
+        model's rotary table and their KV inside the cache: a model with fewer positions,
+        or a cache of fewer blocks, profiles a shorter context."""
         points: list[tuple[int, float]] = []
         params = SamplingParams(temperature=0.0, max_tokens=1)
         max_positions = self.cfg.max_position_embeddings
-        context = max(1, min(context, max_positions - max(draft_lens)))
+        room = min(max_positions, self.num_blocks * self.block_size) - max(draft_lens)
+        context = max(1, min(context, room))
         for draft_len in draft_lens:
             blocks = list(range(-(-(context + draft_len) // self.block_size)))
             if len(blocks) > self.num_blocks or context + draft_len > max_positions:

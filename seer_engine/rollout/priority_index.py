@@ -47,6 +47,14 @@ class PriorityIndex:
         self._push(sample, self.policy.priority(sample, sample.enqueued_at))
         self._by_group.setdefault(sample.group.group_id, set()).add(sample)
         self._arrivals.append((sample.enqueued_at, sample))
+        if len(self._arrivals) > 2 * len(self._seq_of) + 64:
+            # Entries leave from the front only as they starve, never without a guard (or
+            # behind a live one that does not starve): drop those of samples that left.
+            self._arrivals = deque(e for e in self._arrivals if self._waiting(*e))
+
+    def _waiting(self, enqueued_at: float, sample: RolloutSample) -> bool:
+        """Whether an arrival is the sample's current stay in the index."""
+        return sample in self._seq_of and sample.enqueued_at == enqueued_at
 
     def remove(self, sample: RolloutSample) -> None:
         del self._seq_of[sample], self._arrival_of[sample]
@@ -66,7 +74,7 @@ class PriorityIndex:
         everything, groups = self.policy.take_changes()
         while self._arrivals and self.policy.starving(self._arrivals[0][0], now):
             enqueued, sample = self._arrivals.popleft()
-            if sample in self._seq_of and sample.enqueued_at == enqueued:
+            if self._waiting(enqueued, sample):
                 self._push(sample, self.policy.priority(sample, now))
         if everything:
             self._heap = [
