@@ -81,6 +81,20 @@ def test_rope_rounds_as_torch_in_half_precision() -> None:
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
 
 
+def test_rope_reads_strided_positions() -> None:
+    """Positions as a view with a stride are read by stride, and must be one per row."""
+    rotary = RotaryEmbedding(16, 64, 10000.0, None).to(DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    qk = torch.randn(5, 2 * 16, generator=gen).to(DEVICE)
+    positions = torch.tensor([[3, 0], [60, 0], [0, 0], [17, 0], [9, 0]], device=DEVICE)[:, 0]
+    expected = qk.clone()
+    norm_rope.rope_(expected, positions.contiguous(), rotary.cos, rotary.sin, 2, 16)
+    norm_rope.rope_(qk, positions, rotary.cos, rotary.sin, 2, 16)
+    assert torch.equal(qk, expected)
+    with pytest.raises(ValueError, match="one position per row"):
+        norm_rope.rope_(qk, positions[:4], rotary.cos, rotary.sin, 2, 16)
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import triton

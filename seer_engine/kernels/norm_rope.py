@@ -122,6 +122,9 @@ def rope_(
     (``[T, >= heads * head_dim]``, rows contiguous); ``cos``/``sin`` ``[max_pos, head_dim]``."""
     if qk.dim() != 2 or qk.stride(1) != 1 or qk.shape[1] < heads * head_dim:
         raise ValueError("rope_: qk must be [T, >= heads * head_dim] with contiguous rows")
+    if positions.shape != (qk.shape[0],):
+        raise ValueError("rope_: one position per row of qk")
+    positions = positions.contiguous()  # the kernel reads it as a flat array
     if qk.shape[0]:
         half = head_dim // 2
         _rope_kernel[(qk.shape[0],)](
