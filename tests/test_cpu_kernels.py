@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from test_triton_kernels import (
     MIXED,
     SCALE,
+    check_any_layout,
     dense_tree_attention,
     make_batch,
     make_tree_batch,
@@ -180,6 +181,10 @@ def test_attention_on_strided_query_matches_torch_backend() -> None:
     q = qkv[:, : 6 * 64].view(-1, 6, 64)
     expected = torch_paged_attention(query, kv_cache, meta, SCALE)
     torch.testing.assert_close(get_attention_backend("cpu").attend(q, kv_cache, meta, SCALE), expected, **F32)
+
+
+def test_any_layout_of_query_key_value() -> None:
+    check_any_layout("cpu")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

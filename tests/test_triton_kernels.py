@@ -205,6 +205,22 @@ def test_strided_metadata_is_read_by_stride() -> None:
     torch.testing.assert_close(paged_attention(query, kv_cache, views, SCALE), expected, **TOL[torch.float32])
 
 
+def check_any_layout(backend: str) -> None:
+    """q/k/v whose last dimension is strided (heads innermost) are stored and attended as
+    the torch backend does them, not refused."""
+    query, key, value, kv_cache, meta = make_batch(MIXED, 4, 2, 32)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (query, key, value))
+    expected_cache = kv_cache.clone()
+    expected = get_attention_backend("torch").forward(q, k, v, expected_cache, meta, SCALE)
+    actual = get_attention_backend(backend).forward(q, k, v, kv_cache, meta, SCALE)
+    assert torch.equal(kv_cache, expected_cache)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+
+
+def test_any_layout_of_query_key_value() -> None:
+    check_any_layout("triton")
+
+
 def test_empty_batch() -> None:
     query, key, value, kv_cache, meta = make_batch([(5, 1)], 2, 1, 32)
     empty = AttentionMetadata(
