@@ -241,10 +241,12 @@ void rope_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tenso
   check_f32(sin, "sin");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
   TORCH_CHECK(qk.dim() == 2 && qk.stride(1) == 1 && qk.size(1) >= heads * head_dim, "rope_: qk must be [T, >= heads*D]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == qk.size(0), "rope_: one position per row of qk");
+  auto pos_c = positions.contiguous();  // read as a flat array below
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == head_dim, "rope_: bad cos/sin table");
   int64_t T = qk.size(0), ld = qk.stride(0), half = head_dim / 2, max_pos = cos.size(0);
   float* base = qk.data_ptr<float>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* pos = pos_c.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_: position out of range");
@@ -279,7 +281,9 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
               "key must be [T, kv_heads, D] with contiguous rows");
   TORCH_CHECK(value.sizes() == key.sizes() && value.stride(2) == 1 && value.stride(1) == d, "value must match key");
   int64_t T = key.size(0);
-  const int64_t* sl = slots.data_ptr<int64_t>();
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T, "store_kv: one slot per key, got ", slots.numel(), " for ", T);
+  auto slots_c = slots.contiguous();  // read as a flat array below
+  const int64_t* sl = slots_c.data_ptr<int64_t>();
   float* kc = cache.data_ptr<float>();
   float* vc = kc + total * row;
   const float* kp = key.data_ptr<float>();
@@ -497,9 +501,13 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
               "paged_attention: head_dim must be a multiple of 16, at most 128");
   const int64_t* tree = nullptr;
   if (tree_mask.has_value() && tree_mask->defined()) {
-    TORCH_CHECK(tree_mask->scalar_type() == torch::kInt64 && tree_mask->is_contiguous(), "tree_mask must be int64");
+    TORCH_CHECK(tree_mask->scalar_type() == torch::kInt64 && tree_mask->is_contiguous() &&
+                    tree_mask->numel() == query.size(0),
+                "tree_mask must be int64, one contiguous word per query row");
     tree = tree_mask->data_ptr<int64_t>();
   }
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.size(0) >= seq_lens.numel(),
+              "paged_attention: query_start_loc needs num_reqs + 1 entries, block_tables a row per request");
   int64_t group = h / hkv, row = hkv * d, width = block_tables.size(1);
   const float* kc = cache.data_ptr<float>();
   const float* vc = kc + cache.size(1) * bs * row;
@@ -512,6 +520,8 @@ void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch
     int64_t r = rq[i];
     TORCH_CHECK(r >= 0 && r < seq_lens.numel(), "paged_attention: request index out of range");
     int64_t q_len = qs[r + 1] - qs[r];
+    TORCH_CHECK(qs[r] >= 0 && q_len >= 0 && qs[r + 1] <= query.size(0), "paged_attention: rows of request ", r,
+                " past the query");
     TORCH_CHECK(q_len <= sl[r] && (sl[r] + bs - 1) / bs <= width, "paged_attention: bad lengths for request ", r);
     TORCH_CHECK(!tree || q_len <= 64, "paged_attention: a tree mask covers at most 64 rows");
     pairs += q_len * group * sl[r];

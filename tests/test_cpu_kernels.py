@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_triton_kernels import MIXED, SCALE, dense_tree_attention, make_batch, make_tree_batch
+from test_triton_kernels import (
+    MIXED,
+    SCALE,
+    check_any_layout,
+    dense_tree_attention,
+    make_batch,
+    make_tree_batch,
+    strided,
+)
 
 from seer_engine import SamplingParams
 from seer_engine.engine.config import EngineConfig
@@ -129,6 +137,33 @@ def test_store_kv_matches_reference() -> None:
         ops.store_kv(key[:1], value[:1], kv_cache, torch.tensor([kv_cache.shape[1] * kv_cache.shape[2]]))
 
 
+def test_index_tensors_are_read_by_stride_and_sized() -> None:
+    """Slot mappings and positions that are strided views are read by stride (they were
+    read as flat arrays: wrong slots, wrong angles), and their lengths must match the rows
+    (a short one was read past its end)."""
+    query, key, value, kv_cache, meta = make_batch(MIXED, 4, 2, 32)
+    expected = kv_cache.clone()
+    torch_store_kv(key, value, expected, meta.slot_mapping)
+    ops.store_kv(key, value, kv_cache, strided(meta.slot_mapping))
+    assert torch.equal(kv_cache, expected)
+    with pytest.raises(RuntimeError, match="one slot per key"):
+        ops.store_kv(key, value, kv_cache, meta.slot_mapping[:-1])
+    rotary = RotaryEmbedding(16, 64, 10000.0, None)
+    qk = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    positions = torch.tensor([3, 60, 0, 17, 9])
+    rotated = qk.clone()
+    ops.rope_(rotated, positions, rotary.cos, rotary.sin, 2, 16)
+    ops.rope_(qk, strided(positions), rotary.cos, rotary.sin, 2, 16)
+    assert torch.equal(qk, rotated)
+    with pytest.raises(RuntimeError, match="one position per row"):
+        ops.rope_(qk, positions[:4], rotary.cos, rotary.sin, 2, 16)
+    out = torch.empty_like(query)
+    reqs = torch.arange(len(MIXED))
+    with pytest.raises(RuntimeError, match="one contiguous word per query row"):
+        ops.paged_attention(out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            torch.full((3,), -1), reqs, SCALE)  # fmt: skip
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 2, 16), (8, 1, 12), (4, 4, 8)])
 def test_attention_matches_dense_reference(num_heads: int, num_kv_heads: int, block_size: int) -> None:
     """Prefill spans (one past 64 rows, taken by the torch path), decode rows and random
@@ -146,6 +181,10 @@ def test_attention_on_strided_query_matches_torch_backend() -> None:
     q = qkv[:, : 6 * 64].view(-1, 6, 64)
     expected = torch_paged_attention(query, kv_cache, meta, SCALE)
     torch.testing.assert_close(get_attention_backend("cpu").attend(q, kv_cache, meta, SCALE), expected, **F32)
+
+
+def test_any_layout_of_query_key_value() -> None:
+    check_any_layout("cpu")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -434,3 +434,26 @@ def test_a_text_prompt_takes_the_tokenizers_bos_as_transformers_does(tiny_model,
     assert bare.prompt_token_ids == tok(texts[0], add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="add_special_tokens must be a boolean"):
         SamplingParams(add_special_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 3.0},  # not a power of two: rounding shows
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+    ],
+    ids=["default", "linear-3", "llama3"],
+)  # fmt: skip
+def test_rotary_tables_are_transformers_bit_for_bit(scaling, tiny_model, hf_model):
+    """The cos/sin tables of every scaling the loader accepts, as transformers' rotary
+    embedding computes them (linear scaling divides the frequencies, not the positions)."""
+    from seer_engine.model_executor.layers import RotaryEmbedding
+
+    path = tiny_model("llama", head_dim=32, num_heads=2, max_position_embeddings=4096, rope_scaling=scaling)
+    model = hf_model(path)
+    positions = torch.arange(4096)[None]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    ours = RotaryEmbedding(32, 4096, model.config.rope_parameters["rope_theta"], scaling)
+    assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])

@@ -185,6 +185,42 @@ def test_forward_matches_torch_backend() -> None:
     torch.testing.assert_close(actual, expected, **TOL[torch.float32])
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view (every other element of a wider tensor)."""
+    return torch.stack([t, torch.full_like(t, 7)], dim=-1)[..., 0]
+
+
+def test_strided_metadata_is_read_by_stride() -> None:
+    """Slot mappings, sequence lengths and query starts that are views with a stride
+    (the kernels used to read them as flat arrays: wrong slots, wrong lengths)."""
+    query, key, value, kv_cache, meta = make_batch(MIXED, 4, 2, 32)
+    expected_cache = kv_cache.clone()
+    torch_store_kv(key, value, expected_cache, meta.slot_mapping)
+    pa.triton_store_kv(key, value, kv_cache, strided(meta.slot_mapping))
+    assert torch.equal(kv_cache, expected_cache)
+    expected = torch_paged_attention(query, kv_cache, meta, SCALE)
+    views = dataclasses.replace(
+        meta, seq_lens=strided(meta.seq_lens), query_start_loc=strided(meta.query_start_loc)
+    )
+    torch.testing.assert_close(paged_attention(query, kv_cache, views, SCALE), expected, **TOL[torch.float32])
+
+
+def check_any_layout(backend: str) -> None:
+    """q/k/v whose last dimension is strided (heads innermost) are stored and attended as
+    the torch backend does them, not refused."""
+    query, key, value, kv_cache, meta = make_batch(MIXED, 4, 2, 32)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (query, key, value))
+    expected_cache = kv_cache.clone()
+    expected = get_attention_backend("torch").forward(q, k, v, expected_cache, meta, SCALE)
+    actual = get_attention_backend(backend).forward(q, k, v, kv_cache, meta, SCALE)
+    assert torch.equal(kv_cache, expected_cache)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+
+
+def test_any_layout_of_query_key_value() -> None:
+    check_any_layout("triton")
+
+
 def test_empty_batch() -> None:
     query, key, value, kv_cache, meta = make_batch([(5, 1)], 2, 1, 32)
     empty = AttentionMetadata(

@@ -65,6 +65,36 @@ def test_rope_matches_torch(dtype: torch.dtype) -> None:
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], values)
 
 
+def test_rope_rounds_as_torch_in_half_precision() -> None:
+    """float16 (which the interpreter rounds to nearest, as torch does): bit for bit the
+    torch path, which rounds q * cos and rotate_half(q) * sin before adding them."""
+    heads, kv_heads, dim = 6, 2, 32
+    rotary = RotaryEmbedding(dim, 256, 10000.0, None).to(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(16, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, torch.float16)
+    positions = torch.randint(0, 256, (16,), generator=gen).to(DEVICE)
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    q_ref, k_ref = rotary.for_positions(positions, torch.float16)(q, k)
+    rotary.use_native(norm_rope)
+    q_out, k_out = rotary.for_positions(positions, torch.float16)(q, k)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+def test_rope_reads_strided_positions() -> None:
+    """Positions as a view with a stride are read by stride, and must be one per row."""
+    rotary = RotaryEmbedding(16, 64, 10000.0, None).to(DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    qk = torch.randn(5, 2 * 16, generator=gen).to(DEVICE)
+    positions = torch.tensor([[3, 0], [60, 0], [0, 0], [17, 0], [9, 0]], device=DEVICE)[:, 0]
+    expected = qk.clone()
+    norm_rope.rope_(expected, positions.contiguous(), rotary.cos, rotary.sin, 2, 16)
+    norm_rope.rope_(qk, positions, rotary.cos, rotary.sin, 2, 16)
+    assert torch.equal(qk, expected)
+    with pytest.raises(ValueError, match="one position per row"):
+        norm_rope.rope_(qk, positions[:4], rotary.cos, rotary.sin, 2, 16)
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import triton

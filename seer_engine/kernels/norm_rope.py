@@ -74,8 +74,12 @@ def _rope_kernel(
     s1 = tl.load(sin_ptr + table, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
     c2 = tl.load(cos_ptr + table + HALF, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
     s2 = tl.load(sin_ptr + table + HALF, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
-    tl.store(base, (a * c1 - b * s1).to(dtype), mask=live)
-    tl.store(base + HALF, (b * c2 + a * s2).to(dtype), mask=live)
+    # Each product rounded to the tensor dtype before the sum, as torch's
+    # q * cos + rotate_half(q) * sin rounds them (one rounding only would differ by an ulp).
+    first = (a * c1).to(dtype).to(tl.float32) - (b * s1).to(dtype).to(tl.float32)
+    second = (b * c2).to(dtype).to(tl.float32) + (a * s2).to(dtype).to(tl.float32)
+    tl.store(base, first.to(dtype), mask=live)
+    tl.store(base + HALF, second.to(dtype), mask=live)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +122,9 @@ def rope_(
     (``[T, >= heads * head_dim]``, rows contiguous); ``cos``/``sin`` ``[max_pos, head_dim]``."""
     if qk.dim() != 2 or qk.stride(1) != 1 or qk.shape[1] < heads * head_dim:
         raise ValueError("rope_: qk must be [T, >= heads * head_dim] with contiguous rows")
+    if positions.shape != (qk.shape[0],):
+        raise ValueError("rope_: one position per row of qk")
+    positions = positions.contiguous()  # the kernel reads it as a flat array
     if qk.shape[0]:
         half = head_dim // 2
         _rope_kernel[(qk.shape[0],)](

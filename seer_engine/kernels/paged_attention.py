@@ -224,7 +224,11 @@ def triton_store_kv(
     if num_tokens == 0:
         return
     assert value.shape == key.shape and kv_cache.shape[3:] == (num_kv_heads, head_dim)
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert kv_cache.stride(-1) == 1
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    assert slot_mapping.shape == (num_tokens,), "one slot per token"
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads it as a flat array
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -297,6 +301,9 @@ def triton_paged_attention(
     if query.stride(-1) != 1:
         query = query.contiguous()
     assert kv_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    assert query_start_loc.shape == (num_reqs + 1,)
+    # The kernel reads these as flat arrays.
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
 
     queries_per_kv = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(queries_per_kv)

@@ -100,8 +100,8 @@ class RotaryEmbedding(nn.Module):
         rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif rope_type == "linear":
-            positions = positions / scaling["factor"]
+        elif rope_type == "linear":  # as transformers: the frequencies, not the positions
+            inv_freq = inv_freq / scaling["factor"]
         elif rope_type != "default":
             raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
         freqs = positions[:, None] * inv_freq[None, :]

@@ -40,7 +40,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.ops = ops
 
     def store_kv(self, key, value, kv_cache, meta):
-        self.ops.store_kv(key, value, kv_cache, meta.slot_mapping)
+        self.ops.store_kv(_heads_in_rows(key), _heads_in_rows(value), kv_cache, meta.slot_mapping)
 
     def native_requests(self, meta, kv_cache):
         plan = self._plan_for(meta, kv_cache)
@@ -55,6 +55,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def attend(self, query, kv_cache, meta, scale):
         plan = self._plan_for(meta, kv_cache)
+        query = _heads_in_rows(query)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.short is not None:
             self.ops.paged_attention(
@@ -71,6 +72,12 @@ class CpuAttentionBackend(AttentionBackend):
         for group in plan.long:
             out.index_copy_(0, group.rows, _attend_group(query, kv_cache, group, scale).to(out.dtype))
         return out
+
+
+def _heads_in_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[T, heads, D]`` with each row's heads contiguous, as the kernels read them (the
+    fused qkv views already are; any other layout is copied)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def _plan(meta: AttentionMetadata, block_size: int, head_dim: int, device: torch.device) -> _CpuPlan:
