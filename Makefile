@@ -16,12 +16,17 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet "pybind11>=2.11" setuptools wheel  # setup.py below; venvs of Python >= 3.12 have no setuptools
-	$(BIN)/python setup.py build_ext --inplace  # the CPU kernels build against the venv's torch (optional: a failed build leaves torch ops)
 	touch $@
 
-setup: $(BIN)/.installed
+# The CPU kernels build against the venv's torch (optional: a failed build leaves torch
+# ops), again whenever their sources change.
+$(BIN)/.built: $(BIN)/.installed $(wildcard csrc/*.cpp)
+	$(BIN)/python setup.py build_ext --inplace
+	touch $@
 
-$(BIN)/.installed-real: $(BIN)/.installed
+setup: $(BIN)/.built
+
+$(BIN)/.installed-real: $(BIN)/.built
 	$(BIN)/pip install --quiet -e '.[real]'
 	touch $@
 
