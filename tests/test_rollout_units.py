@@ -293,3 +293,28 @@ def test_a_lost_instance_collects_no_finished_groups():
         pool.finish_group(f"g{i}")
     assert pool._draft_traffic(instances[0])[1] == ["g0", "g1", "g2"]
     assert pool._finished_groups[1] == []
+
+
+
+def _reply(draft_updates=(), progress=None):
+    from seer_engine.engine.stats import EngineStats
+    from seer_engine.kv_connector.base import ConnectorStats
+    from seer_engine.rollout.types import StepReply
+
+    return StepReply([], 0.0, EngineStats(), None, ConnectorStats(), draft_updates=list(draft_updates),
+                     progress=progress or {})  # fmt: skip
+
+
+def test_progress_of_a_chunk_released_before_its_step_reply_is_not_kept():
+    """An abort releases a chunk while its instance's step is in flight (instances in other
+    processes); the step's reply, read later, still reports the chunk's progress. That
+    entry was kept for good (only a release pops one): one per abort on a server."""
+    inst = _instance(0)
+    inst.books.reserve("g0/0#0", _sample(_group(0), 0), 1)
+    inst.books.reserve("g1/0#0", _sample(_group(1), 0), 1)
+    inst.books.release("g0/0#0")
+    inst.books.record(_reply(progress={"g0/0#0": 2, "g1/0#0": 1}), 1.0)
+    assert inst.books.progress == {"g1/0#0": 1}
+    inst.books.release("g1/0#0")
+    assert inst.books.progress == {}
+
