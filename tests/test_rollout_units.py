@@ -318,3 +318,50 @@ def test_progress_of_a_chunk_released_before_its_step_reply_is_not_kept():
     inst.books.release("g1/0#0")
     assert inst.books.progress == {}
 
+
+
+class _RemoteInstance(InstanceHandle):
+    """An instance in another process: ``replies`` are the step replies read already
+    (an abort reads the reply of the step in flight before its own)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.info = InstanceInfo(100, 16, 8, 4096)
+        self.books = InstanceBooks(self.info)
+        self.replies: list = []
+
+    def start_step(self, draft_updates=None, finished_groups=None) -> None:
+        self.stepping = True
+
+    def poll_reply(self):
+        self.stepping = False
+        return self.replies.pop(0) if self.replies else None
+
+
+@pytest.mark.parametrize("read_by_the_abort", [False, True])
+def test_draft_records_of_a_group_an_abort_finished_are_not_published(read_by_the_abort):
+    """An abort finishes a group while an instance's step is in flight; the step's reply,
+    read later, carries the aborted response's draft records. Published, they made the
+    draft server a log for the finished group that nothing drops again (finish_group had
+    run already): one per aborted group on a server. The abort may read that reply
+    itself (the instance is no longer stepping, so the next step starts first)."""
+    from types import SimpleNamespace
+
+    from seer_engine.kv_connector.factory import KVPool
+    from seer_engine.rollout.pool import EnginePool, WallClock
+    from seer_engine.spec_decode.draft_server import DraftServer, TokenAppend
+
+    records = [TokenAppend("g0", "g0/0", 0, (5, 6), None), TokenAppend("g1", "g1/0", 0, (7,), None)]
+    inst = _RemoteInstance(0)
+    config = SimpleNamespace(speculative_config=None)
+    pool = EnginePool(config, [inst], KVPool.recompute(), WallClock(), "mp", draft_server=DraftServer())
+    inst.books.reserve("g0/0#0", _sample(_group(0, n=1), 0), 1)
+    inst.books.reserve("g1/0#0", _sample(_group(1, n=1), 0), 1)  # still running: the reply is read
+    inst.stepping = not read_by_the_abort
+    inst.replies.append(_reply(records))
+    inst.books.release("g0/0#0")  # the dispatcher's abort: the chunk, then its group, are done
+    pool.finish_group("g0")
+    assert pool.advance() is not None
+    assert pool.draft_server.num_groups == 1 and pool.draft_server.num_records("g1") == 1
+    pool.finish_group("g1")
+    assert pool.draft_server.num_groups == 0

@@ -295,9 +295,21 @@ class EnginePool:
                 if reply is not None:
                     inst.books.record(reply, self.clock.after(inst, reply))
                     if self.draft_server is not None:
-                        self.draft_server.publish(inst.index, reply.draft_updates)
+                        self._publish(inst, reply.draft_updates)
                     return inst, reply
         return None
+
+    def _publish(self, inst: InstanceHandle, records: list) -> None:
+        """A step's draft records, less those of groups with no chunk in flight: a reply
+        read after an abort finished its group (the server dropped the group's log then)
+        would make a log that nothing drops. A live group's records always have their
+        own chunk still in flight (the reply's outputs are taken after this); an aborted
+        response's records go only while a sibling's chunk runs somewhere."""
+        if not records:
+            return
+        running = [other.books.group_chunks for other in self.instances]
+        kept = [r for r in records if any(r.group_id in chunks for chunks in running)]
+        self.draft_server.publish(inst.index, kept)
 
     def _seed_new_groups(self, inst: InstanceHandle) -> None:
         """Seed the draft trees of groups about to take their first step (anywhere)."""
