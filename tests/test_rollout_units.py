@@ -295,7 +295,6 @@ def test_a_lost_instance_collects_no_finished_groups():
     assert pool._finished_groups[1] == []
 
 
-
 def _reply(draft_updates=(), progress=None):
     from seer_engine.engine.stats import EngineStats
     from seer_engine.kv_connector.base import ConnectorStats
@@ -317,7 +316,6 @@ def test_progress_of_a_chunk_released_before_its_step_reply_is_not_kept():
     assert inst.books.progress == {"g1/0#0": 1}
     inst.books.release("g1/0#0")
     assert inst.books.progress == {}
-
 
 
 class _RemoteInstance(InstanceHandle):
