@@ -273,6 +273,27 @@ def test_auto_order_ranks_known_prompts_by_estimate_only_when_prompts_differ_far
     assert ContextManager(history=store, order="wait").effective_order == "wait"
 
 
+@pytest.mark.parametrize("policy", ["baseline", "divided", "context"])
+def test_the_context_manager_lets_go_of_finished_groups(policy):
+    """Groups whose rank keys changed wait in the Context Manager for the priority index
+    to take them; baseline and divided have no index, so under them every group that
+    ever ran stayed there (a server runs millions). A finished group has nothing left
+    to re-key: it leaves with the rest of its state."""
+    from seer_engine.rollout.policies import make_rollout_policy
+
+    ctx = make_rollout_policy(policy).context
+    for i in range(50):
+        g = _group(i, n=2)
+        ctx.register(g, g.max_tokens)
+        ctx.raise_budget(g.group_id, 2000)
+        first, second = _sample(g, 0, generated=5), _sample(g, 1, generated=9)
+        ctx.on_chunk_end(first)
+        ctx.on_finished(first)
+        ctx.on_finished(second)
+        ctx.forget(g.group_id)
+    assert ctx.take_changes()[1] == set()
+
+
 # -- Engine pool -------------------------------------------------------------------------
 
 
