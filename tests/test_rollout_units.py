@@ -316,6 +316,46 @@ def test_a_lost_instance_collects_no_finished_groups():
     assert pool._finished_groups[1] == []
 
 
+def test_an_instance_that_never_ran_a_group_is_not_told_it_finished():
+    """Finished group ids ride on each instance's next step, for its draft trees; one
+    that never ran the group has nothing to free. Under one request at a time every
+    chunk went to one instance and the idle one collected an id per group for good
+    (100 after 100 sequential requests): the dispatcher now says where the group ran."""
+    from types import SimpleNamespace
+
+    from seer_engine.kv_connector.factory import KVPool
+    from seer_engine.rollout.dispatcher import Dispatcher
+    from seer_engine.rollout.policies import make_rollout_policy
+    from seer_engine.rollout.pool import EnginePool, WallClock
+    from seer_engine.spec_decode.draft_server import DraftServer
+
+    finished: list[tuple] = []
+
+    class Pool:
+        instances = [_instance(0), _instance(1)]
+        kv_connector = SimpleNamespace(name="recompute")
+
+        def finish_group(self, group_id, ran_on=None):
+            finished.append((group_id, ran_on))
+
+    dispatcher = Dispatcher(Pool(), make_rollout_policy("divided"), chunk_tokens=8)
+    for i in range(3):
+        samples = [_sample(_group(i, n=2), k) for k in range(2)]
+        dispatcher.add_samples(samples)
+        dispatcher._group_instances[f"g{i}"] = {0}  # its chunks ran on instance 0 only
+        dispatcher.abort([s.key for s in samples])  # buffered again: the group ends here
+    assert finished == [("g0", {0}), ("g1", {0}), ("g2", {0})]
+    assert dispatcher._group_instances == {}
+
+    instances = [_instance(0), _instance(1)]
+    config = SimpleNamespace(speculative_config=None)
+    pool = EnginePool(config, instances, KVPool.recompute(), WallClock(), "mp", draft_server=DraftServer())
+    for i in range(3):
+        pool.finish_group(f"g{i}", {0})
+    assert pool._finished_groups == {0: ["g0", "g1", "g2"], 1: []}
+    assert EnginePool.finish_group.__defaults__ == (None,)  # None: every live instance, as before
+
+
 def _reply(draft_updates=(), progress=None):
     from seer_engine.engine.stats import EngineStats
     from seer_engine.kv_connector.base import ConnectorStats

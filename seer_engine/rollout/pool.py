@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,7 +77,9 @@ class InstancePool(Protocol):
         """``inst`` is about to get a chunk that arrived at ``t``."""
         ...
 
-    def finish_group(self, group_id: str) -> None: ...
+    def finish_group(self, group_id: str, ran_on: Collection[int] | None = None) -> None:
+        """``ran_on``: the instances that ran a chunk of the group (None: any)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -354,15 +356,18 @@ class EnginePool:
         else:
             self.history.add_sequence(prompt, tokens)
 
-    def finish_group(self, group_id: str) -> None:
-        """Every response of the group is done: free its drafts."""
+    def finish_group(self, group_id: str, ran_on: Collection[int] | None = None) -> None:
+        """Every response of the group is done: free its drafts. ``ran_on``: the instances
+        that ran a chunk of it (None: every one); only their replicas hold its tree, and an
+        instance that takes no step would collect the ids of the groups run elsewhere."""
         self._seeded.discard(group_id)
         if self.proposer is not None:
             self.proposer.finish_group(group_id)
         if self.draft_server is not None:
             self.draft_server.finish_group(group_id)
             for inst in self.alive:  # a lost instance steps no more: it would hoard them
-                self._finished_groups[inst.index].append(group_id)
+                if ran_on is None or inst.index in ran_on:
+                    self._finished_groups[inst.index].append(group_id)
 
     # -- the instances -------------------------------------------------------------------
 
