@@ -268,3 +268,21 @@ def test_a_batch_cancelled_while_validating_ends_cancelled(tmp_path, content):
     batch = asyncio.run(run())
     assert batch["status"] == "cancelled" and batch["cancelled_at"] and batch["failed_at"] is None
     assert batch["request_counts"]["completed"] == 0 and batch["output_file_id"] is None
+
+
+def test_a_finished_batch_leaves_no_running_state(tmp_path):
+    """What a batch needs only while it runs (its task, its lines' tasks, when its record
+    was last saved) goes when it ends: a trainer's server runs a batch per iteration for
+    days. The time of the last save was kept for every batch that ever ran."""
+
+    async def run() -> BatchManager:
+        manager = _manager(tmp_path)
+        manager.start()
+        ids = [await _submit(manager, _lines(3, bad=1)) for _ in range(4)]
+        await _wait_for(lambda: all(manager.get(i)["status"] in TERMINAL for i in ids), "the batches to end")
+        await _wait_for(lambda: not manager._runs, "their tasks to end")
+        await manager.stop()
+        return manager
+
+    manager = asyncio.run(run())
+    assert (manager._runs, manager._lines, manager._saved_at) == ({}, {}, {})

@@ -273,6 +273,27 @@ def test_auto_order_ranks_known_prompts_by_estimate_only_when_prompts_differ_far
     assert ContextManager(history=store, order="wait").effective_order == "wait"
 
 
+@pytest.mark.parametrize("policy", ["baseline", "divided", "context"])
+def test_the_context_manager_lets_go_of_finished_groups(policy):
+    """Groups whose rank keys changed wait in the Context Manager for the priority index
+    to take them; baseline and divided have no index, so under them every group that
+    ever ran stayed there (a server runs millions). A finished group has nothing left
+    to re-key: it leaves with the rest of its state."""
+    from seer_engine.rollout.policies import make_rollout_policy
+
+    ctx = make_rollout_policy(policy).context
+    for i in range(50):
+        g = _group(i, n=2)
+        ctx.register(g, g.max_tokens)
+        ctx.raise_budget(g.group_id, 2000)
+        first, second = _sample(g, 0, generated=5), _sample(g, 1, generated=9)
+        ctx.on_chunk_end(first)
+        ctx.on_finished(first)
+        ctx.on_finished(second)
+        ctx.forget(g.group_id)
+    assert ctx.take_changes()[1] == set()
+
+
 # -- Engine pool -------------------------------------------------------------------------
 
 
@@ -293,3 +314,113 @@ def test_a_lost_instance_collects_no_finished_groups():
         pool.finish_group(f"g{i}")
     assert pool._draft_traffic(instances[0])[1] == ["g0", "g1", "g2"]
     assert pool._finished_groups[1] == []
+
+
+def test_an_instance_that_never_ran_a_group_is_not_told_it_finished():
+    """Finished group ids ride on each instance's next step, for its draft trees; one
+    that never ran the group has nothing to free. Under one request at a time every
+    chunk went to one instance and the idle one collected an id per group for good
+    (100 after 100 sequential requests): the dispatcher now says where the group ran."""
+    from types import SimpleNamespace
+
+    from seer_engine.kv_connector.factory import KVPool
+    from seer_engine.rollout.dispatcher import Dispatcher
+    from seer_engine.rollout.policies import make_rollout_policy
+    from seer_engine.rollout.pool import EnginePool, WallClock
+    from seer_engine.spec_decode.draft_server import DraftServer
+
+    finished: list[tuple] = []
+
+    class Pool:
+        instances = [_instance(0), _instance(1)]
+        kv_connector = SimpleNamespace(name="recompute")
+
+        def finish_group(self, group_id, ran_on=None):
+            finished.append((group_id, ran_on))
+
+    dispatcher = Dispatcher(Pool(), make_rollout_policy("divided"), chunk_tokens=8)
+    for i in range(3):
+        samples = [_sample(_group(i, n=2), k) for k in range(2)]
+        dispatcher.add_samples(samples)
+        dispatcher._group_instances[f"g{i}"] = {0}  # its chunks ran on instance 0 only
+        dispatcher.abort([s.key for s in samples])  # buffered again: the group ends here
+    assert finished == [("g0", {0}), ("g1", {0}), ("g2", {0})]
+    assert dispatcher._group_instances == {}
+
+    instances = [_instance(0), _instance(1)]
+    config = SimpleNamespace(speculative_config=None)
+    pool = EnginePool(config, instances, KVPool.recompute(), WallClock(), "mp", draft_server=DraftServer())
+    for i in range(3):
+        pool.finish_group(f"g{i}", {0})
+    assert pool._finished_groups == {0: ["g0", "g1", "g2"], 1: []}
+    assert EnginePool.finish_group.__defaults__ == (None,)  # None: every live instance, as before
+
+
+def _reply(draft_updates=(), progress=None):
+    from seer_engine.engine.stats import EngineStats
+    from seer_engine.kv_connector.base import ConnectorStats
+    from seer_engine.rollout.types import StepReply
+
+    return StepReply([], 0.0, EngineStats(), None, ConnectorStats(), draft_updates=list(draft_updates),
+                     progress=progress or {})  # fmt: skip
+
+
+def test_progress_of_a_chunk_released_before_its_step_reply_is_not_kept():
+    """An abort releases a chunk while its instance's step is in flight (instances in other
+    processes); the step's reply, read later, still reports the chunk's progress. That
+    entry was kept for good (only a release pops one): one per abort on a server."""
+    inst = _instance(0)
+    inst.books.reserve("g0/0#0", _sample(_group(0), 0), 1)
+    inst.books.reserve("g1/0#0", _sample(_group(1), 0), 1)
+    inst.books.release("g0/0#0")
+    inst.books.record(_reply(progress={"g0/0#0": 2, "g1/0#0": 1}), 1.0)
+    assert inst.books.progress == {"g1/0#0": 1}
+    inst.books.release("g1/0#0")
+    assert inst.books.progress == {}
+
+
+class _RemoteInstance(InstanceHandle):
+    """An instance in another process: ``replies`` are the step replies read already
+    (an abort reads the reply of the step in flight before its own)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.info = InstanceInfo(100, 16, 8, 4096)
+        self.books = InstanceBooks(self.info)
+        self.replies: list = []
+
+    def start_step(self, draft_updates=None, finished_groups=None) -> None:
+        self.stepping = True
+
+    def poll_reply(self):
+        self.stepping = False
+        return self.replies.pop(0) if self.replies else None
+
+
+@pytest.mark.parametrize("read_by_the_abort", [False, True])
+def test_draft_records_of_a_group_an_abort_finished_are_not_published(read_by_the_abort):
+    """An abort finishes a group while an instance's step is in flight; the step's reply,
+    read later, carries the aborted response's draft records. Published, they made the
+    draft server a log for the finished group that nothing drops again (finish_group had
+    run already): one per aborted group on a server. The abort may read that reply
+    itself (the instance is no longer stepping, so the next step starts first)."""
+    from types import SimpleNamespace
+
+    from seer_engine.kv_connector.factory import KVPool
+    from seer_engine.rollout.pool import EnginePool, WallClock
+    from seer_engine.spec_decode.draft_server import DraftServer, TokenAppend
+
+    records = [TokenAppend("g0", "g0/0", 0, (5, 6), None), TokenAppend("g1", "g1/0", 0, (7,), None)]
+    inst = _RemoteInstance(0)
+    config = SimpleNamespace(speculative_config=None)
+    pool = EnginePool(config, [inst], KVPool.recompute(), WallClock(), "mp", draft_server=DraftServer())
+    inst.books.reserve("g0/0#0", _sample(_group(0, n=1), 0), 1)
+    inst.books.reserve("g1/0#0", _sample(_group(1, n=1), 0), 1)  # still running: the reply is read
+    inst.stepping = not read_by_the_abort
+    inst.replies.append(_reply(records))
+    inst.books.release("g0/0#0")  # the dispatcher's abort: the chunk, then its group, are done
+    pool.finish_group("g0")
+    assert pool.advance() is not None
+    assert pool.draft_server.num_groups == 1 and pool.draft_server.num_records("g1") == 1
+    pool.finish_group("g1")
+    assert pool.draft_server.num_groups == 0

@@ -121,7 +121,9 @@ class InstanceBooks:
         self.drafter_stats = reply.drafter
         self.connector_stats = reply.connector
         if reply.progress:
-            self.progress.update(reply.progress)
+            # Only chunks still here: one released (aborted) while the step ran would stay.
+            in_flight = self.in_flight
+            self.progress.update((rid, n) for rid, n in reply.progress.items() if rid in in_flight)
             self.outlook = None
         s = reply.stats
         reserved = self.reserved_blocks / self.info.num_blocks

@@ -194,6 +194,7 @@ class ContextManager:
 
     def forget(self, group_id: str) -> None:
         self._groups.pop(group_id, None)
+        self._changed.discard(group_id)  # nothing to re-key; baseline and divided never take them
         if self.rule == "groupmax":
             self.estimator.forget(group_id)
 

@@ -475,9 +475,9 @@ class Dispatcher:
         """The group's last live response finished: forget it (a later request with the
         same prompt starts a new group) and free its drafts."""
         del self._live_per_group[group.group_id]
-        self._group_instances.pop(group.group_id, None)
+        ran_on = self._group_instances.pop(group.group_id, set())
         self.policy.context.forget(group.group_id)
-        self.pool.finish_group(group.group_id)
+        self.pool.finish_group(group.group_id, ran_on)
         if self.on_group_finished is not None:
             self.on_group_finished(group)
 

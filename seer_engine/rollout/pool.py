@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,7 +77,9 @@ class InstancePool(Protocol):
         """``inst`` is about to get a chunk that arrived at ``t``."""
         ...
 
-    def finish_group(self, group_id: str) -> None: ...
+    def finish_group(self, group_id: str, ran_on: Collection[int] | None = None) -> None:
+        """``ran_on``: the instances that ran a chunk of the group (None: any)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -295,9 +297,21 @@ class EnginePool:
                 if reply is not None:
                     inst.books.record(reply, self.clock.after(inst, reply))
                     if self.draft_server is not None:
-                        self.draft_server.publish(inst.index, reply.draft_updates)
+                        self._publish(inst, reply.draft_updates)
                     return inst, reply
         return None
+
+    def _publish(self, inst: InstanceHandle, records: list) -> None:
+        """A step's draft records, less those of groups with no chunk in flight: a reply
+        read after an abort finished its group (the server dropped the group's log then)
+        would make a log that nothing drops. A live group's records always have their
+        own chunk still in flight (the reply's outputs are taken after this); an aborted
+        response's records go only while a sibling's chunk runs somewhere."""
+        if not records:
+            return
+        running = [other.books.group_chunks for other in self.instances]
+        kept = [r for r in records if any(r.group_id in chunks for chunks in running)]
+        self.draft_server.publish(inst.index, kept)
 
     def _seed_new_groups(self, inst: InstanceHandle) -> None:
         """Seed the draft trees of groups about to take their first step (anywhere)."""
@@ -342,15 +356,18 @@ class EnginePool:
         else:
             self.history.add_sequence(prompt, tokens)
 
-    def finish_group(self, group_id: str) -> None:
-        """Every response of the group is done: free its drafts."""
+    def finish_group(self, group_id: str, ran_on: Collection[int] | None = None) -> None:
+        """Every response of the group is done: free its drafts. ``ran_on``: the instances
+        that ran a chunk of it (None: every one); only their replicas hold its tree, and an
+        instance that takes no step would collect the ids of the groups run elsewhere."""
         self._seeded.discard(group_id)
         if self.proposer is not None:
             self.proposer.finish_group(group_id)
         if self.draft_server is not None:
             self.draft_server.finish_group(group_id)
             for inst in self.alive:  # a lost instance steps no more: it would hoard them
-                self._finished_groups[inst.index].append(group_id)
+                if ran_on is None or inst.index in ran_on:
+                    self._finished_groups[inst.index].append(group_id)
 
     # -- the instances -------------------------------------------------------------------
 

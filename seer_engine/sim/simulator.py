@@ -11,7 +11,7 @@ victims, and its draft budget policy to size drafts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from seer_engine.core.policies import make_policy
@@ -92,7 +92,7 @@ class SimPool:
     def wait_until(self, inst: SimInstance, t: float) -> None:
         inst.wait_until(t)
 
-    def finish_group(self, group_id: str) -> None:
+    def finish_group(self, group_id: str, ran_on: Collection[int] | None = None) -> None:
         pass
 
     def close(self) -> None:

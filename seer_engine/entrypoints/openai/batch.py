@@ -297,6 +297,7 @@ class BatchManager:
             self._set(batch, "failed", failed_at=int(time.time()), errors=_errors([record]))
         finally:
             self._lines.pop(batch["id"], None)
+            self._saved_at.pop(batch["id"], None)
 
     async def _execute(self, batch: dict) -> None:
         try:
