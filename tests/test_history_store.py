@@ -90,6 +90,7 @@ def _saved(tmp_path, entry: dict | None = None, **changes) -> dict:
         ({"entry": {"sequences": "abc"}}, "a sequence is str, not a list of token ids"),
         ({"entry": {"sequences": [[1, 2.5]]}}, "2.5 is not a non-negative integer"),
         ({"entry": {"sequences": [[-1]]}}, "-1 is not a non-negative integer"),
+        ({"entry": {"sequences": [[2**40]]}}, "greater than maximum"),
         ({"entry": {"lengths": [[0, "7"]]}}, "'7' is not a non-negative integer"),
         ({"entry": {"lengths": [[0, 1, 2]]}}, "too many values to unpack"),
         ({"version": 2}, "version 2, expected 1"),
@@ -277,3 +278,25 @@ def test_a_reopened_store_decays_as_this_runs_half_life_says(tmp_path):
         again = open_history(str(tmp_path), half_life=half_life)
         assert again is not None and again.half_life == half_life
         assert again.lengths([9]) == [(100, weight)]
+
+
+def test_stored_sequences_take_about_4_bytes_a_token(tmp_path):
+    """Token ids are held compactly: a list of Python ints takes about 36 bytes a token
+    (ids past 256 are objects of their own), which the store's bounds multiply by up to
+    100,000 prompts x 16 sequences. Saving and loading keeps them compact and equal."""
+    import tracemalloc
+
+    store = HistoryStore(max_prompts=8, max_sequences=16, max_sequence_tokens=4096)
+    tokens = [[50_000 + (7 * i + s) % 40_000 for i in range(4096)] for s in range(16)]
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for seq in tokens:
+        store.record([1, 2, 3], len(seq), seq)
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    assert grown < 6 * 16 * 4096, f"{grown / (16 * 4096):.1f} bytes a token"
+    assert store.sequences([1, 2, 3]) == tokens
+    store.save(tmp_path / "h.json")
+    loaded = HistoryStore.load(tmp_path / "h.json")
+    assert loaded.sequences([1, 2, 3]) == tokens
+    assert all(seq.itemsize == 4 for seq in loaded._prompts[prompt_key([1, 2, 3])].sequences)

@@ -28,6 +28,7 @@ import logging
 import os
 import stat
 import tempfile
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class PromptHistory:
     """One prompt's record: what its earlier responses were."""
 
     lengths: deque = field(default_factory=deque)  # (iteration, length), oldest first
-    sequences: deque = field(default_factory=deque)  # token id lists, oldest first
+    sequences: deque = field(default_factory=deque)  # token ids (array('i')), oldest first
 
 
 class HistoryStore:
@@ -143,11 +144,12 @@ class HistoryStore:
         for records in (self._prompts, self._unsaved):
             self._extend(self._entry(records, key), record)
 
-    def _clipped(self, token_ids: Sequence[int]) -> list[list[int]]:
-        """The sequence as stored (capped), or none if sequences are not kept."""
+    def _clipped(self, token_ids: Sequence[int]) -> list[array]:
+        """The sequence as stored (capped; 4 bytes a token, where a list of ints takes about
+        36), or none if sequences are not kept."""
         if not self.max_sequences or not len(token_ids):
             return []
-        return [[int(t) for t in list(token_ids)[: self.max_sequence_tokens]]]
+        return [array("i", [int(t) for t in list(token_ids)[: self.max_sequence_tokens]])]
 
     def _extend(self, entry: PromptHistory, more: PromptHistory) -> None:
         """``more``'s lengths and sequences after ``entry``'s, oldest dropped past the bounds."""
@@ -156,7 +158,7 @@ class HistoryStore:
             entry.lengths.popleft()
         if self.max_sequences:
             cap = self.max_sequence_tokens
-            # shared, not copied, when within the cap: unsaved records hold the store's own lists
+            # shared, not copied, when within the cap: unsaved records hold the store's own arrays
             entry.sequences.extend(seq if len(seq) <= cap else seq[:cap] for seq in more.sequences)
             while len(entry.sequences) > self.max_sequences:
                 entry.sequences.popleft()
@@ -245,7 +247,7 @@ class HistoryStore:
             "half_life_iterations": self.half_life,
             "tokenizer": self.tokenizer,
             "prompts": {
-                k: {"lengths": list(map(list, e.lengths)), "sequences": list(e.sequences)}
+                k: {"lengths": list(map(list, e.lengths)), "sequences": [s.tolist() for s in e.sequences]}
                 for k, e in self._prompts.items()
             },
         }
@@ -289,14 +291,14 @@ class HistoryStore:
                 for seq in entry["sequences"][-store.max_sequences :] if store.max_sequences else []:
                     if not isinstance(seq, list):
                         raise ValueError(f"a sequence is {type(seq).__name__}, not a list of token ids")
-                    item.sequences.append([_count(t) for t in seq[: store.max_sequence_tokens]])
+                    item.sequences.append(array("i", [_count(t) for t in seq[: store.max_sequence_tokens]]))
                 store._prompts[str(key)] = item
             store._file_state, store._file_iteration = _file_state(p), store.iteration
         except FileNotFoundError:
             raise ValueError(f"history store {str(p)!r} not found") from None
         except OSError as e:
             raise ValueError(f"cannot read the history store {str(p)!r}: {e}") from None
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, OverflowError, TypeError, ValueError) as e:
             detail = f"no {e} field" if isinstance(e, KeyError) else str(e)
             raise ValueError(f"history store {str(p)!r} is not valid: {detail}") from None
         return store
