@@ -35,15 +35,21 @@ def _instance_on_a_pipe() -> tuple[ProcessInstance, mp.connection.Connection]:
     return inst, worker
 
 
-def test_a_step_that_fails_under_a_serving_call_fails_the_next_poll_not_the_call():
-    """The step failed in the worker while a flush_cache was on its way: the failure went to
-    the flush's caller (a 500), and the instance was left marked stepping with no step
-    pending, so it was never stepped again and its chunks hung with /health ok."""
+@pytest.mark.parametrize("failed", ["step", "submit"])
+def test_a_step_that_fails_under_a_serving_call_fails_the_next_poll_not_the_call(failed):
+    """The step (or a chunk's submit) failed in the worker while a flush_cache was on its
+    way: the failure went to the flush's caller (a 500), and the instance was left marked
+    stepping with no step pending (or with a chunk that never ran), so it was never stepped
+    again and its requests hung with /health ok."""
     inst, worker = _instance_on_a_pipe()
-    inst.start_step()
-    worker.send(("error", (None, "Traceback: the device failed")))  # the step's reply
+    if failed == "step":
+        inst.start_step()
+    else:
+        inst.submit("a chunk")
+    worker.send(("error", (None, "Traceback: the device failed")))  # the step's or submit's reply
     worker.send(("ok", "flushed"))  # the call's
     assert inst.call("reset_prefix_cache") == "flushed"  # the call gets its own answer
-    assert [worker.recv()[0] for _ in range(2)] == ["step", "call"]
-    with pytest.raises(RuntimeError, match="failed in step"):
-        inst.poll_reply()  # the step's failure surfaces where a step's reply is read
+    assert [worker.recv()[0] for _ in range(2)] == [failed, "call"]
+    assert not inst.stepping
+    with pytest.raises(RuntimeError, match=f"failed in {failed}"):
+        inst.poll_reply()  # the failure surfaces where a step's reply is read: the engine stops

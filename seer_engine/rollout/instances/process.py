@@ -96,7 +96,7 @@ class ProcessInstance(InstanceHandle):
         self._pending: deque[str] = deque()  # ops sent whose replies are not read yet
         self._replies: deque[StepReply] = deque()
         self._step_deadline: float | None = None  # by when the step in flight must answer
-        self._step_failure: RuntimeError | None = None  # a step failed, read by a call or abort
+        self._step_failure: RuntimeError | None = None  # a step or submit failed, read by a call or abort
 
     def wait_ready(self) -> None:
         """Block until the worker has built its engine (raises with its traceback if not)."""
@@ -154,12 +154,12 @@ class ProcessInstance(InstanceHandle):
             if op == "call" and isinstance(error, (ValueError, OSError)):
                 raise error  # a refused serving call (a bad checkpoint path): the caller's error
             failure = RuntimeError(f"engine instance {self.index} failed in {op}:\n{trace}")
-            if op != "step":
+            if op not in ("step", "submit"):
                 raise failure
             # Kept for poll_reply, where a step's reply is read: a call or abort reading it
             # on its way gets its own answer (raising here left the instance "stepping" with
             # no step pending, never stepped again, and blamed the serving call).
-            self.stepping = False
+            self.stepping = self.stepping and op != "step"
             self._step_failure = failure
             return op, None
         if op == "step":
