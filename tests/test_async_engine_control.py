@@ -37,3 +37,42 @@ def test_a_weight_update_reports_its_own_version_when_another_follows_at_once(ti
         asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         engine.shutdown()
+
+
+def test_a_weight_update_while_asleep_builds_the_new_weights_on_the_host(tiny_model, monkeypatch):
+    """An update during sleep built the new model on the accelerator (a whole model of the
+    memory the trainer was promised free) and only then moved it to the host. The meta
+    device stands in for the accelerator here: nothing may be built on it while asleep."""
+    import torch
+
+    import seer_engine.model_executor.model_runner as model_runner
+    from seer_engine.engine.llm_engine import LLMEngine
+    from seer_engine.sampling_params import SamplingParams
+
+    def engine_on(model) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(model), num_kv_blocks=16, max_model_len=128, num_threads=1))
+
+    def run(engine: LLMEngine, rid: str) -> list[int]:
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        return outs[0].outputs[0].token_ids
+
+    expected = run(engine_on(tiny_model(seed=1)), "fresh")
+    engine = engine_on(tiny_model())
+    engine.sleep()
+    built_on = []
+    real_load = model_runner.load_model
+
+    def load_model(cfg, dtype, device):
+        built_on.append(torch.device(device).type)
+        return real_load(cfg, dtype, device)
+
+    monkeypatch.setattr(model_runner, "load_model", load_model)
+    engine.device = engine.runner.device = torch.device("meta")  # "the accelerator"
+    engine.update_weights(tiny_model(seed=1))
+    assert built_on == ["cpu"]
+    assert {p.device.type for p in engine.runner.model.parameters()} == {"cpu"}
+    engine.device = engine.runner.device = torch.device("cpu")
+    engine.wake_up()
+    assert run(engine, "after") == expected  # as a fresh engine on the new weights
