@@ -247,7 +247,11 @@ class RolloutBackend:
                 f"cannot sleep with {self.num_unfinished_requests} requests in flight; abort them "
                 "or wait for them to finish first"
             )
-        self._call_all("sleep")
+        try:
+            self._call_all("sleep")
+        except Exception:  # all or none: a half-asleep rollout would step instances without KV
+            self._call_all("wake_up")
+            raise
         self._sleeping = True
 
     def wake_up(self) -> None:
