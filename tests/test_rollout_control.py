@@ -38,3 +38,32 @@ def test_a_sleep_that_fails_on_one_instance_leaves_none_asleep(tiny_model, monke
         assert [len(c.token_ids) for c in done["r"].outputs] == [20] * 4
     finally:
         engine.close()
+
+
+def test_a_weight_update_that_fails_on_one_instance_leaves_every_instance_on_the_old_weights(
+    tiny_model, monkeypatch
+):
+    """Instance 0 took the new weights, instance 1 failed (out of memory, say): the call
+    failed and the version stayed, but the rollout went on sampling from two models."""
+    old, new = tiny_model(), tiny_model(seed=1)
+    config = EngineConfig(model=str(old), num_kv_blocks=64, max_num_seqs=8)
+    rollout = RolloutConfig(rollout_mode=True, instances=2, chunk_tokens=8, distributed_backend="inproc")
+    engine = RolloutBackend(config, rollout)
+    try:
+        second = engine.pool.instances[1]
+        real_call = second.call
+
+        def call(method, *args):
+            if method == "update_weights" and args[0] == str(new):
+                raise RuntimeError("out of memory")
+            return real_call(method, *args)
+
+        monkeypatch.setattr(second, "call", call)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.update_weights(new)
+        assert [inst.engine.model_config.path for inst in engine.pool.instances] == [old, old]
+        monkeypatch.undo()
+        engine.update_weights(new)  # a later update applies everywhere
+        assert [inst.engine.model_config.path for inst in engine.pool.instances] == [new, new]
+    finally:
+        engine.close()
