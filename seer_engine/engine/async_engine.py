@@ -210,13 +210,15 @@ class AsyncEngine:
     async def resume(self) -> None:
         await self._call(self._do_resume)
 
-    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> str:
+        """The version this update set (``weight_version`` read later may be a later update's)."""
+
         def do(f: concurrent.futures.Future) -> None:
             self._engine.update_weights(path)
             self._weight_version = weight_version if weight_version is not None else self._bump_version()
-            resolve(f)
+            resolve(f, self._weight_version)
 
-        await self._call(do)
+        return await self._call(do)
 
     async def sleep(self) -> None:
         def do(f: concurrent.futures.Future) -> None:

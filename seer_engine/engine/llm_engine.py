@@ -463,9 +463,9 @@ class LLMEngine:
                 f"cannot update weights from {new_cfg.path}: the model differs in " + "; ".join(diffs),
                 param="model_path",
             )
-        self.runner.load_weights_from(new_cfg)
-        if self.is_sleeping and self.device.type != "cpu":
-            self.runner.model.to("cpu")
+        # Asleep, build them on the host (wake_up moves them): the accelerator stays free.
+        asleep_off_host = self.is_sleeping and self.device.type != "cpu"
+        self.runner.load_weights_from(new_cfg, torch.device("cpu") if asleep_off_host else None)
         self.model_config = new_cfg
         self.reset_prefix_cache()
 

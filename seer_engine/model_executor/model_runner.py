@@ -110,10 +110,15 @@ class ModelRunner:
         if not self.kv_caches:
             self.kv_caches = self._allocate_kv_cache()
 
-    def load_weights_from(self, model_config: ModelConfig) -> None:
-        """Swap in new weights of the same architecture (RL weight sync)."""
-        self.model = load_model(model_config, self.dtype, self.device)
-        self.model.use_native(self.native, self.cpu_weight_dtype)
+    def load_weights_from(self, model_config: ModelConfig, device: torch.device | None = None) -> None:
+        """Swap in new weights of the same architecture (RL weight sync). ``device``: where
+        to build them instead of this runner's device (the host while the engine sleeps);
+        they keep the current rotary tables, as built on this runner's device."""
+        model = load_model(model_config, self.dtype, device or self.device)
+        if device is not None:
+            model.rotary = self.model.rotary
+        model.use_native(self.native, self.cpu_weight_dtype)
+        self.model = model
         self.cfg = model_config
 
     # -- one step ------------------------------------------------------------------

@@ -29,6 +29,7 @@ from seer_engine.core.seeds import child_seed
 from seer_engine.engine.client import Health
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
+from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.engine.stats import EngineStats, total
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
@@ -102,6 +103,8 @@ class RolloutBackend:
             raise
         self._history_error: str | None = None  # why the last save failed (None: it did not)
         self._sleeping = False
+        self._config = config
+        self._weights: str | None = None  # the folder of the last weight update (None: the model's)
         self._requests: dict[str, _UserRequest] = {}
         self._owner: dict[str, _UserRequest] = {}  # sample key -> its user request
         self._live_groups: dict[tuple, Group] = {}  # by prompt (or by the caller's group_id)
@@ -247,7 +250,11 @@ class RolloutBackend:
                 f"cannot sleep with {self.num_unfinished_requests} requests in flight; abort them "
                 "or wait for them to finish first"
             )
-        self._call_all("sleep")
+        try:
+            self._call_all("sleep")
+        except Exception:  # all or none: a half-asleep rollout would step instances without KV
+            self._call_all("wake_up")
+            raise
         self._sleeping = True
 
     def wake_up(self) -> None:
@@ -256,12 +263,32 @@ class RolloutBackend:
 
     def update_weights(self, path: str | Path) -> None:
         """New weights on every instance; the history store starts its next iteration
-        (its lengths decay by ``--history-half-life``) and is saved."""
-        self._call_all("update_weights", str(path))
+        (its lengths decay by ``--history-half-life``) and is saved. All or none, as on one
+        engine: when an instance fails (out of memory, say), those updated before it load
+        the weights they had again, so the rollout never samples from two models."""
+        updated = 0
+        try:
+            for inst in self.pool.alive:
+                try:
+                    inst.call("update_weights", str(path))
+                    updated += 1
+                except InstanceDied as died:
+                    self.dispatcher.lose_instance(inst, str(died))
+            self.dispatcher.check_alive()
+        except Exception:
+            if updated:
+                self._call_all("update_weights", str(self._weights_path()))
+            raise
+        self._weights = str(path)
         self._drop_pooled_kv()
         if self.history is not None:
             self.history.next_iteration()
             self._save_history()
+
+    def _weights_path(self) -> Path | str:
+        if self._weights is not None:
+            return self._weights
+        return resolve_model_path(self._config.model, self._config.dtype)
 
     def _drop_pooled_kv(self) -> None:
         """The instances dropped their prefix caches with the old weights; the pool holds the

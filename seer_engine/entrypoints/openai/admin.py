@@ -140,11 +140,11 @@ def admin_router(engine: EngineClient, expand_ids: Callable[[Sequence[str]], lis
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsRequest) -> dict:
-        try:
-            await engine.update_weights_from_disk(req.model_path, req.weight_version)
+        try:  # its own version: another update may have run by the time it is read
+            version = await engine.update_weights_from_disk(req.model_path, req.weight_version)
         except ValueError as e:  # a checkpoint refused (not found, damaged, another model)
             raise APIError(400, str(e), param="model_path") from None
-        return {"success": True, "message": "weights updated", "weight_version": engine.weight_version}
+        return {"success": True, "message": "weights updated", "weight_version": version}
 
     @router.get("/get_weight_version")
     async def get_weight_version() -> dict:

@@ -96,6 +96,7 @@ class ProcessInstance(InstanceHandle):
         self._pending: deque[str] = deque()  # ops sent whose replies are not read yet
         self._replies: deque[StepReply] = deque()
         self._step_deadline: float | None = None  # by when the step in flight must answer
+        self._step_failure: RuntimeError | None = None  # a step or submit failed, read by a call or abort
 
     def wait_ready(self) -> None:
         """Block until the worker has built its engine (raises with its traceback if not)."""
@@ -152,7 +153,15 @@ class ProcessInstance(InstanceHandle):
             error, trace = value
             if op == "call" and isinstance(error, (ValueError, OSError)):
                 raise error  # a refused serving call (a bad checkpoint path): the caller's error
-            raise RuntimeError(f"engine instance {self.index} failed in {op}:\n{trace}")
+            failure = RuntimeError(f"engine instance {self.index} failed in {op}:\n{trace}")
+            if op not in ("step", "submit"):
+                raise failure
+            # Kept for poll_reply, where a step's reply is read: a call or abort reading it
+            # on its way gets its own answer (raising here left the instance "stepping" with
+            # no step pending, never stepped again, and blamed the serving call).
+            self.stepping = self.stepping and op != "step"
+            self._step_failure = failure
+            return op, None
         if op == "step":
             self.stepping = False
             self._replies.append(value)
@@ -184,8 +193,8 @@ class ProcessInstance(InstanceHandle):
             self._step_deadline = self.reply_deadline()
 
     def poll_reply(self) -> StepReply | None:
-        """A step reply if one has arrived (never blocks)."""
-        while not self._replies and self._pending:
+        """A step reply if one has arrived (never blocks); raises a step's failure."""
+        while not self._replies and self._pending and self._step_failure is None:
             try:
                 ready = self._conn.poll()
             except (EOFError, OSError):
@@ -198,6 +207,8 @@ class ProcessInstance(InstanceHandle):
                     raise self._hung("step")
                 break
             self._read_one()
+        if self._step_failure is not None:
+            raise self._step_failure
         return self._replies.popleft() if self._replies else None
 
     @staticmethod

@@ -1,0 +1,69 @@
+"""Rollout serving calls that fail on one instance leave the instances in one state."""
+
+from __future__ import annotations
+
+import pytest
+
+from seer_engine.engine.config import EngineConfig
+from seer_engine.rollout.backend import RolloutBackend
+from seer_engine.rollout.config import RolloutConfig
+from seer_engine.sampling_params import SamplingParams
+
+
+def test_a_sleep_that_fails_on_one_instance_leaves_none_asleep(tiny_model, monkeypatch):
+    """Instance 0 slept (its KV cache freed), instance 1 failed: the backend said awake and
+    went on dispatching chunks to an instance with no KV cache."""
+    config = EngineConfig(model=str(tiny_model()), num_kv_blocks=64, max_num_seqs=8)
+    engine = RolloutBackend(
+        config, RolloutConfig(rollout_mode=True, instances=2, chunk_tokens=8, distributed_backend="inproc")
+    )
+    try:
+        second = engine.pool.instances[1]
+        real_call = second.call
+
+        def call(method, *args):
+            if method == "sleep":
+                raise RuntimeError("the device failed")
+            return real_call(method, *args)
+
+        monkeypatch.setattr(second, "call", call)
+        with pytest.raises(RuntimeError, match="device failed"):
+            engine.sleep()
+        assert not engine.is_sleeping
+        assert not any(inst.engine.is_sleeping for inst in engine.pool.instances)
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=20, n=4, ignore_eos=True, seed=0))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert [len(c.token_ids) for c in done["r"].outputs] == [20] * 4
+    finally:
+        engine.close()
+
+
+def test_a_weight_update_that_fails_on_one_instance_leaves_every_instance_on_the_old_weights(
+    tiny_model, monkeypatch
+):
+    """Instance 0 took the new weights, instance 1 failed (out of memory, say): the call
+    failed and the version stayed, but the rollout went on sampling from two models."""
+    old, new = tiny_model(), tiny_model(seed=1)
+    config = EngineConfig(model=str(old), num_kv_blocks=64, max_num_seqs=8)
+    rollout = RolloutConfig(rollout_mode=True, instances=2, chunk_tokens=8, distributed_backend="inproc")
+    engine = RolloutBackend(config, rollout)
+    try:
+        second = engine.pool.instances[1]
+        real_call = second.call
+
+        def call(method, *args):
+            if method == "update_weights" and args[0] == str(new):
+                raise RuntimeError("out of memory")
+            return real_call(method, *args)
+
+        monkeypatch.setattr(second, "call", call)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.update_weights(new)
+        assert [inst.engine.model_config.path for inst in engine.pool.instances] == [old, old]
+        monkeypatch.undo()
+        engine.update_weights(new)  # a later update applies everywhere
+        assert [inst.engine.model_config.path for inst in engine.pool.instances] == [new, new]
+    finally:
+        engine.close()
