@@ -67,3 +67,40 @@ def test_a_weight_update_that_fails_on_one_instance_leaves_every_instance_on_the
         assert [inst.engine.model_config.path for inst in engine.pool.instances] == [new, new]
     finally:
         engine.close()
+
+
+def test_a_rollback_that_fails_too_is_named_and_reported_until_an_update_succeeds(
+    tiny_model, monkeypatch, tmp_path
+):
+    """The update failed on instance 1 and instance 0 could not go back (its old weights'
+    folder was deleted, as RL runs do with old checkpoints): the error says the instances
+    now hold different weights, /health says so, and the next good update clears it."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_model(), old)
+    new = tiny_model(seed=1)
+    config = EngineConfig(model=str(old), num_kv_blocks=64, max_num_seqs=8)
+    rollout = RolloutConfig(rollout_mode=True, instances=2, chunk_tokens=8, distributed_backend="inproc")
+    engine = RolloutBackend(config, rollout)
+    try:
+        shutil.rmtree(old)
+        second = engine.pool.instances[1]
+        real_call = second.call
+
+        def call(method, *args):
+            if method == "update_weights" and args[0] == str(new):
+                raise RuntimeError("out of memory")
+            return real_call(method, *args)
+
+        monkeypatch.setattr(second, "call", call)
+        assert engine.health().degraded is None
+        with pytest.raises(RuntimeError, match="out of memory; and a failed weight update left the"):
+            engine.update_weights(new)
+        assert "different weights" in engine.health().degraded and str(old) in engine.health().degraded
+        monkeypatch.undo()
+        engine.update_weights(new)
+        assert [inst.engine.model_config.path for inst in engine.pool.instances] == [new, new]
+        assert engine.health().degraded is None
+    finally:
+        engine.close()

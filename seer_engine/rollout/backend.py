@@ -105,6 +105,7 @@ class RolloutBackend:
         self._sleeping = False
         self._config = config
         self._weights: str | None = None  # the folder of the last weight update (None: the model's)
+        self._mixed_weights: str | None = None  # why the instances hold different weights
         self._requests: dict[str, _UserRequest] = {}
         self._owner: dict[str, _UserRequest] = {}  # sample key -> its user request
         self._live_groups: dict[tuple, Group] = {}  # by prompt (or by the caller's group_id)
@@ -275,15 +276,28 @@ class RolloutBackend:
                 except InstanceDied as died:
                     self.dispatcher.lose_instance(inst, str(died))
             self.dispatcher.check_alive()
-        except Exception:
+        except Exception as failed:
             if updated:
-                self._call_all("update_weights", str(self._weights_path()))
+                self._roll_back(failed)
             raise
-        self._weights = str(path)
+        self._weights, self._mixed_weights = str(path), None
         self._drop_pooled_kv()
         if self.history is not None:
             self.history.next_iteration()
             self._save_history()
+
+    def _roll_back(self, failed: Exception) -> None:
+        """The instances updated before ``failed`` load their previous weights again; when
+        that fails too (their folder deleted, say), the update's error says so and
+        ``/health`` reports the instances on different weights until an update succeeds."""
+        try:
+            self._call_all("update_weights", str(self._weights_path()))
+        except Exception as back:  # noqa: BLE001 - reported with the update's own error
+            self._mixed_weights = (
+                "a failed weight update left the instances on different weights (going back to "
+                f"the previous weights failed: {back}); update the weights again"
+            )
+            raise RuntimeError(f"{failed}; and {self._mixed_weights}") from failed
 
     def _weights_path(self) -> Path | str:
         if self._weights is not None:
@@ -351,6 +365,8 @@ class RolloutBackend:
             reasons.append(f"the KV pool is failing ({pool_failures} failed calls so far): {down}")
         if self._history_error is not None:
             reasons.append(f"the history store is not saved: {self._history_error}")
+        if self._mixed_weights is not None:
+            reasons.append(self._mixed_weights)
         return Health(
             "; ".join(reasons) or None,
             instances,
