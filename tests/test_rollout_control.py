@@ -40,6 +40,40 @@ def test_a_sleep_that_fails_on_one_instance_leaves_none_asleep(tiny_model, monke
         engine.close()
 
 
+def test_a_wake_up_that_fails_on_one_instance_leaves_all_asleep(tiny_model, monkeypatch):
+    """Instance 0 woke (its KV cache allocated again), instance 1 failed: the backend still
+    says asleep, so instance 0 would hold memory the trainer was promised. It sleeps
+    again; a retried wake-up wakes both, and they serve."""
+    config = EngineConfig(model=str(tiny_model()), num_kv_blocks=64, max_num_seqs=8)
+    engine = RolloutBackend(
+        config, RolloutConfig(rollout_mode=True, instances=2, chunk_tokens=8, distributed_backend="inproc")
+    )
+    try:
+        engine.sleep()
+        second = engine.pool.instances[1]
+        real_call = second.call
+
+        def call(method, *args):
+            if method == "wake_up":
+                raise RuntimeError("out of memory")
+            return real_call(method, *args)
+
+        monkeypatch.setattr(second, "call", call)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.wake_up()
+        assert engine.is_sleeping and all(inst.engine.is_sleeping for inst in engine.pool.instances)
+        monkeypatch.undo()
+        engine.wake_up()
+        assert not engine.is_sleeping and not any(inst.engine.is_sleeping for inst in engine.pool.instances)
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=10, n=2, ignore_eos=True, seed=0))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert [len(c.token_ids) for c in done["r"].outputs] == [10] * 2
+    finally:
+        engine.close()
+
+
 def test_a_weight_update_that_fails_on_one_instance_leaves_every_instance_on_the_old_weights(
     tiny_model, monkeypatch
 ):

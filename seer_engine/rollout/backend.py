@@ -259,7 +259,11 @@ class RolloutBackend:
         self._sleeping = True
 
     def wake_up(self) -> None:
-        self._call_all("wake_up")
+        try:
+            self._call_all("wake_up")
+        except Exception:  # all or none: the woken ones would hold memory the trainer was promised
+            self._call_all("sleep")
+            raise
         self._sleeping = False
 
     def update_weights(self, path: str | Path) -> None:
