@@ -228,11 +228,12 @@ class RolloutBackend:
 
     # -- serving primitives, on every instance -----------------------------------------------
 
-    def _call_all(self, method: str, *args) -> list:
+    def _call_all(self, method: str, *args, answers: list | None = None) -> list:
         """``method`` on every live instance; one that turns out dead is dropped (its
         responses finish elsewhere), not an error, unless none is left (``RolloutStalled``:
-        the call applied nowhere, and the server stops serving)."""
-        results = []
+        the call applied nowhere, and the server stops serving). ``answers``: the list the
+        answers go into as they come, so a caller whose call failed sees how far it got."""
+        results = [] if answers is None else answers
         for inst in self.pool.alive:
             try:
                 results.append(inst.call(method, *args))
@@ -271,15 +272,9 @@ class RolloutBackend:
         (its lengths decay by ``--history-half-life``) and is saved. All or none, as on one
         engine: when an instance fails (out of memory, say), those updated before it load
         the weights they had again, so the rollout never samples from two models."""
-        updated = 0
+        updated: list = []
         try:
-            for inst in self.pool.alive:
-                try:
-                    inst.call("update_weights", str(path))
-                    updated += 1
-                except InstanceDied as died:
-                    self.dispatcher.lose_instance(inst, str(died))
-            self.dispatcher.check_alive()
+            self._call_all("update_weights", str(path), answers=updated)
         except Exception as failed:
             if updated:
                 self._roll_back(failed)
