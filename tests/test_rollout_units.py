@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from seer_engine.engine.stats import EngineStats
 from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.context_manager import ContextManager
 from seer_engine.rollout.instances.base import InstanceHandle
@@ -80,6 +81,22 @@ def test_books_reserve_release_and_lose():
 
 
 # -- placement -------------------------------------------------------------------------
+
+
+def test_books_count_samples_as_they_hold_them_not_as_the_last_reply_saw_them():
+    """/metrics reads the books between replies: a chunk sent since the last reply is
+    waiting at the instance, and one released since is no longer counted."""
+    books = _instance(0).books
+    g = _group()
+    books.stats = EngineStats(running=1, waiting=0, generated_tokens=7)  # a reply: a#0 runs
+    books.reserve("a#0", _sample(g, 0), 2)
+    books.reserve("b#0", _sample(g, 1), 2)  # sent after that reply
+    now = books.current_stats()
+    assert (now.running, now.waiting, now.generated_tokens) == (1, 1, 7)
+    books.release("a#0")
+    books.release("b#0")  # both ended; the instance has not answered since
+    now = books.current_stats()
+    assert (now.running, now.waiting) == (0, 0) and books.stats.running == 1
 
 
 def test_placement_prefers_the_longest_cached_prefix_until_loads_drift_apart():

@@ -338,13 +338,14 @@ class RolloutBackend:
 
     def stats(self) -> EngineStats:
         """The sum over instances, as of their last replies (asking them would wait on
-        their steps); responses waiting in the Request Buffer count as waiting. Raises
+        their steps) with their chunks counted as the books hold them now; responses in
+        the Request Buffer count as waiting. Raises
         ``RolloutStalled`` once every instance is gone (the engine thread asks often)."""
         for inst in self.pool.alive:
             if not inst.poll_alive():
                 self.dispatcher.lose_instance(inst, f"engine instance {inst.index} died")
         self.dispatcher.check_alive()  # none left: the server stops serving (503), paused or idle
-        stats = total([inst.books.stats for inst in self.pool.alive])
+        stats = total([inst.books.current_stats() for inst in self.pool.alive])
         stats.waiting += len(self.dispatcher.buffer)
         return stats
 

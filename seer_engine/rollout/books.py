@@ -8,7 +8,7 @@ for an instance: the reservation is known here the moment the chunk is sent.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from seer_engine.engine.stats import EngineStats
 from seer_engine.kv_connector.base import ConnectorStats
@@ -113,6 +113,12 @@ class InstanceBooks:
         return sorted({c.sample.group.group_id for c in self.in_flight.values()})
 
     # -- what the instance reported ----------------------------------------------------
+
+    def current_stats(self) -> EngineStats:
+        """The last reply's figures, its samples counted as the books hold them now: a
+        chunk sent since that reply waits at the instance, one released since is gone."""
+        running = min(self.stats.running, len(self.in_flight))
+        return replace(self.stats, running=running, waiting=len(self.in_flight) - running)
 
     def record(self, reply: StepReply, clock: float) -> None:
         self.clock = clock
