@@ -300,3 +300,40 @@ def test_stored_sequences_take_about_4_bytes_a_token(tmp_path):
     loaded = HistoryStore.load(tmp_path / "h.json")
     assert loaded.sequences([1, 2, 3]) == tokens
     assert all(seq.itemsize == 4 for seq in loaded._prompts[prompt_key([1, 2, 3])].sequences)
+
+
+def test_history_store_holds_at_most_its_total_of_sequence_tokens(tmp_path):
+    """The per-prompt caps alone allow gigabytes on a long run; past the total, the least
+    recently used prompts' oldest sequences go first and every prompt's lengths stay."""
+    store = HistoryStore(max_sequences=4, max_sequence_tokens=5, max_total_sequence_tokens=12)
+    for p, seq in (([1], [1] * 5), ([1], [2] * 5), ([2], [3] * 2)):
+        store.record(p, len(seq), token_ids=seq)
+    assert store.sequence_tokens == 12
+    store.record([2], 3, token_ids=[5] * 3)  # 15 > 12: [1]'s oldest goes
+    assert store.sequences([1]) == [[2] * 5] and store.sequences([2]) == [[3] * 2, [5] * 3]
+    store.record([3], 5, token_ids=[6] * 5)  # [1]'s last one goes
+    store.record([4], 2, token_ids=[7] * 2)
+    assert store.sequences([1]) == [] and store.sequence_tokens == 12
+    store.record([2], 4)  # a length alone: [2] is used again, [3] now the least recent
+    store.record([5], 5, token_ids=[8] * 5)
+    assert store.sequences([3]) == [] and store.sequences([2]) == [[3] * 2, [5] * 3]
+    assert store.sequence_tokens == 12
+    store.next_iteration()
+    assert [n for n, _ in store.lengths([1])] == [5, 5] and len(store) == 5
+    assert store._unsaved.sequence_tokens <= 12  # what the next save merges is held to it too
+    path = tmp_path / "history.json"
+    store.save(path)
+    again = HistoryStore.load(path)
+    assert again.max_total_sequence_tokens == 12 and again.sequence_tokens == 12
+    assert [again.sequences([k]) for k in (2, 4, 5)] == [[[3] * 2, [5] * 3], [[7] * 2], [[8] * 5]]
+    with pytest.raises(ValueError, match="integers"):
+        HistoryStore(max_total_sequence_tokens=1.5)
+
+
+def test_a_store_saved_with_four_bounds_loads_with_the_default_total(tmp_path):
+    path = tmp_path / "history.json"
+    HistoryStore().save(path)
+    data = json.loads(path.read_text())
+    data["bounds"] = data["bounds"][:4]
+    path.write_text(json.dumps(data))
+    assert HistoryStore.load(path).max_total_sequence_tokens == HistoryStore().max_total_sequence_tokens

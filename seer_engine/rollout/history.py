@@ -6,9 +6,11 @@ their token sequences. The Context Manager uses the lengths as the prior of a
 group's longest response; a grouped drafter can seed the group's suffix tree with
 the sequences, so drafts work from the first token.
 
-Bounded three ways: at most ``max_prompts`` prompts (least recently used goes
-first), ``max_lengths`` lengths per prompt (oldest first), and ``max_sequences``
-sequences of at most ``max_sequence_tokens`` tokens per prompt. Lengths carry the
+Bounded four ways: at most ``max_prompts`` prompts (least recently used goes
+first), ``max_lengths`` lengths per prompt (oldest first), ``max_sequences``
+sequences of at most ``max_sequence_tokens`` tokens per prompt, and
+``max_total_sequence_tokens`` over all prompts (the least recently used prompts'
+oldest sequences go first; their lengths stay). Lengths carry the
 iteration they were seen in; ``weight`` halves a length's say every
 ``half_life_iterations`` (the policy that wrote it has changed since).
 
@@ -57,12 +59,27 @@ def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
     return f"{len(vocab)}:{hashlib.blake2b(data, digest_size=8).hexdigest()}"
 
 
+# Sequence tokens the whole store holds at most: 256 MiB of token ids. Without it the
+# per-prompt caps allow 100,000 prompts x 16 x 4,096 tokens, 26 GB.
+DEFAULT_MAX_TOTAL_SEQUENCE_TOKENS = 1 << 26
+
+
 @dataclass
 class PromptHistory:
     """One prompt's record: what its earlier responses were."""
 
     lengths: deque = field(default_factory=deque)  # (iteration, length), oldest first
     sequences: deque = field(default_factory=deque)  # token ids (array('i')), oldest first
+
+
+class _Records(OrderedDict):
+    """Prompt records by key, least recently used first, with the tokens their sequences
+    hold and the keys of those that hold any (in the same order: the total's trim order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequence_tokens = 0
+        self.holding: OrderedDict[str, None] = OrderedDict()
 
 
 class HistoryStore:
@@ -78,9 +95,16 @@ class HistoryStore:
         max_lengths: int = 64,
         max_sequences: int = 16,
         max_sequence_tokens: int = 4096,
+        max_total_sequence_tokens: int = DEFAULT_MAX_TOTAL_SEQUENCE_TOKENS,
         half_life_iterations: float | None = None,
     ) -> None:
-        if min(max_prompts, max_lengths) < 1 or min(max_sequences, max_sequence_tokens) < 0:
+        bounds = (max_prompts, max_lengths, max_sequences, max_sequence_tokens, max_total_sequence_tokens)
+        if not all(is_int(b) for b in bounds):
+            raise ValueError(f"history bounds must be integers, got {list(bounds)}")
+        if (
+            min(max_prompts, max_lengths) < 1
+            or min(max_sequences, max_sequence_tokens, max_total_sequence_tokens) < 0
+        ):
             raise ValueError("history bounds must be >= 1 (sequences: >= 0)")
         if half_life_iterations is not None and half_life_iterations <= 0:
             raise ValueError(f"half_life_iterations must be > 0, got {half_life_iterations}")
@@ -88,18 +112,24 @@ class HistoryStore:
         self.max_lengths = max_lengths
         self.max_sequences = max_sequences
         self.max_sequence_tokens = max_sequence_tokens
+        self.max_total_sequence_tokens = max_total_sequence_tokens
         self.half_life = half_life_iterations
         self.iteration = 0
         self.tokenizer: str | None = None  # vocab_fingerprint of the tokenizer (None: not bound yet)
-        self._prompts: OrderedDict[str, PromptHistory] = OrderedDict()
+        self._prompts = _Records()
         # What was recorded since the last save (bounded as the store is): a save merges
         # it into a file another server wrote meanwhile.
-        self._unsaved: OrderedDict[str, PromptHistory] = OrderedDict()
+        self._unsaved = _Records()
         self._file_state: tuple[int, int, int] | None = None  # the file as last read or written
         self._file_iteration = 0  # the iteration it was written with
 
     def __len__(self) -> int:
         return len(self._prompts)
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens the stored sequences hold, over all prompts."""
+        return self._prompts.sequence_tokens
 
     def __contains__(self, prompt_token_ids: object) -> bool:
         return prompt_key(prompt_token_ids) in self._prompts  # type: ignore[arg-type]
@@ -142,7 +172,7 @@ class HistoryStore:
     def _add(self, key: str, record: PromptHistory) -> None:
         """Into the store and into what the next save must merge."""
         for records in (self._prompts, self._unsaved):
-            self._extend(self._entry(records, key), record)
+            self._extend(records, key, record)
 
     def _clipped(self, token_ids: Sequence[int]) -> list[array]:
         """The sequence as stored (capped; 4 bytes a token, where a list of ints takes about
@@ -151,27 +181,48 @@ class HistoryStore:
             return []
         return [array("i", [int(t) for t in list(token_ids)[: self.max_sequence_tokens]])]
 
-    def _extend(self, entry: PromptHistory, more: PromptHistory) -> None:
-        """``more``'s lengths and sequences after ``entry``'s, oldest dropped past the bounds."""
+    def _extend(self, records: _Records, key: str, more: PromptHistory) -> None:
+        """``more``'s lengths and sequences after those of ``key``'s record (made the most
+        recently used), oldest dropped past the bounds."""
+        entry = self._entry(records, key)
         entry.lengths.extend(more.lengths)
         while len(entry.lengths) > self.max_lengths:
             entry.lengths.popleft()
         if self.max_sequences:
             cap = self.max_sequence_tokens
-            # shared, not copied, when within the cap: unsaved records hold the store's own arrays
-            entry.sequences.extend(seq if len(seq) <= cap else seq[:cap] for seq in more.sequences)
+            for seq in more.sequences:
+                # shared, not copied, when within the cap: unsaved records hold the store's own arrays
+                entry.sequences.append(seq if len(seq) <= cap else seq[:cap])
+                records.sequence_tokens += len(entry.sequences[-1])
             while len(entry.sequences) > self.max_sequences:
-                entry.sequences.popleft()
+                records.sequence_tokens -= len(entry.sequences.popleft())
+            if entry.sequences:
+                records.holding[key] = None
+                records.holding.move_to_end(key)
+        self._trim(records)
 
-    def _entry(self, records: OrderedDict[str, PromptHistory], key: str) -> PromptHistory:
+    def _trim(self, records: _Records) -> None:
+        """Within the total: the least recently used prompts' oldest sequences go."""
+        while records.sequence_tokens > self.max_total_sequence_tokens:
+            key = next(iter(records.holding))
+            sequences = records[key].sequences
+            records.sequence_tokens -= len(sequences.popleft())
+            if not sequences:
+                del records.holding[key]
+
+    def _entry(self, records: _Records, key: str) -> PromptHistory:
         """The prompt's record in ``records`` (new, or moved to the most recently used end)."""
         entry = records.get(key)
         if entry is None:
             entry = records[key] = PromptHistory()
             while len(records) > self.max_prompts:
-                records.popitem(last=False)
+                gone, old = records.popitem(last=False)
+                records.sequence_tokens -= sum(map(len, old.sequences))
+                records.holding.pop(gone, None)
         else:
             records.move_to_end(key)
+            if key in records.holding:
+                records.holding.move_to_end(key)
         return entry
 
     def lengths(self, prompt_token_ids: Sequence[int], before: int | None = None) -> list[tuple[int, float]]:
@@ -233,17 +284,23 @@ class HistoryStore:
                 f"this one's is {self.tokenizer})"
             )
         self.tokenizer = self.tokenizer or saved.tokenizer
-        merged: OrderedDict[str, PromptHistory] = OrderedDict()
+        merged = _Records()
         for records in (saved._prompts, self._unsaved):
             for key, record in records.items():
-                self._extend(self._entry(merged, key), record)
+                self._extend(merged, key, record)
         self._prompts = merged
 
     def _write(self, p: Path, iteration: int) -> None:
         data = {
             "version": 1,
             "iteration": iteration,
-            "bounds": [self.max_prompts, self.max_lengths, self.max_sequences, self.max_sequence_tokens],
+            "bounds": [
+                self.max_prompts,
+                self.max_lengths,
+                self.max_sequences,
+                self.max_sequence_tokens,
+                self.max_total_sequence_tokens,
+            ],  # fmt: skip
             "half_life_iterations": self.half_life,
             "tokenizer": self.tokenizer,
             "prompts": {
@@ -292,7 +349,7 @@ class HistoryStore:
                     if not isinstance(seq, list):
                         raise ValueError(f"a sequence is {type(seq).__name__}, not a list of token ids")
                     item.sequences.append(array("i", [_count(t) for t in seq[: store.max_sequence_tokens]]))
-                store._prompts[str(key)] = item
+                store._extend(store._prompts, str(key), item)
             store._file_state, store._file_iteration = _file_state(p), store.iteration
         except FileNotFoundError:
             raise ValueError(f"history store {str(p)!r} not found") from None
