@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -149,6 +150,32 @@ def test_a_serving_call_does_not_wait_on_a_hung_instance(model, start_server, ba
     health = _health(server)
     assert [i["alive"] for i in health["instances"]] == [True, False], health
     assert "no call reply in 10 s, taken as hung" in server.log_tail()
+    assert _rollout(server) == reference
+
+
+def test_a_weight_update_may_take_longer_than_a_step_before_it_is_taken_as_hung(model, start_server):
+    """Loading a checkpoint takes as long as the disk does: an instance that answers a
+    weight update later than --instance-timeout (stopped for longer, as by a slow load)
+    is waited for up to --instance-load-timeout, and the update applies on both."""
+    server = start_server(
+        "--model", str(model), "--instances", "2", "--instance-timeout", "5",
+        "--instance-load-timeout", "600", *COMMON,
+    )  # fmt: skip
+    reference = _rollout(server)
+    victim = _health(server)["instances"][1]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    resume = threading.Timer(12.0, os.kill, (victim, signal.SIGCONT))
+    resume.start()
+    try:
+        with server.http() as http:
+            resp = http.post("/update_weights_from_disk", json={"model_path": str(model)}, timeout=300)
+    finally:
+        resume.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+    assert resp.status_code == 200, resp.text
+    assert [i["alive"] for i in _health(server)["instances"]] == [True, True]
+    assert server.metrics()["instance_failures_total"] == 0
     assert _rollout(server) == reference
 
 

@@ -197,6 +197,7 @@ def test_sleep_refuses_in_flight_requests_and_config_errors(model):
         (dict(kv_pool_gib=0), "--kv-pool-gib"),
         (dict(kv_pool_gib=float("nan")), "--kv-pool-gib must be a finite number"),
         (dict(instance_timeout_s=float("nan")), "--instance-timeout must be a finite number"),
+        (dict(instance_load_timeout_s=0), "--instance-load-timeout must be a finite number > 0, got 0"),
         (dict(starvation_s=float("inf")), "--starvation-s must be a finite number"),
         (dict(context_order="longest"), "--context-order must be one of \\['auto', 'wait', 'estimate'\\]"),
         (dict(history="memory", history_half_life=float("nan")), "--history-half-life must be > 0, got nan"),

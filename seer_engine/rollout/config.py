@@ -28,6 +28,9 @@ from seer_engine.rollout.pool import BACKENDS, ClockProfile, EnginePool
 # (stopped, deadlocked): killed, its responses finish elsewhere. A step is a forward
 # pass plus its KV pool loads and saves: seconds at most on a healthy instance.
 DEFAULT_INSTANCE_TIMEOUT_S = 300.0
+# A weight update or wake-up loads a checkpoint, which for a large model from a slow
+# disk takes minutes: it has a limit of its own.
+DEFAULT_INSTANCE_LOAD_TIMEOUT_S = 1800.0
 
 # oracle needs a trace
 SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle") + HISTORY_POLICIES
@@ -109,6 +112,7 @@ class RolloutConfig:
     history: str | None = None
     history_half_life: float | None = None  # iterations (weight updates) that halve a length's say
     instance_timeout_s: float = DEFAULT_INSTANCE_TIMEOUT_S
+    instance_load_timeout_s: float = DEFAULT_INSTANCE_LOAD_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.distributed_backend is None:
@@ -142,8 +146,12 @@ class RolloutConfig:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be >= 1, got {self.chunk_tokens}")
-        if not (is_real(self.instance_timeout_s) and self.instance_timeout_s > 0):  # NaN would never time out
-            raise ValueError(f"--instance-timeout must be a finite number > 0, got {self.instance_timeout_s}")
+        for flag, value in (
+            ("--instance-timeout", self.instance_timeout_s),
+            ("--instance-load-timeout", self.instance_load_timeout_s),
+        ):
+            if not (is_real(value) and value > 0):  # NaN would never time out
+                raise ValueError(f"{flag} must be a finite number > 0, got {value}")
         if not (is_real(self.starvation_s) and self.starvation_s > 0):
             raise ValueError(f"--starvation-s must be a finite number > 0, got {self.starvation_s}")
         if self.context_order not in ORDERS:
@@ -222,8 +230,14 @@ class RolloutConfig:
             type=float,
             default=DEFAULT_INSTANCE_TIMEOUT_S,
             help="seconds an instance process or actor may take to answer a step, an abort or a "
-            "serving call (weight update, sleep, wake, cache reset) before it is taken as hung: "
-            "killed, its responses finish on the other instances",
+            "serving call (sleep, cache reset) before it is taken as hung: killed, its responses "
+            "finish on the other instances",
+        )
+        parser.add_argument(
+            "--instance-load-timeout",
+            type=float,
+            default=DEFAULT_INSTANCE_LOAD_TIMEOUT_S,
+            help="as --instance-timeout, for the calls that load weights (a weight update, a wake-up)",
         )
         RolloutConfig.add_cluster_args(parser)
 
@@ -285,6 +299,7 @@ class RolloutConfig:
             history=args.history,
             history_half_life=args.history_half_life,
             instance_timeout_s=args.instance_timeout,
+            instance_load_timeout_s=args.instance_load_timeout,
         )
 
     def make_policy(self, history: HistoryStore | None = None) -> RolloutPolicy:
@@ -315,5 +330,5 @@ class RolloutConfig:
         return EnginePool.start(
             config, self.instances, token_source, self.distributed_backend, kv_pool, policy, timeline_points,
             clock.step if clock else None, history, reply_timeout_s=self.instance_timeout_s,
-            pool_load_s=clock.pool_load_s if clock else None,
+            load_timeout_s=self.instance_load_timeout_s, pool_load_s=clock.pool_load_s if clock else None,
         )  # fmt: skip

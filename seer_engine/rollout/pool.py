@@ -230,6 +230,7 @@ class EnginePool:
         step_timer: StepTimer | None = None,
         history: HistoryStore | None = None,
         reply_timeout_s: float | None = None,
+        load_timeout_s: float | None = None,
         pool_load_s: Callable[[int], float] | None = None,
     ) -> EnginePool:
         """Start ``num_instances`` engines on ``backend``, with the speculative decoding
@@ -239,8 +240,9 @@ class EnginePool:
         ``step_timer``: run the instances on a modeled clock (one step at a time, in
         modeled-time order, whatever the backend), with pool loads priced by
         ``pool_load_s`` (seconds for a number of tokens). ``reply_timeout_s``: an instance in a
-        process or actor that answers no step in this long is killed and lost (None: wait
-        forever). On failure everything started is stopped again."""
+        process or actor that answers no step in this long (no weight update or wake-up in
+        ``load_timeout_s``) is killed and lost (None: wait forever). On failure everything
+        started is stopped again."""
         if num_instances < 1:
             raise ValueError(f"--instances must be >= 1, got {num_instances}")
         if backend not in BACKENDS:
@@ -268,6 +270,7 @@ class EnginePool:
             raise
         for inst in instances:
             inst.reply_timeout_s = reply_timeout_s
+            inst.load_timeout_s = load_timeout_s
         own = getattr(policy.context, "history", None) if policy is not None else None
         history = history if history is not None else own
         return cls(

@@ -18,6 +18,10 @@ from seer_engine.outputs import RequestOutput
 from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.types import ChunkRequest, InstanceInfo, StepReply
 
+# Serving calls that load weights take as long as the checkpoint does, not a step: they
+# answer within ``load_timeout_s``.
+LOADING_CALLS = frozenset({"update_weights", "wake_up"})
+
 
 class InstanceHandle:
     backend = "abstract"
@@ -28,13 +32,20 @@ class InstanceHandle:
         self.stepping = False  # a step was started and its reply not yet polled
         self.info: InstanceInfo | None = None  # known once the instance is ready
         self.books: InstanceBooks | None = None  # the dispatcher's books, made by the pool
-        # A remote step, abort or serving call not answered in this long is taken as
-        # hung: the instance is killed and lost (None: wait forever). Set by the pool.
+        # A remote step, abort or serving call not answered in this long (a call that
+        # loads weights: ``load_timeout_s``) is taken as hung: the instance is killed and
+        # lost (None: wait forever). Set by the pool.
         self.reply_timeout_s: float | None = None
+        self.load_timeout_s: float | None = None
 
-    def reply_deadline(self) -> float | None:
+    def timeout_s(self, method: str | None = None) -> float | None:
+        """How long a step or abort (``method`` None) or a serving call may go unanswered."""
+        return self.load_timeout_s if method in LOADING_CALLS else self.reply_timeout_s
+
+    def reply_deadline(self, method: str | None = None) -> float | None:
         """By when (``time.monotonic``) a remote call sent now must answer (None: never)."""
-        return None if self.reply_timeout_s is None else time.monotonic() + self.reply_timeout_s
+        timeout = self.timeout_s(method)
+        return None if timeout is None else time.monotonic() + timeout
 
     def submit(self, chunk: ChunkRequest) -> None:
         raise NotImplementedError

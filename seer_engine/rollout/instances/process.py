@@ -126,10 +126,10 @@ class ProcessInstance(InstanceHandle):
         code = self.process.exitcode
         return InstanceDied(self.index, f"{why} (exit code {code})")
 
-    def _hung(self, what: str) -> InstanceDied:
+    def _hung(self, what: str, method: str | None = None) -> InstanceDied:
         """No answer in time: kill the process (a stopped one too) and report it lost."""
         self.process.kill()
-        return self._died(f"no {what} reply in {self.reply_timeout_s:g} s, taken as hung and killed")
+        return self._died(f"no {what} reply in {self.timeout_s(method):g} s, taken as hung and killed")
 
     def _send(self, op: str, *args: Any) -> None:
         if not self.alive:
@@ -140,11 +140,12 @@ class ProcessInstance(InstanceHandle):
             raise self._died(f"sending {op}: {e}") from None
         self._pending.append(op)
 
-    def _read_one(self, deadline: float | None = None) -> tuple[str, Any]:
-        """The next reply; past ``deadline`` (monotonic) without one, the instance is hung."""
+    def _read_one(self, deadline: float | None = None, method: str | None = None) -> tuple[str, Any]:
+        """The next reply; past ``deadline`` (monotonic; set for a call of ``method``)
+        without one, the instance is hung."""
         try:
             if deadline is not None and not self._conn.poll(max(0.0, deadline - time.monotonic())):
-                raise self._hung(self._pending[0])
+                raise self._hung(self._pending[0], method)
             status, value = self._conn.recv()
         except (EOFError, ConnectionResetError, OSError):
             raise self._died("its process exited") from None
@@ -167,10 +168,10 @@ class ProcessInstance(InstanceHandle):
             self._replies.append(value)
         return op, value
 
-    def _answer(self, op: str, deadline: float | None = None) -> Any:
+    def _answer(self, op: str, deadline: float | None = None, method: str | None = None) -> Any:
         """Read replies up to ``op``'s (the last one sent), each by ``deadline``."""
         while True:
-            got, value = self._read_one(deadline)
+            got, value = self._read_one(deadline, method)
             if got == op and not self._pending:
                 return value
 
@@ -184,7 +185,7 @@ class ProcessInstance(InstanceHandle):
 
     def call(self, method: str, *args: Any) -> Any:
         self._send("call", method, *args)
-        return self._answer("call", self.reply_deadline())
+        return self._answer("call", self.reply_deadline(method), method)
 
     def start_step(self, draft_updates: list | None = None, finished_groups: list[str] | None = None) -> None:
         if not self.stepping:

@@ -203,9 +203,9 @@ class RayInstance(InstanceHandle):
             pass
         return InstanceDied(self.index, why)
 
-    def _hung(self, what: str) -> InstanceDied:
+    def _hung(self, what: str, method: str | None = None) -> InstanceDied:
         """No answer in time: kill the actor and report it lost."""
-        return self._died(f"no {what} reply in {self.reply_timeout_s:g} s, taken as hung and killed")
+        return self._died(f"no {what} reply in {self.timeout_s(method):g} s, taken as hung and killed")
 
     def _remote(self, op: str, *args: Any) -> Any:
         if not self.alive:
@@ -215,15 +215,15 @@ class RayInstance(InstanceHandle):
         except self._ray.exceptions.RayActorError as e:
             raise self._died(f"calling {op}: {_first_line(e)}") from None
 
-    def _get(self, ref: Any, op: str, deadline: float | None = None) -> Any:
-        """The result of a call, its errors turned into ours; past ``deadline``
-        (monotonic) without one, the actor is taken as hung and killed."""
+    def _get(self, ref: Any, op: str, deadline: float | None = None, method: str | None = None) -> Any:
+        """The result of a call (of serving ``method``), its errors turned into ours; past
+        ``deadline`` (monotonic) without one, the actor is taken as hung and killed."""
         errors = self._ray.exceptions
         try:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             return self._ray.get(ref, timeout=timeout)
         except errors.GetTimeoutError:
-            raise self._hung(op) from None
+            raise self._hung(op, method) from None
         except errors.RayTaskError as e:
             cause = e.cause
             if op == "call" and isinstance(cause, (ValueError, OSError)):
@@ -251,7 +251,7 @@ class RayInstance(InstanceHandle):
         return outputs
 
     def call(self, method: str, *args: Any) -> Any:
-        value = self._get(self._remote("call", method, *args), "call", self.reply_deadline())
+        value = self._get(self._remote("call", method, *args), "call", self.reply_deadline(method), method)
         self._check_submits()
         return value
 
