@@ -161,7 +161,6 @@ def test_a_weight_update_may_take_longer_than_a_step_before_it_is_taken_as_hung(
         "--model", str(model), "--instances", "2", "--instance-timeout", "5",
         "--instance-load-timeout", "600", *COMMON,
     )  # fmt: skip
-    reference = _rollout(server)
     victim = _health(server)["instances"][1]["pid"]
     os.kill(victim, signal.SIGSTOP)
     resume = threading.Timer(12.0, os.kill, (victim, signal.SIGCONT))
@@ -176,7 +175,7 @@ def test_a_weight_update_may_take_longer_than_a_step_before_it_is_taken_as_hung(
     assert resp.status_code == 200, resp.text
     assert [i["alive"] for i in _health(server)["instances"]] == [True, True]
     assert server.metrics()["instance_failures_total"] == 0
-    assert _rollout(server) == reference
+    assert [len(tokens) for _, tokens in _request(server, 0)] == [MAX_TOKENS] * N
 
 
 def test_a_client_that_hangs_up_gets_its_request_aborted_cleanly(model, start_server):
