@@ -43,12 +43,15 @@ WEATHER = {
 HI = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _scripted_model(base: Path, out: Path) -> Path:
-    """``base`` (a tiny model) made to answer every chat with ``SCRIPT`` then its EOS."""
+def _scripted_model(base: Path, out: Path, special_tags: bool = False) -> Path:
+    """``base`` (a tiny model) made to answer every chat with ``SCRIPT`` then its EOS;
+    ``special_tags``: its tool call tags are special tokens (as in Hermes-2-Pro)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
-    tok.add_tokens(SCRIPT)
+    tags = [HermesToolParser.start, HermesToolParser.end] if special_tags else []
+    tok.add_tokens([t for t in SCRIPT if t not in tags])
+    tok.add_tokens(tags, special_tokens=True)
     tok.chat_template = TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
     model.resize_token_embeddings(len(tok))
@@ -123,6 +126,28 @@ def test_tool_calls_are_read_back_whole_and_streamed(tool_server):
         )
         assert plain.choices[0].message.reasoning_content == THOUGHT
         assert plain.choices[0].finish_reason == "stop"
+
+
+def test_tool_calls_are_read_back_where_the_tags_are_special_tokens(tiny_model, tmp_path, start_server):
+    """A model whose tool call tags are special tokens (Hermes-2-Pro) still has its calls
+    read back: a request parsed for tool calls keeps special tokens in its text, as vLLM's
+    hermes parser has it."""
+    path = _scripted_model(tiny_model("qwen3"), tmp_path / "model", special_tags=True)
+    tools = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    server = start_server("--model", str(path), "--max-model-len", "256", "--num-kv-blocks", "64", *tools)
+    with server.openai() as client:
+        kwargs = dict(model=server.model, messages=HI, tools=[WEATHER], temperature=0, max_tokens=12)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        whole = choice.message.tool_calls
+        assert [json.loads(c.function.arguments) for c in whole] == [{"city": "Paris", "days": 2}]
+        calls = [
+            call
+            for chunk in client.chat.completions.create(**kwargs, stream=True)
+            for c in chunk.choices
+            for call in c.delta.tool_calls or []
+        ]
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris", "days": 2}]
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,8 @@ class OpenAIServingChat(ServingBase):
         prompt = await self.render_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, getattr(req, _max_tokens_field(req)), logprobs)
+        if parser is not None:  # some models' call tags are special tokens: keep them to be parsed
+            params = params.clone(skip_special_tokens=False)
         request_id = req.request_id or random_id("chatcmpl-")
         (stream,), release = await self.submit(req, request_id, [prompt], params)
         splitter = self._splitters(req, prompt, parser)
