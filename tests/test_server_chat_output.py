@@ -41,6 +41,9 @@ WEATHER = {
     },
 }
 HI = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Answered to a prompt that ends in its first token (a template that writes it): two calls.
+ROME, OSLO = (f'{{"name":"get_weather","arguments":{{"city":"{city}"}}}}' for city in ("Rome", "Oslo"))
+TWO_CALLS = ["<two_calls>", "<tool_call>\n", ROME, "\n</tool_call>", "\n<tool_call>", OSLO, "</tool_call>\n"]
 
 
 def _scripted_model(base: Path, out: Path, special_tags: bool = False) -> Path:
@@ -50,7 +53,7 @@ def _scripted_model(base: Path, out: Path, special_tags: bool = False) -> Path:
 
     tok = AutoTokenizer.from_pretrained(base)
     tags = [HermesToolParser.start, HermesToolParser.end] if special_tags else []
-    tok.add_tokens([t for t in SCRIPT if t not in tags])
+    tok.add_tokens([t for t in SCRIPT + TWO_CALLS if t not in tags])
     tok.add_tokens(tags, special_tokens=True)
     tok.chat_template = TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
@@ -58,16 +61,18 @@ def _scripted_model(base: Path, out: Path, special_tags: bool = False) -> Path:
     prompt = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
     last = tok(prompt, add_special_tokens=False)["input_ids"][-1]
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    chain = [last, *tok.convert_tokens_to_ids(SCRIPT), eos]
+    chains = [[last, *tok.convert_tokens_to_ids(SCRIPT), eos], [*tok.convert_tokens_to_ids(TWO_CALLS), eos]]
+    steps = [step for chain in chains for step in zip(chain, chain[1:])]
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+        for token, successor in steps:  # the EOS ends both chains: cleared once
             embed[token] = 0.0
-            embed[token, k] = 10.0
             head[successor] = 0.0
+        for k, (token, successor) in enumerate(steps):
+            embed[token, k] = 10.0
             head[successor, k] = 100.0
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -148,6 +153,31 @@ def test_tool_calls_are_read_back_where_the_tags_are_special_tokens(tiny_model, 
             for call in c.delta.tool_calls or []
         ]
         assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris", "days": 2}]
+
+
+@pytest.mark.parametrize(
+    "parallel, cities", [(None, ["Rome", "Oslo"]), (True, ["Rome", "Oslo"]), (False, ["Rome"])]
+)
+def test_parallel_tool_calls_false_returns_only_the_first_call(tool_server, parallel, cities):
+    """OpenAI's ``parallel_tool_calls: false`` (as vLLM honours it): at most one call comes
+    back, whole and streamed, however many the model wrote."""
+    template = TEMPLATE.replace("assistant\n{% endif %}", "assistant\n" + TWO_CALLS[0] + "{% endif %}")
+    extra = {"chat_template": template} | ({} if parallel is None else {"parallel_tool_calls": parallel})
+    with tool_server.openai() as client:
+        kwargs = dict(model=tool_server.model, messages=HI, tools=[WEATHER], temperature=0, max_tokens=12,
+                      extra_body=extra)  # fmt: skip
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls] == cities
+        streamed = [
+            call
+            for chunk in client.chat.completions.create(**kwargs, stream=True)
+            for c in chunk.choices
+            for call in c.delta.tool_calls or []
+        ]
+        assert [(c.index, json.loads(c.function.arguments)["city"]) for c in streamed] == list(
+            enumerate(cities)
+        )
 
 
 @pytest.mark.parametrize(

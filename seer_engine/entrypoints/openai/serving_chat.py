@@ -174,7 +174,10 @@ class OpenAIServingChat(ServingBase):
         if reasoning is not None:
             quoted = req.messages[:-1] if req.continue_final_message else req.messages
             prompt_open = reasoning.opens(prompt, [content_text(m, i) for i, m in enumerate(quoted)])
-        return functools.partial(ChatOutputSplitter, stop_strings(req.stop), reasoning, tools, prompt_open)
+        parallel = req.parallel_tool_calls is not False
+        return functools.partial(
+            ChatOutputSplitter, stop_strings(req.stop), reasoning, tools, prompt_open, parallel
+        )
 
     def _choice(
         self,
