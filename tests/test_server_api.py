@@ -328,9 +328,11 @@ def _completion_ids(client, model, text: str, **body) -> list[int]:
     return resp.choices[0].prompt_token_ids
 
 
-def test_text_parts_are_joined_by_newlines_as_vllm_does(client, model):
-    """vLLM renders a message's text parts as one string joined by newlines."""
-    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+@pytest.mark.parametrize("second", ["text", "input_text", "output_text"])
+def test_text_parts_are_joined_by_newlines_as_vllm_does(client, model, second):
+    """vLLM renders a message's text parts as one string joined by newlines; the Responses
+    API's ``input_text`` and ``output_text`` parts are text parts to it too."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": second, "text": "World"}]
     ids = _chat_prompt_ids(client, model, [{"role": "user", "content": parts}])
     assert ids == _chat_prompt_ids(client, model, [{"role": "user", "content": "Hello\nWorld"}])
 

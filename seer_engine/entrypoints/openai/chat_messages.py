@@ -9,23 +9,27 @@ from typing import Any
 from seer_engine.entrypoints.openai.protocol import ChatMessage
 from seer_engine.sampling_params import InvalidRequestError
 
+# Part type -> the field that holds its text: OpenAI's text parts, an assistant's refusal
+# parts (as OpenAI's API sends them back), and the Responses API's text parts, as vLLM reads them.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
 
 def content_text(message: ChatMessage, index: int) -> str:
-    """A message's text; text parts (and an assistant's refusal parts, as OpenAI's API sends
-    them back) are joined by newlines, as vLLM renders them for a template that reads
-    ``content`` as a string (the same prompt tokens as under vLLM)."""
+    """A message's text; its text parts are joined by newlines, as vLLM renders them for a
+    template that reads ``content`` as a string (the same prompt tokens as under vLLM)."""
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
     for part in message.content:
-        if part.type not in ("text", "refusal"):
+        field = TEXT_PARTS.get(part.type)
+        if field is None:
             raise InvalidRequestError(
                 f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}"
             )
-        text = part.text if part.type == "text" else part.refusal
+        text = getattr(part, field)
         if text is None:
             raise InvalidRequestError(
-                f"a {part.type!r} content part needs its {part.type!r} field", param=f"messages.{index}"
+                f"a {part.type!r} content part needs its {field!r} field", param=f"messages.{index}"
             )
         texts.append(text)
     return "\n".join(texts)
