@@ -377,6 +377,22 @@ def test_chat_template_options_render_as_vllm_does(client, model):
     assert ids == _completion_ids(client, model, "<user>Hi</user><assistant>The answer is")
 
 
+def test_an_assistants_reasoning_reaches_the_template_under_both_names(client, model):
+    """An assistant's earlier reasoning, sent as ``reasoning`` (vLLM's name for it now) or
+    ``reasoning_content`` (its earlier name, which Qwen3's template reads), reaches the
+    template under both, as vLLM hands ``reasoning`` over."""
+    each = "[{{ m.reasoning_content }}|{{ m.reasoning }}]{{ m.content }}"
+    template = "{% for m in messages %}" + each + "{% endfor %}"
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "A", "reasoning": "R1"},
+        {"role": "user", "content": "So?"},
+        {"role": "assistant", "content": "B", "reasoning_content": "R2"},
+    ]
+    ids = _chat_prompt_ids(client, model, messages, chat_template=template, add_generation_prompt=False)
+    assert ids == _completion_ids(client, model, "[|]Hi[R1|R1]A[|]So?[R2|R2]B", add_special_tokens=False)
+
+
 def test_documents_reach_the_chat_template_as_vllm_hands_them_over(client, model):
     """vLLM's ``documents`` (retrieval-augmented templates) are rendered, not dropped."""
     template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[0].content }}"

@@ -38,12 +38,18 @@ def content_text(message: ChatMessage, index: int) -> str:
 def template_message(message: ChatMessage, index: int) -> dict:
     """What the template sees of a message: its text, name and extra fields as sent; an
     assistant's tool calls with their arguments as objects (OpenAI sends them as JSON
-    text; templates write them out as objects), as vLLM hands them over."""
+    text; templates write them out as objects), and an assistant's reasoning under both its
+    names, ``reasoning`` (vLLM's now) and ``reasoning_content`` (which templates read), as
+    vLLM hands them over."""
     out = {**(message.model_extra or {}), "role": message.role, "content": content_text(message, index)}
     if message.name is not None:
         out["name"] = message.name
     if isinstance(out.get("tool_calls"), list):
         out["tool_calls"] = [_arguments_as_object(call) for call in out["tool_calls"]]
+    if message.role == "assistant":
+        for name, alias in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+            if out.get(name) is not None and out.get(alias) is None:
+                out[alias] = out[name]
     return out
 
 
