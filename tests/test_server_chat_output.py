@@ -196,12 +196,14 @@ def test_reasoning_is_split_where_the_prompt_left_the_block(tool_server, prompt_
                       extra_body={"chat_template": template})  # fmt: skip
         message = client.chat.completions.create(**kwargs).choices[0].message
         assert (getattr(message, "reasoning_content", None), message.content) == (reasoning, content)
-        streamed = {"reasoning_content": "", "content": ""}
+        assert getattr(message, "reasoning", None) == reasoning  # vLLM's name for it now
+        streamed = dict.fromkeys(["reasoning_content", "reasoning", "content"], "")
         for chunk in client.chat.completions.create(**kwargs, stream=True):
             for choice in chunk.choices:
                 for key in streamed:
                     streamed[key] += getattr(choice.delta, key, None) or ""
-        assert streamed == {"reasoning_content": reasoning or "", "content": content}
+        thought = reasoning or ""
+        assert streamed == {"reasoning_content": thought, "reasoning": thought, "content": content}
 
 
 def test_tools_and_earlier_tool_calls_reach_the_template(tool_server):

@@ -191,7 +191,7 @@ class OpenAIServingChat(ServingBase):
         content = echo + (parts.content or "") if echo else parts.content
         message: dict = {"role": "assistant", "content": content}
         if parts.reasoning is not None:
-            message["reasoning_content"] = parts.reasoning
+            message["reasoning"] = message["reasoning_content"] = parts.reasoning
         finish_reason = sample.finish_reason
         if parts.tool_calls:
             message["tool_calls"] = [call.body(tool_call_id()) for call in parts.tool_calls]
@@ -251,7 +251,7 @@ class OpenAIServingChat(ServingBase):
                     if first:
                         delta = {"role": "assistant", "content": echo + text}
                     if reasoning:
-                        delta["reasoning_content"] = reasoning
+                        delta["reasoning"] = delta["reasoning_content"] = reasoning
                     finish_reason = sample.finish_reason
                     if calls:
                         delta["tool_calls"] = [
