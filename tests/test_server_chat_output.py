@@ -206,6 +206,21 @@ def test_reasoning_is_split_where_the_prompt_left_the_block(tool_server, prompt_
         assert streamed == {"reasoning_content": thought, "reasoning": thought, "content": content}
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(tool_server):
+    """vLLM's ``include_reasoning: false``: the response, whole or streamed, has no
+    reasoning, and its content is what it would be with it."""
+    with tool_server.openai() as client:
+        kwargs = dict(model=tool_server.model, messages=HI, temperature=0, max_tokens=12,
+                      extra_body={"include_reasoning": False})  # fmt: skip
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert message.content == "".join(SCRIPT[3:])
+        assert getattr(message, "reasoning", None) is getattr(message, "reasoning_content", None) is None
+        stream = client.chat.completions.create(**kwargs, stream=True)
+        deltas = [c.delta for chunk in stream for c in chunk.choices]
+        assert "".join(d.content or "" for d in deltas) == message.content
+        assert not any(getattr(d, "reasoning", None) or getattr(d, "reasoning_content", None) for d in deltas)
+
+
 def test_tools_and_earlier_tool_calls_reach_the_template(tool_server):
     """The tools are rendered into the prompt (the chat's prompt tokens are /tokenize's
     with them), and an assistant's earlier call, sent with its arguments as JSON text as

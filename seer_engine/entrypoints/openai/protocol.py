@@ -188,6 +188,7 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, str]] | None = None  # vLLM's: retrieval documents the template renders
     add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
     echo: bool = False  # vLLM's: a continued final message is written before each answer
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the response
     # OpenAI's: reaches the template as ``reasoning_effort`` (templates that read it, e.g. gpt-oss)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 

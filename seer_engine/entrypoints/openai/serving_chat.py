@@ -190,7 +190,7 @@ class OpenAIServingChat(ServingBase):
         parts = splitter.parts(sample.text)
         content = echo + (parts.content or "") if echo else parts.content
         message: dict = {"role": "assistant", "content": content}
-        if parts.reasoning is not None:
+        if parts.reasoning is not None and req.include_reasoning:
             message["reasoning"] = message["reasoning_content"] = parts.reasoning
         finish_reason = sample.finish_reason
         if parts.tool_calls:
@@ -244,6 +244,7 @@ class OpenAIServingChat(ServingBase):
                         deltas[i] = splitter()
                         sent_tokens[i] = 0
                     reasoning, text, calls = deltas[i].step(sample.text, sample.finished())
+                    reasoning = reasoning if req.include_reasoning else ""
                     new_ids = sample.token_ids[sent_tokens[i] :]
                     if not (text or reasoning or new_ids or sample.finished() or first):
                         continue
