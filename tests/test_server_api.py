@@ -328,9 +328,11 @@ def _completion_ids(client, model, text: str, **body) -> list[int]:
     return resp.choices[0].prompt_token_ids
 
 
-def test_text_parts_are_joined_by_newlines_as_vllm_does(client, model):
-    """vLLM renders a message's text parts as one string joined by newlines."""
-    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+@pytest.mark.parametrize("second", ["text", "input_text", "output_text"])
+def test_text_parts_are_joined_by_newlines_as_vllm_does(client, model, second):
+    """vLLM renders a message's text parts as one string joined by newlines; the Responses
+    API's ``input_text`` and ``output_text`` parts are text parts to it too."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": second, "text": "World"}]
     ids = _chat_prompt_ids(client, model, [{"role": "user", "content": parts}])
     assert ids == _chat_prompt_ids(client, model, [{"role": "user", "content": "Hello\nWorld"}])
 
@@ -373,6 +375,22 @@ def test_chat_template_options_render_as_vllm_does(client, model):
         add_generation_prompt=False,
     )
     assert ids == _completion_ids(client, model, "<user>Hi</user><assistant>The answer is")
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_both_names(client, model):
+    """An assistant's earlier reasoning, sent as ``reasoning`` (vLLM's name for it now) or
+    ``reasoning_content`` (its earlier name, which Qwen3's template reads), reaches the
+    template under both, as vLLM hands ``reasoning`` over."""
+    each = "[{{ m.reasoning_content }}|{{ m.reasoning }}]{{ m.content }}"
+    template = "{% for m in messages %}" + each + "{% endfor %}"
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "A", "reasoning": "R1"},
+        {"role": "user", "content": "So?"},
+        {"role": "assistant", "content": "B", "reasoning_content": "R2"},
+    ]
+    ids = _chat_prompt_ids(client, model, messages, chat_template=template, add_generation_prompt=False)
+    assert ids == _completion_ids(client, model, "[|]Hi[R1|R1]A[|]So?[R2|R2]B", add_special_tokens=False)
 
 
 def test_documents_reach_the_chat_template_as_vllm_hands_them_over(client, model):

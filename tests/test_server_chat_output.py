@@ -41,30 +41,38 @@ WEATHER = {
     },
 }
 HI = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Answered to a prompt that ends in its first token (a template that writes it): two calls.
+ROME, OSLO = (f'{{"name":"get_weather","arguments":{{"city":"{city}"}}}}' for city in ("Rome", "Oslo"))
+TWO_CALLS = ["<two_calls>", "<tool_call>\n", ROME, "\n</tool_call>", "\n<tool_call>", OSLO, "</tool_call>\n"]
 
 
-def _scripted_model(base: Path, out: Path) -> Path:
-    """``base`` (a tiny model) made to answer every chat with ``SCRIPT`` then its EOS."""
+def _scripted_model(base: Path, out: Path, special_tags: bool = False) -> Path:
+    """``base`` (a tiny model) made to answer every chat with ``SCRIPT`` then its EOS;
+    ``special_tags``: its tool call tags are special tokens (as in Hermes-2-Pro)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
-    tok.add_tokens(SCRIPT)
+    tags = [HermesToolParser.start, HermesToolParser.end] if special_tags else []
+    tok.add_tokens([t for t in SCRIPT + TWO_CALLS if t not in tags])
+    tok.add_tokens(tags, special_tokens=True)
     tok.chat_template = TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
     model.resize_token_embeddings(len(tok))
     prompt = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
     last = tok(prompt, add_special_tokens=False)["input_ids"][-1]
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    chain = [last, *tok.convert_tokens_to_ids(SCRIPT), eos]
+    chains = [[last, *tok.convert_tokens_to_ids(SCRIPT), eos], [*tok.convert_tokens_to_ids(TWO_CALLS), eos]]
+    steps = [step for chain in chains for step in zip(chain, chain[1:])]
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+        for token, successor in steps:  # the EOS ends both chains: cleared once
             embed[token] = 0.0
-            embed[token, k] = 10.0
             head[successor] = 0.0
+        for k, (token, successor) in enumerate(steps):
+            embed[token, k] = 10.0
             head[successor, k] = 100.0
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -125,6 +133,53 @@ def test_tool_calls_are_read_back_whole_and_streamed(tool_server):
         assert plain.choices[0].finish_reason == "stop"
 
 
+def test_tool_calls_are_read_back_where_the_tags_are_special_tokens(tiny_model, tmp_path, start_server):
+    """A model whose tool call tags are special tokens (Hermes-2-Pro) still has its calls
+    read back: a request parsed for tool calls keeps special tokens in its text, as vLLM's
+    hermes parser has it."""
+    path = _scripted_model(tiny_model("qwen3"), tmp_path / "model", special_tags=True)
+    tools = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    server = start_server("--model", str(path), "--max-model-len", "256", "--num-kv-blocks", "64", *tools)
+    with server.openai() as client:
+        kwargs = dict(model=server.model, messages=HI, tools=[WEATHER], temperature=0, max_tokens=12)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        whole = choice.message.tool_calls
+        assert [json.loads(c.function.arguments) for c in whole] == [{"city": "Paris", "days": 2}]
+        calls = [
+            call
+            for chunk in client.chat.completions.create(**kwargs, stream=True)
+            for c in chunk.choices
+            for call in c.delta.tool_calls or []
+        ]
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris", "days": 2}]
+
+
+@pytest.mark.parametrize(
+    "parallel, cities", [(None, ["Rome", "Oslo"]), (True, ["Rome", "Oslo"]), (False, ["Rome"])]
+)
+def test_parallel_tool_calls_false_returns_only_the_first_call(tool_server, parallel, cities):
+    """OpenAI's ``parallel_tool_calls: false`` (as vLLM honours it): at most one call comes
+    back, whole and streamed, however many the model wrote."""
+    template = TEMPLATE.replace("assistant\n{% endif %}", "assistant\n" + TWO_CALLS[0] + "{% endif %}")
+    extra = {"chat_template": template} | ({} if parallel is None else {"parallel_tool_calls": parallel})
+    with tool_server.openai() as client:
+        kwargs = dict(model=tool_server.model, messages=HI, tools=[WEATHER], temperature=0, max_tokens=12,
+                      extra_body=extra)  # fmt: skip
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls] == cities
+        streamed = [
+            call
+            for chunk in client.chat.completions.create(**kwargs, stream=True)
+            for c in chunk.choices
+            for call in c.delta.tool_calls or []
+        ]
+        assert [(c.index, json.loads(c.function.arguments)["city"]) for c in streamed] == list(
+            enumerate(cities)
+        )
+
+
 @pytest.mark.parametrize(
     "prompt_ends, reasoning, content",
     [
@@ -141,12 +196,29 @@ def test_reasoning_is_split_where_the_prompt_left_the_block(tool_server, prompt_
                       extra_body={"chat_template": template})  # fmt: skip
         message = client.chat.completions.create(**kwargs).choices[0].message
         assert (getattr(message, "reasoning_content", None), message.content) == (reasoning, content)
-        streamed = {"reasoning_content": "", "content": ""}
+        assert getattr(message, "reasoning", None) == reasoning  # vLLM's name for it now
+        streamed = dict.fromkeys(["reasoning_content", "reasoning", "content"], "")
         for chunk in client.chat.completions.create(**kwargs, stream=True):
             for choice in chunk.choices:
                 for key in streamed:
                     streamed[key] += getattr(choice.delta, key, None) or ""
-        assert streamed == {"reasoning_content": reasoning or "", "content": content}
+        thought = reasoning or ""
+        assert streamed == {"reasoning_content": thought, "reasoning": thought, "content": content}
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(tool_server):
+    """vLLM's ``include_reasoning: false``: the response, whole or streamed, has no
+    reasoning, and its content is what it would be with it."""
+    with tool_server.openai() as client:
+        kwargs = dict(model=tool_server.model, messages=HI, temperature=0, max_tokens=12,
+                      extra_body={"include_reasoning": False})  # fmt: skip
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert message.content == "".join(SCRIPT[3:])
+        assert getattr(message, "reasoning", None) is getattr(message, "reasoning_content", None) is None
+        stream = client.chat.completions.create(**kwargs, stream=True)
+        deltas = [c.delta for chunk in stream for c in chunk.choices]
+        assert "".join(d.content or "" for d in deltas) == message.content
+        assert not any(getattr(d, "reasoning", None) or getattr(d, "reasoning_content", None) for d in deltas)
 
 
 def test_tools_and_earlier_tool_calls_reach_the_template(tool_server):

@@ -322,7 +322,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         default=None,
-        help="return a chat response's <think> block as reasoning_content, apart from its content",
+        help="return a chat response's <think> block as reasoning (and reasoning_content), apart from "
+        "its content",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_server)

@@ -67,11 +67,14 @@ class ChatOutputSplitter:
         reasoning: ThinkReasoningParser | None,
         tools: HermesToolParser | None,
         prompt_open: bool = False,
+        parallel_calls: bool = True,
     ) -> None:
-        """``prompt_open``: the prompt left a reasoning block open (``reasoning.opens``)."""
+        """``prompt_open``: the prompt left a reasoning block open (``reasoning.opens``);
+        ``parallel_calls`` false (OpenAI's ``parallel_tool_calls``): only the first call is kept."""
         self.reasoning = reasoning
         self.tools = tools
         self.prompt_open = prompt_open
+        self.max_calls = None if parallel_calls else 1
         self._visible = TextDeltas(stops)
         self._sent_reasoning = 0
         self._sent_content = 0
@@ -105,5 +108,5 @@ class ChatOutputSplitter:
             return reasoning, content, self.tools.content_end(content), []
         parsed = self.tools.parse(content)
         if parsed.tool_calls:
-            return reasoning, content, len(parsed.content or ""), parsed.tool_calls
+            return reasoning, content, len(parsed.content or ""), parsed.tool_calls[: self.max_calls]
         return reasoning, content, len(content), []

@@ -184,10 +184,11 @@ class ChatCompletionRequest(_SamplingFields):
     # "none", "auto" (the default with tools: needs a server started with
     # --enable-auto-tool-choice); "required" and a named function are refused.
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # every call the model writes is returned
+    parallel_tool_calls: bool | None = None  # false: only the first call the model writes is returned
     documents: list[dict[str, str]] | None = None  # vLLM's: retrieval documents the template renders
     add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
     echo: bool = False  # vLLM's: a continued final message is written before each answer
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the response
     # OpenAI's: reaches the template as ``reasoning_effort`` (templates that read it, e.g. gpt-oss)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 

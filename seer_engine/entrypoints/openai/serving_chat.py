@@ -114,6 +114,8 @@ class OpenAIServingChat(ServingBase):
         prompt = await self.render_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, getattr(req, _max_tokens_field(req)), logprobs)
+        if parser is not None:  # some models' call tags are special tokens: keep them to be parsed
+            params = params.clone(skip_special_tokens=False)
         request_id = req.request_id or random_id("chatcmpl-")
         (stream,), release = await self.submit(req, request_id, [prompt], params)
         splitter = self._splitters(req, prompt, parser)
@@ -172,7 +174,10 @@ class OpenAIServingChat(ServingBase):
         if reasoning is not None:
             quoted = req.messages[:-1] if req.continue_final_message else req.messages
             prompt_open = reasoning.opens(prompt, [content_text(m, i) for i, m in enumerate(quoted)])
-        return functools.partial(ChatOutputSplitter, stop_strings(req.stop), reasoning, tools, prompt_open)
+        parallel = req.parallel_tool_calls is not False
+        return functools.partial(
+            ChatOutputSplitter, stop_strings(req.stop), reasoning, tools, prompt_open, parallel
+        )
 
     def _choice(
         self,
@@ -185,8 +190,8 @@ class OpenAIServingChat(ServingBase):
         parts = splitter.parts(sample.text)
         content = echo + (parts.content or "") if echo else parts.content
         message: dict = {"role": "assistant", "content": content}
-        if parts.reasoning is not None:
-            message["reasoning_content"] = parts.reasoning
+        if parts.reasoning is not None and req.include_reasoning:
+            message["reasoning"] = message["reasoning_content"] = parts.reasoning
         finish_reason = sample.finish_reason
         if parts.tool_calls:
             message["tool_calls"] = [call.body(tool_call_id()) for call in parts.tool_calls]
@@ -239,6 +244,7 @@ class OpenAIServingChat(ServingBase):
                         deltas[i] = splitter()
                         sent_tokens[i] = 0
                     reasoning, text, calls = deltas[i].step(sample.text, sample.finished())
+                    reasoning = reasoning if req.include_reasoning else ""
                     new_ids = sample.token_ids[sent_tokens[i] :]
                     if not (text or reasoning or new_ids or sample.finished() or first):
                         continue
@@ -246,7 +252,7 @@ class OpenAIServingChat(ServingBase):
                     if first:
                         delta = {"role": "assistant", "content": echo + text}
                     if reasoning:
-                        delta["reasoning_content"] = reasoning
+                        delta["reasoning"] = delta["reasoning_content"] = reasoning
                     finish_reason = sample.finish_reason
                     if calls:
                         delta["tool_calls"] = [
