@@ -101,10 +101,21 @@ class GRPOConfig:
             raise ValueError(f"--batch-prompts ({self.batch_prompts}) must be <= --prompts ({self.prompts})")
         if self.n < 2:
             raise ValueError("--n must be >= 2: GRPO's advantages compare the responses of a group")
-        if self.temperature <= 0:
-            raise ValueError("--temperature must be > 0 (GRPO needs sampled, different responses)")
-        if self.lr <= 0 or self.clip <= 0 or self.kl_coef < 0 or self.max_grad_norm <= 0:
-            raise ValueError("--lr, --clip and --max-grad-norm must be > 0 and --kl-coef >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"--temperature must be a finite number > 0 (GRPO needs sampled, different responses), "
+                f"got {self.temperature}"
+            )
+        for name in ("lr", "clip", "max_grad_norm", "timeout_s"):  # nan passes a plain `<= 0` check
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"--kl-coef must be a finite number >= 0, got {self.kl_coef}")
+        if not math.isfinite(self.format_bonus):
+            raise ValueError(f"--format-bonus must be a finite number, got {self.format_bonus}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         self.out_dir = Path(self.out_dir)
 
 
