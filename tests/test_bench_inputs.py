@@ -52,6 +52,11 @@ def loads(monkeypatch) -> list[tuple]:
         (["--history", "/dev/null"], "--history '/dev/null' is not a directory this run can write to"),
         (["--seed", "3"], "--seed and --temperature go with --task: a trace replay emits the trace's tokens"),
         (["--temperature", "1.0"], "--seed and --temperature go with --task"),
+        (
+            ["--model", "tiny", "--layers", "4"],
+            "--layers and --hidden shape the replay model made without --model",
+        ),
+        (["--model", "tiny", "--hidden", "32"], "--layers and --hidden shape the replay model made without"),
         # named only after the trace was read and a replay model made for it
         (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, got 0"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
@@ -179,3 +184,20 @@ def test_task_bench_names_a_bad_cache_shape(flag, value, tiny_model, capsys):
     args = [*no_groups, "--task", "arith", "--prompts", "1", "--model", str(tiny_model()), flag, value]
     name = {"--block-size": "block_size", "--kv-blocks": "num_kv_blocks"}[flag]
     assert f"{name} must be a positive integer, got 0" in _error(args, capsys)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--layers", "4"], "--layers, --hidden and --tokenizer shape the --trace replay model"),
+        (["--hidden", "32"], "--layers, --hidden and --tokenizer shape the --trace replay model"),
+        (["--tokenizer", "/tmp/tok.json"], "--layers, --hidden and --tokenizer shape the --trace replay"),
+    ],
+)
+def test_task_bench_refuses_the_replay_models_flags(args, message, capsys):
+    """They were accepted and ignored: a --task run samples with --model as it is."""
+    no_groups = [*BENCH[:2], *BENCH[4:]]
+    err = _error(
+        [*no_groups, "--task", "arith", "--prompts", "1", "--model", "/nonexistent-model", *args], capsys
+    )
+    assert message in err

@@ -92,8 +92,8 @@ def add_cli(subparsers) -> None:
         help="--trace: the trace's tokenizer (default: bpe32k-tokenizer.json beside the trace, else in "
         "the shared traces folder)",
     )  # fmt: skip
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=None, help="--trace without --model: replay model's (2)")
+    p.add_argument("--hidden", type=int, default=None, help="--trace without --model: replay model's (64)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--report", default=None, help="write report.json and report.png here")
     p.add_argument(
@@ -143,6 +143,19 @@ def _trace_model(args: argparse.Namespace, max_len: int, scratch: ExitStack) -> 
     return str(model), f"tiny random qwen3 ({args.layers} layers, hidden {args.hidden}, the trace tokenizer)"
 
 
+def _check_replay_model_args(args: argparse.Namespace) -> None:
+    """``--layers``, ``--hidden`` (and ``--tokenizer``) only shape the model made for a trace
+    replay: given where none is made, they would change nothing."""
+    shape = (args.layers, args.hidden) != (None, None)
+    if args.task is not None and (shape or args.tokenizer is not None):
+        raise ValueError("--layers, --hidden and --tokenizer shape the --trace replay model; --task samples "
+                         "with --model as it is")  # fmt: skip
+    if args.model is not None and shape:
+        raise ValueError("--layers and --hidden shape the replay model made without --model")
+    args.layers = 2 if args.layers is None else args.layers
+    args.hidden = 64 if args.hidden is None else args.hidden
+
+
 def run_bench_rollout(args: argparse.Namespace) -> int:
     with ExitStack() as scratch:  # what the run makes for itself (a replay model) goes with it
         return _bench_rollout(args, scratch)
@@ -173,6 +186,7 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
         writable_dir(args.history, "--history")
     if args.task is None and (args.seed, args.temperature) != (None, None):
         raise ValueError("--seed and --temperature go with --task: a trace replay emits the trace's tokens")
+    _check_replay_model_args(args)
     args.seed, args.temperature = (args.seed or 0), (0.7 if args.temperature is None else args.temperature)
     if args.task is not None:
         return _run_task_bench(args, policies, machine, clock)
