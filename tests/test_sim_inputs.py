@@ -42,7 +42,11 @@ def _error(args: list[str], capsys) -> str:
         (["--setup", ""], "--setup names no setup"),
         (["--setup", " , "], "--setup names no setup"),
         (["--setup", "kimi-k2,moonlight, kimi-k2"], "--setup names kimi-k2 more than once"),
-        (["--drift", "nan", "--repeat-prompts", "--iterations", "2"], "--drift must be >= 0, got nan"),
+        (
+            ["--drift", "nan", "--repeat-prompts", "--iterations", "2"],
+            "--drift must be a finite number >= 0, got nan",
+        ),
+        (["--drift", "inf", *REPEATED], "--drift must be a finite number >= 0, got inf"),
         (["--repeat-prompts"], "samples the same prompts in later iterations: pass --iterations N > 1"),
         (["--across-sigma", "-0.5"], "--across-sigma must be >= 0, got -0.5"),
         (["--across-sigma", "nan"], "--across-sigma must be >= 0, got nan"),

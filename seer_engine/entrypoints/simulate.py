@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -187,8 +188,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
-    if not args.drift >= 0:
-        raise ValueError(f"--drift must be >= 0, got {args.drift}")
+    if not (math.isfinite(args.drift) and args.drift >= 0):  # inf put every length at 1 or the max
+        raise ValueError(f"--drift must be a finite number >= 0, got {args.drift}")
     if args.repeat_prompts and args.iterations < 2:
         raise ValueError(
             "--repeat-prompts samples the same prompts in later iterations: pass --iterations N > 1 too"
