@@ -48,6 +48,10 @@ def _error(args: list[str], capsys) -> str:
         ),
         (["--drift", "inf", *REPEATED], "--drift must be a finite number >= 0, got inf"),
         (["--repeat-prompts"], "samples the same prompts in later iterations: pass --iterations N > 1"),
+        (
+            ["--admission", "known"],
+            "choose from reserve, reserve-per-response, peak, peak:TOKENS, peak-known",
+        ),
         (["--across-sigma", "-0.5"], "--across-sigma must be >= 0, got -0.5"),
         (["--across-sigma", "nan"], "--across-sigma must be >= 0, got nan"),
         (["--across-sigma", "inf"], "--across-sigma must be at most 4, got inf"),
