@@ -48,6 +48,8 @@ def _error(args: list[str], capsys) -> str:
         ),
         (["--drift", "inf", *REPEATED], "--drift must be a finite number >= 0, got inf"),
         (["--repeat-prompts"], "samples the same prompts in later iterations: pass --iterations N > 1"),
+        (["--migration-spread", "-1"], "--migration-spread must be >= 0, got -1"),
+        (["--pool-pull-tokens", "-5"], "--pool-pull-tokens must be >= 0, got -5"),
         (
             ["--admission", "known"],
             "choose from reserve, reserve-per-response, peak, peak:TOKENS, peak-known",

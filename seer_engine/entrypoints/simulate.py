@@ -217,6 +217,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
     spec_overrides = _speculative_overrides(args.speculative_config, policies)
+    for flag in ("migration_spread", "pool_pull_tokens"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
     acceptance = _acceptance_models(args)
     setups = _setups(args)
