@@ -34,6 +34,16 @@ SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle")
 HISTORY_FILE = "history.json"  # the store's file in a --history directory
 
 
+# RolloutConfig fields that only the rollout backend reads, and their flags.
+_BACKEND_FLAGS = {
+    "chunk_tokens": "--chunk-tokens", "starvation_s": "--starvation-s", "context_order": "--context-order",
+    "distributed_backend": "--distributed-backend", "kv_connector": "--kv-connector",
+    "mooncake_master": "--mooncake-master", "kv_pool_gib": "--kv-pool-gib",
+    "migration_spread": "--migration-spread", "pool_pull_tokens": "--pool-pull-tokens",
+    "instance_timeout_s": "--instance-timeout",
+}  # fmt: skip
+
+
 def history_help(default: str) -> str:
     return (
         "the cross-iteration history store (per prompt: earlier responses' lengths and capped "
@@ -177,6 +187,16 @@ class RolloutConfig:
         """Whether serving needs the rollout backend rather than one plain engine."""
         history = self.history not in (None, "off")
         return self.rollout_mode or self.instances > 1 or self.policy != "baseline" or history
+
+    def unused_flags(self) -> list[str]:
+        """The rollout backend's flags set away from their defaults where serving runs one
+        plain engine (``needs_pool`` false), which reads none of them."""
+        if self.needs_pool:
+            return []
+        default = RolloutConfig()
+        return [
+            flag for field, flag in _BACKEND_FLAGS.items() if getattr(self, field) != getattr(default, field)
+        ]
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

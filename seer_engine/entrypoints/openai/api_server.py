@@ -372,6 +372,12 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--served-model-name must not be blank, got {args.served_model_name!r}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    rollout = RolloutConfig.from_cli_args(args)
+    if unused := rollout.unused_flags():
+        raise ValueError(
+            f"{', '.join(unused)} appl{'ies' if len(unused) == 1 else 'y'} to the rollout backend, which "
+            "this server, one engine, does not run: pass --rollout-mode (or --instances N > 1) too"
+        )
     args.data_dir = args.data_dir or default_data_dir()
     writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
     config = EngineConfig.from_cli_args(args)
@@ -381,7 +387,7 @@ def run_server(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         max_upload_bytes=args.max_upload_bytes,
-        rollout=RolloutConfig.from_cli_args(args),
+        rollout=rollout,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
     )
