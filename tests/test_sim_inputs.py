@@ -283,3 +283,15 @@ def test_a_file_where_a_setups_report_folder_goes_is_named_before_the_run(tmp_pa
     (tmp_path / "moonlight").write_text("")
     err = _error([*SMALL, "--policy", "divided", "--report", str(tmp_path)], capsys)
     assert f"--report {str(tmp_path / 'moonlight')!r} is not a directory this run can write to" in err
+
+
+def test_a_report_rewritten_without_speculation_keeps_no_old_acceptance_plot(tmp_path, capsys):
+    """acceptance.png of an earlier run in the same folder stayed beside a report.json whose
+    policies never drafted; the line that names the files written names it when it is one."""
+    report = [*SMALL, "--report", str(tmp_path)]
+    assert main([*report, "--policy", "baseline,seer"]) == 0
+    assert "report.png and " in capsys.readouterr().out
+    assert (tmp_path / "moonlight" / "acceptance.png").is_file()
+    assert main([*report, "--policy", "baseline,context"]) == 0
+    assert not (tmp_path / "moonlight" / "acceptance.png").exists()
+    assert "acceptance.png" not in capsys.readouterr().out

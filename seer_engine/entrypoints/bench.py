@@ -46,7 +46,14 @@ from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.metrics import RolloutResult
 from seer_engine.rollout.policies import HISTORY_POLICIES
-from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, writable_dir, write_report
+from seer_engine.rollout.report import (
+    Progress,
+    format_table,
+    plot_group_lengths,
+    writable_dir,
+    write_report,
+    written,
+)
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.profile import InstanceProfile
@@ -239,7 +246,7 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
         meta = _meta(args, machine, model_name, cluster, trace=args.trace, groups=len(workloads[0].prompts))
         meta["policies_iteration"] = len(iterations)  # the top-level keys and the figures: the last
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
-        print(f"wrote {path} and {path.with_suffix('.png')}")
+        print(f"wrote {written(path)}")
     return 0
 
 
@@ -459,5 +466,5 @@ def _run_task_bench(
         path = write_report(out, results, meta, extras, iterations=_if_many(iterations))
         lengths = [[s.num_generated for s in reference[p.id]] for p in prompts]
         plot_group_lengths(lengths, out / "lengths.png", f"{args.model}: {task.name}, {first}'s responses")
-        print(f"wrote {path}, {path.with_suffix('.png')} and {out / 'lengths.png'}")
+        print(f"wrote {written(path, out / 'lengths.png')}")
     return 0

@@ -30,7 +30,14 @@ from seer_engine.rollout.policies import (
     distinct_policies,
     rollout_policy_names,
 )
-from seer_engine.rollout.report import Progress, format_table, policy_summary, writable_dir, write_report
+from seer_engine.rollout.report import (
+    Progress,
+    format_table,
+    policy_summary,
+    writable_dir,
+    write_report,
+    written,
+)
 from seer_engine.sim.admission import KNOWN_ENDS
 from seer_engine.workloads.synthetic import MAX_ACROSS_SIGMA
 
@@ -355,4 +362,4 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
             "paper": PAPER_BASELINE,
         }
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {written(path)}")

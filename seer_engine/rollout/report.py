@@ -109,9 +109,19 @@ def write_report(
     path = out_dir / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     plot_timelines(results, out_dir / "report.png")
+    acceptance = out_dir / "acceptance.png"
     if any(r.metrics.draft_tokens_verified for r in results.values()):
-        plot_acceptance(results, out_dir / "acceptance.png")
+        plot_acceptance(results, acceptance)
+    else:  # an earlier run's would stand beside a report whose policies never drafted
+        acceptance.unlink(missing_ok=True)
     return path
+
+
+def written(path: Path, *more: Path) -> str:
+    """The files ``write_report`` wrote for ``path`` (and ``more``), as a line names them."""
+    files = [path, path.with_suffix(".png")]
+    files += [f for f in [path.parent / "acceptance.png"] if f.is_file()] + list(more)
+    return ", ".join(map(str, files[:-1])) + f" and {files[-1]}"
 
 
 def _ratios(result: RolloutResult, base: RolloutResult) -> dict:
