@@ -14,6 +14,15 @@ from seer_engine.workloads.paths import default_tokenizer_path
 
 REPEATED = ["--iterations", "2", "--repeat-prompts"]
 SMALL = ["simulate", "--prompts", "2", "--samples", "2", "--instances", "2", "--max-tokens", "500"]
+GROUPS = [
+    "simulate",
+    "--samples",
+    "2",
+    "--instances",
+    "2",
+    "--max-tokens",
+    "500",
+]  # --groups picks the prompts
 STEP = {"a_s": 0.01, "b_s_per_token": 1e-5, "c_s_per_kv_token": 1e-9}
 PROFILE = {"name": "p", "step": STEP, "kv_capacity_tokens": 4096, "max_num_seqs": 8,
            "max_num_batched_tokens": 1024, "kv_bytes_per_token": 1000, "pool_bytes_per_s": 1e9}  # fmt: skip
@@ -139,8 +148,8 @@ def _write_trace(path: Path, lines: list) -> Path:
 )
 def test_simulate_names_a_bad_trace(tmp_path, capsys, lines, message):
     trace = _write_trace(tmp_path / "bad.jsonl.gz", lines)
-    for extra in ([], ["--groups", "1"]):
-        assert message in _error([*SMALL, "--trace", str(trace), *extra], capsys)
+    for command in (SMALL, [*GROUPS, "--groups", "1"]):
+        assert message in _error([*command, "--trace", str(trace)], capsys)
 
 
 @needs_tokenizer
@@ -158,7 +167,7 @@ def test_a_file_that_is_not_a_gzip_trace_is_named(tmp_path, capsys):
 def test_trace_groups_are_the_prompts_in_the_header_and_the_report(tmp_path, capsys):
     rows = [{"group_id": f"g{k}", "prompt": "Add.", "responses": ["one two three"] * 4} for k in range(5)]
     trace = _write_trace(tmp_path / "t.jsonl.gz", rows)
-    args = [*SMALL, "--trace", str(trace), "--groups", "1:4", "--policy", "baseline"]
+    args = [*GROUPS, "--trace", str(trace), "--groups", "1:4", "--policy", "baseline"]
     assert main([*args, "--report", str(tmp_path)]) == 0
     assert "3 prompts x 2 responses" in capsys.readouterr().out
     meta = json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]
@@ -274,7 +283,7 @@ def test_a_step_model_that_takes_no_time_is_named(tmp_path, capsys):
 def test_fixed_trace_groups_over_iterations_need_repeat_prompts(capsys):
     """``--groups`` without ``--repeat-prompts`` replayed responses 0..N-1 in every
     iteration: N identical runs, not the fresh workload each that --iterations promises."""
-    args = [*SMALL, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
+    args = [*GROUPS, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
     assert "pass --repeat-prompts to take disjoint sibling sets" in _error(args, capsys)
 
 
@@ -295,3 +304,10 @@ def test_a_report_rewritten_without_speculation_keeps_no_old_acceptance_plot(tmp
     assert main([*report, "--policy", "baseline,context"]) == 0
     assert not (tmp_path / "moonlight" / "acceptance.png").exists()
     assert "acceptance.png" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value", [("--seed", "3"), ("--seed", "0"), ("--prompts", "9")])
+def test_trace_groups_refuse_the_flags_that_would_pick_other_groups(flag, value, capsys):
+    """``--groups`` names the groups: both were ignored while the report's meta recorded --seed."""
+    args = [*GROUPS, "--trace", "t.jsonl.gz", "--groups", "2", flag, value]
+    assert "--seed and --prompts pick the groups" in _error(args, capsys)

@@ -54,7 +54,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--drift", type=float, default=0.0, help="with --repeat-prompts: per-iteration "
                    "random walk (SD) of each prompt's log mean length (the policy changing)")  # fmt: skip
     add_dispatch_args(p, f" | {KNOWN_ENDS} (peak told the true lengths; simulator only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="picks the workload (default 0)")
     p.add_argument(
         "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"
     )
@@ -191,6 +191,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     from seer_engine.sim.simulator import policy_for, simulate
 
     policies = distinct_policies(rollout_policy_names(args.policy))
+    if args.groups and (args.seed, args.prompts) != (None, None):  # they would change nothing
+        raise ValueError(
+            "--seed and --prompts pick the groups (synthetic, or trace groups cycled to --prompts); "
+            "--groups names the trace groups itself"
+        )
+    args.seed = 0 if args.seed is None else args.seed
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.iterations < 1:
