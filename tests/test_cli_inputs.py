@@ -63,6 +63,9 @@ def test_an_empty_prompts_file_is_an_error_not_the_demo_prompts(tmp_path, capsys
         (["--port", "-1"], "--port must be in 0..65535 (0: a free one), got -1"),
         (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be >= 0, got -1"),
         (["--served-model-name", "m", " "], "--served-model-name must not be blank, got ['m', ' ']"),
+        # `--api-key "$KEY"` with KEY unset served every route without a key
+        (["--api-key", ""], "--api-key must not be blank"),
+        (["--api-key", "  "], "--api-key must not be blank"),
         # rollout-backend flags on a server of one engine: accepted, then never used
         (["--chunk-tokens", "512"], "--chunk-tokens applies to the rollout backend"),
         (["--kv-connector", "mooncake"], "--kv-connector applies to the rollout backend"),

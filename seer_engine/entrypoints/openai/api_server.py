@@ -370,6 +370,10 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {args.timeout_keep_alive}")
     if any(not name.strip() for name in args.served_model_name or []):  # no client could name it
         raise ValueError(f"--served-model-name must not be blank, got {args.served_model_name!r}")
+    if args.api_key is not None and not args.api_key.strip():  # "" turned the guard off, "  " matches nothing
+        raise ValueError(
+            "--api-key must not be blank (an unset variable?); leave it out to serve without one"
+        )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     rollout = RolloutConfig.from_cli_args(args)
