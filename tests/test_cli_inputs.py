@@ -233,3 +233,15 @@ def test_a_bad_prompt_among_several_is_named_by_its_index(tiny_model, capsys):
     """Of several prompts, the one refused was not named: a bare "prompt is empty"."""
     args = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--prompt", "", "--max-tokens", "1"]
     assert "error: prompts[1]: prompt is empty" in _error(args, capsys)
+
+
+def test_a_rollout_logged_to_a_file_shows_its_progress(tiny_model, tmp_path, capsys):
+    """Its progress bar is off where stderr is no terminal (a job's log): a long rollout said
+    nothing until it ended. There it writes a line every ~10% of responses, as bench does."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+            "--n", "2", "--max-tokens", "2"]  # fmt: skip
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[rollout (baseline)] 4/4 responses" in err

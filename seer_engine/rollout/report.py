@@ -7,6 +7,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TextIO
 
 from seer_engine.rollout.metrics import RolloutResult
 
@@ -253,8 +254,8 @@ def _mean_kv(timelines: list[list], makespan: float, points: int = 200):
 class Progress:
     """A line every ~10% of finished responses, so long runs show they move."""
 
-    def __init__(self, name: str, total: int) -> None:
-        self.name, self.total, self.done = name, total, 0
+    def __init__(self, name: str, total: int, file: TextIO | None = None) -> None:
+        self.name, self.total, self.done, self.file = name, total, 0, file
         self.every = max(1, total // 10)
         self.start = time.perf_counter()
 
@@ -262,4 +263,4 @@ class Progress:
         self.done += 1
         if self.done % self.every == 0 or self.done == self.total:
             print(f"[{self.name}] {self.done}/{self.total} responses, "
-                  f"{time.perf_counter() - self.start:.1f}s wall", flush=True)  # fmt: skip
+                  f"{time.perf_counter() - self.start:.1f}s wall", file=self.file, flush=True)  # fmt: skip
