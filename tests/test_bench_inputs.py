@@ -105,7 +105,9 @@ def test_a_file_that_is_not_a_gzip_trace_is_named(tmp_path, capsys, game24_trace
 
 def test_the_report_names_the_trace_it_replayed(tmp_path, game24_trace):
     args = [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--layers", "1", "--hidden", "32"]
+    (tmp_path / "lengths.png").write_bytes(b"a --task run's")  # stood beside a report of the trace
     assert main([*args, "--report", str(tmp_path)]) == 0
+    assert not (tmp_path / "lengths.png").exists()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["meta"]["trace"] == str(game24_trace) and report["meta"]["groups"] == 1
     assert report["policies"]["baseline"]["output_tokens"] == 2

@@ -246,6 +246,7 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
         meta = _meta(args, machine, model_name, cluster, trace=args.trace, groups=len(workloads[0].prompts))
         meta["policies_iteration"] = len(iterations)  # the top-level keys and the figures: the last
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
+        (path.parent / "lengths.png").unlink(missing_ok=True)  # a --task run's, of other responses
         print(f"wrote {written(path)}")
     return 0
 
