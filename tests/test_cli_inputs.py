@@ -245,3 +245,17 @@ def test_a_rollout_logged_to_a_file_shows_its_progress(tiny_model, tmp_path, cap
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "[rollout (baseline)] 4/4 responses" in err
+
+
+@pytest.mark.parametrize("command", ["serve", "rollout"])
+def test_a_history_dir_that_cannot_be_written_is_named_before_the_model_loads(command, tmp_path, capsys):
+    """It was named only when the store was first saved, after every instance had loaded."""
+    a_file, prompts = tmp_path / "not-a-dir", tmp_path / "in.jsonl"
+    a_file.write_text("")
+    prompts.write_text('{"prompt": "a"}\n')
+    args = {
+        "serve": ["serve", "--rollout-mode", "--data-dir", str(tmp_path)],
+        "rollout": ["rollout", "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")],
+    }[command]
+    err = _error([*args, "--model", "/nonexistent-model", "--history", str(a_file)], capsys)
+    assert f"--history {str(a_file)!r} is not a directory this run can write to" in err

@@ -23,6 +23,7 @@ from seer_engine.rollout.policies import (
     make_rollout_policy,
 )
 from seer_engine.rollout.pool import BACKENDS, ClockProfile, EnginePool
+from seer_engine.rollout.report import writable_dir
 
 # An instance process or actor that answers no step in this long is taken as hung
 # (stopped, deadlocked): killed, its responses finish elsewhere. A step is a forward
@@ -60,7 +61,7 @@ def open_history(spec: str, half_life: float | None = None) -> HistoryStore | No
     if spec == "off":
         return None
     if spec != "memory":
-        path = Path(spec).expanduser() / HISTORY_FILE
+        path = writable_dir(spec, "--history") / HISTORY_FILE  # before any instance loads
         if path.is_file():
             store = HistoryStore.load(path)
             store.half_life = half_life

@@ -384,6 +384,8 @@ def run_server(args: argparse.Namespace) -> int:
         )
     args.data_dir = args.data_dir or default_data_dir()
     writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
+    if (history := rollout.history_spec(args.data_dir)) not in ("off", "memory"):
+        writable_dir(history, "--history")  # named now, not once every instance has loaded
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
