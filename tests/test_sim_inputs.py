@@ -74,6 +74,13 @@ def _error(args: list[str], capsys) -> str:
         (["--speculative-config", '{"num_speculative_tokens": 99}'], "num_speculative_tokens must be"),
         (["--speculative-config", '{"method": "ngram"}'], "models grouped multi-path drafts (seer) only"),
         (["--policy", "baseline,context", "--speculative-config", "{}"], "none of the policies"),
+        # acceptance models that no policy of the run would draft with
+        (
+            ["--policy", "baseline,context+history", "--acceptance", "a.json"],
+            "--acceptance models speculation",
+        ),
+        (["--policy", "seer", *REPEATED, "--history-acceptance", "a.json"], "--history-acceptance models"),
+        (["--policy", "seer+history", "--history-acceptance", "a.json"], "from the second iteration on"),
         # a trace's lengths are its own: both were ignored while the report's meta recorded them
         ([*REPEATED, "--trace", "t.jsonl.gz", "--drift", "0.5"], "--drift shapes the synthetic"),
         (["--trace", "t.jsonl.gz", "--across-sigma", "0"], "--across-sigma shapes the synthetic"),

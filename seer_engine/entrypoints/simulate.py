@@ -157,8 +157,20 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
     )
 
 
-def _acceptance_models(args: argparse.Namespace) -> dict:
+def _acceptance_models(args: argparse.Namespace, policies: list[str]) -> dict:
+    """``--acceptance`` and ``--history-acceptance``, refused where no policy of the run
+    would draft with them."""
     from seer_engine.sim.acceptance import AcceptanceModel
+
+    drafting = [p for p in policies if ROLLOUT_POLICIES[p.removesuffix(HISTORY_SUFFIX)].speculative]
+    if args.acceptance and not drafting:
+        raise ValueError(f"--acceptance models speculation: none of the policies {policies} speculates")
+    if args.history_acceptance and not any(p.endswith(HISTORY_SUFFIX) for p in drafting):
+        raise ValueError("--history-acceptance models the speculation of a +history policy that speculates "
+                         f"(seer+history): none of {policies} does")  # fmt: skip
+    if args.history_acceptance and args.iterations < 2:
+        raise ValueError("--history-acceptance is used from the second iteration on, once the history store "
+                         "holds one: pass --iterations N > 1")  # fmt: skip
 
     return {
         "plain": AcceptanceModel.load(args.acceptance) if args.acceptance else None,
@@ -234,7 +246,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
-    acceptance = _acceptance_models(args)
+    acceptance = _acceptance_models(args, policies)
     setups = _setups(args)
     if args.report:  # each setup's folder too: a file in its place failed only after the run
         for setup in setups:
