@@ -5,6 +5,7 @@ names what it replayed."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -110,6 +111,7 @@ def test_the_report_names_the_trace_it_replayed(tmp_path, game24_trace):
     assert not (tmp_path / "lengths.png").exists()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["meta"]["trace"] == str(game24_trace) and report["meta"]["groups"] == 1
+    assert report["meta"]["command"] == shlex.join(["seer_engine", *args, "--report", str(tmp_path)])
     assert report["policies"]["baseline"]["output_tokens"] == 2
 
 

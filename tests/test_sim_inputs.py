@@ -318,3 +318,14 @@ def test_trace_groups_refuse_the_flags_that_would_pick_other_groups(flag, value,
     """``--groups`` names the groups: both were ignored while the report's meta recorded --seed."""
     args = [*GROUPS, "--trace", "t.jsonl.gz", "--groups", "2", flag, value]
     assert "--seed and --prompts pick the groups" in _error(args, capsys)
+
+
+def test_the_report_records_the_command_it_ran(tmp_path):
+    """meta.command was built from sys.argv: a script calling main(argv) (the benchmarks'
+    run.py files) recorded its own command line, not the simulate command it ran."""
+    import shlex
+
+    args = [*SMALL, "--policy", "baseline", "--report", str(tmp_path)]
+    assert main(args) == 0
+    meta = json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]
+    assert meta["command"] == shlex.join(["seer_engine", *args])

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import shlex
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -371,7 +370,7 @@ def _run_policy(
 
 def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutConfig, **extra) -> dict:
     return {
-        "command": shlex.join(["seer_engine", *sys.argv[1:]]),
+        "command": shlex.join(["seer_engine", *args.argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine,
         "model": model, **extra, "samples": args.samples,

@@ -16,7 +16,6 @@ import json
 import math
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -355,7 +354,7 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
     from seer_engine.sim.diagnostics import PAPER_BASELINE, diagnostics
 
     meta = {
-        "command": shlex.join(["seer_engine", *sys.argv[1:]]),
+        "command": shlex.join(["seer_engine", *args.argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "setup": setup.name, "gpus": setup.gpus, "instances": setup.instances, "prompts": setup.prompts,
         "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,
