@@ -205,3 +205,13 @@ def test_task_bench_refuses_the_replay_models_flags(args, message, capsys):
         [*no_groups, "--task", "arith", "--prompts", "1", "--model", "/nonexistent-model", *args], capsys
     )
     assert message in err
+
+
+def test_a_model_whose_vocabulary_the_trace_tokens_exceed_is_named(tiny_model, capsys, game24_trace):
+    """The trace is tokenized with the trace tokenizer (32k ids); a --model with a smaller
+    vocabulary (the tiny model's 1,024) was an IndexError traceback from its embedding."""
+    model = tiny_model()
+    err = _error(
+        [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--model", str(model)], capsys
+    )
+    assert f"beyond the vocabulary of --model {model} (1024 ids)" in err and "Traceback" not in err

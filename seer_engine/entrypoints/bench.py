@@ -221,6 +221,7 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
     path = resolve_model_path(model)
     model_cfg = ModelConfig.from_pretrained(path)
     eos = model_cfg.replay_eos()
+    _check_vocab(args, workloads, model_cfg.vocab_size)
     tokenizer = Detokenizer.from_pretrained(path)  # the stores' binding, as rollout and serve bind them
     processor = InputProcessor(tokenizer, model_cfg.vocab_size, max_len, args.kv_blocks, args.block_size)
     cluster = _cluster(args)
@@ -265,6 +266,20 @@ def _check_kv_holds(args: argparse.Namespace, workload: ReplayWorkload) -> None:
                 f"its {prompt}-token prompt and {length} tokens need KV for {prompt + length - 1}; raise "
                 "--kv-blocks or lower --max-tokens"
             )
+
+
+def _check_vocab(args: argparse.Namespace, workloads: list[ReplayWorkload], vocab_size: int) -> None:
+    """The trace's token ids (of the trace tokenizer) are ids of the model's vocabulary."""
+    top = max(
+        max(max((max(ids, default=-1) for _, ids in w.prompts), default=-1) for w in workloads),
+        max(max((max(v[: args.max_tokens], default=-1) for v in w.responses.values()), default=-1)
+            for w in workloads),
+    )  # fmt: skip
+    if top >= vocab_size:
+        raise ValueError(
+            f"the trace tokenized with {args.tokenizer} has token id {top}, beyond the vocabulary of --model "
+            f"{args.model} ({vocab_size} ids): pass the model's own tokenizer with --tokenizer"
+        )
 
 
 def _fresh_seeds(group: Group, iteration: int) -> Group:
