@@ -140,7 +140,7 @@ class ServerClient:
     """The HTTP calls the loop makes; every failure becomes a GRPOError that says what happened."""
 
     def __init__(self, url: str, api_key: str | None, timeout_s: float) -> None:
-        self.url = url.rstrip("/")
+        self.url = url.rstrip("/").removesuffix("/v1")  # the root: an OpenAI base URL names its /v1
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
@@ -600,7 +600,7 @@ def format_row(r: dict, groups: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = GRPOConfig()
-    p.add_argument("--server", default=d.server)
+    p.add_argument("--server", default=d.server, help="the server's root URL (a trailing /v1 is dropped)")
     p.add_argument("--api-key", default=None)
     p.add_argument(
         "--model", default=d.model, help="the trainer's copy (folder or alias): what the server serves"

@@ -165,6 +165,17 @@ def test_numeric_flags_that_make_no_sense_are_refused(grpo, argv, message, capsy
     assert message in err and "cannot reach" not in err
 
 
+def test_the_server_may_be_given_as_an_openai_base_url(grpo, served, tmp_path):
+    """``--server http://host:port/v1`` (the base URL OpenAI clients take) was joined with
+    /v1/models and the RL routes: every call a 404 "Not Found" that did not say why."""
+    server, _ = served
+    client = grpo.ServerClient(server.url + "/v1/", API_KEY, 30)
+    try:
+        assert client.served_model() == SERVED and client.weight_version()
+    finally:
+        client.close()
+
+
 def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_model, tmp_path):
     """A reward function that returns nan or inf is named, not a crash deep in statistics;
     a step whose gradient is not finite leaves the weights as they were (they would be
