@@ -52,6 +52,8 @@ def loads(monkeypatch) -> list[tuple]:
         (["--report", "/dev/null"], "--report '/dev/null' is not a directory this run can write to"),
         (["--history", "/dev/null"], "--history '/dev/null' is not a directory this run can write to"),
         (["--seed", "3"], "--seed and --temperature go with --task: a trace replay emits the trace's tokens"),
+        (["--policy", "baseline,oracle", "--context-order", "estimate"], "--context-order sets the Context"),
+        (["--policy", "divided", "--starvation-s", "9"], "--starvation-s sets the Context Manager's"),
         (["--temperature", "1.0"], "--seed and --temperature go with --task"),
         (
             ["--model", "tiny", "--layers", "4"],

@@ -74,6 +74,9 @@ def _error(args: list[str], capsys) -> str:
         (["--speculative-config", '{"num_speculative_tokens": 99}'], "num_speculative_tokens must be"),
         (["--speculative-config", '{"method": "ngram"}'], "models grouped multi-path drafts (seer) only"),
         (["--policy", "baseline,context", "--speculative-config", "{}"], "none of the policies"),
+        # the Context Manager's flags where no policy runs one
+        (["--policy", "baseline,divided,oracle", "--starvation-s", "5"], "--starvation-s sets the Context"),
+        (["--policy", "baseline", "--context-order", "wait"], "--context-order sets the Context Manager's"),
         # acceptance models that no policy of the run would draft with
         (
             ["--policy", "baseline,context+history", "--acceptance", "a.json"],

@@ -44,7 +44,7 @@ from seer_engine.rollout.dispatcher import Dispatcher, add_dispatch_args, check_
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.metrics import RolloutResult
-from seer_engine.rollout.policies import HISTORY_POLICIES
+from seer_engine.rollout.policies import HISTORY_POLICIES, check_context_flags
 from seer_engine.rollout.report import (
     Progress,
     format_table,
@@ -86,7 +86,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--starvation-s", type=float, default=DEFAULT_STARVATION_S)
+    p.add_argument("--starvation-s", type=float, default=None, help=f"default {DEFAULT_STARVATION_S:g}")
     add_context_order_arg(p)
     add_dispatch_args(p)
     p.add_argument(
@@ -173,10 +173,12 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    if not args.starvation_s >= 0:
+    if args.starvation_s is not None and not args.starvation_s >= 0:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     machine = machine_info()
     policies = parse_policies(args.policy)
+    check_context_flags([split_policy(p)[0] for p in policies], args.starvation_s, args.context_order)
+    args.starvation_s = DEFAULT_STARVATION_S if args.starvation_s is None else args.starvation_s
     clock = clock_profile(args.clock)  # a bad --clock fails before anything is loaded
     args.admission = check_dispatch_rules(args.admission, args.backfill)
     for flag in ("chunk_tokens", "max_tokens"):

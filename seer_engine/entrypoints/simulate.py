@@ -26,6 +26,7 @@ from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import (
     HISTORY_SUFFIX,
     ROLLOUT_POLICIES,
+    check_context_flags,
     distinct_policies,
     rollout_policy_names,
 )
@@ -202,6 +203,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from seer_engine.sim.simulator import policy_for, simulate
 
     policies = distinct_policies(rollout_policy_names(args.policy))
+    check_context_flags(policies, args.starvation_s, args.context_order)
     if args.groups and (args.seed, args.prompts) != (None, None):  # they would change nothing
         raise ValueError(
             "--seed and --prompts pick the groups (synthetic, or trace groups cycled to --prompts); "
