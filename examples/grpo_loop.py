@@ -101,10 +101,21 @@ class GRPOConfig:
             raise ValueError(f"--batch-prompts ({self.batch_prompts}) must be <= --prompts ({self.prompts})")
         if self.n < 2:
             raise ValueError("--n must be >= 2: GRPO's advantages compare the responses of a group")
-        if self.temperature <= 0:
-            raise ValueError("--temperature must be > 0 (GRPO needs sampled, different responses)")
-        if self.lr <= 0 or self.clip <= 0 or self.kl_coef < 0 or self.max_grad_norm <= 0:
-            raise ValueError("--lr, --clip and --max-grad-norm must be > 0 and --kl-coef >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"--temperature must be a finite number > 0 (GRPO needs sampled, different responses), "
+                f"got {self.temperature}"
+            )
+        for name in ("lr", "clip", "max_grad_norm", "timeout_s"):  # nan passes a plain `<= 0` check
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"--kl-coef must be a finite number >= 0, got {self.kl_coef}")
+        if not math.isfinite(self.format_bonus):
+            raise ValueError(f"--format-bonus must be a finite number, got {self.format_bonus}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         self.out_dir = Path(self.out_dir)
 
 
@@ -129,7 +140,7 @@ class ServerClient:
     """The HTTP calls the loop makes; every failure becomes a GRPOError that says what happened."""
 
     def __init__(self, url: str, api_key: str | None, timeout_s: float) -> None:
-        self.url = url.rstrip("/")
+        self.url = url.rstrip("/").removesuffix("/v1")  # the root: an OpenAI base URL names its /v1
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
@@ -589,7 +600,7 @@ def format_row(r: dict, groups: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = GRPOConfig()
-    p.add_argument("--server", default=d.server)
+    p.add_argument("--server", default=d.server, help="the server's root URL (a trailing /v1 is dropped)")
     p.add_argument("--api-key", default=None)
     p.add_argument(
         "--model", default=d.model, help="the trainer's copy (folder or alias): what the server serves"

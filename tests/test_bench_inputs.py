@@ -5,6 +5,7 @@ names what it replayed."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -51,7 +52,14 @@ def loads(monkeypatch) -> list[tuple]:
         (["--report", "/dev/null"], "--report '/dev/null' is not a directory this run can write to"),
         (["--history", "/dev/null"], "--history '/dev/null' is not a directory this run can write to"),
         (["--seed", "3"], "--seed and --temperature go with --task: a trace replay emits the trace's tokens"),
+        (["--policy", "baseline,oracle", "--context-order", "estimate"], "--context-order sets the Context"),
+        (["--policy", "divided", "--starvation-s", "9"], "--starvation-s sets the Context Manager's"),
         (["--temperature", "1.0"], "--seed and --temperature go with --task"),
+        (
+            ["--model", "tiny", "--layers", "4"],
+            "--layers and --hidden shape the replay model made without --model",
+        ),
+        (["--model", "tiny", "--hidden", "32"], "--layers and --hidden shape the replay model made without"),
         # named only after the trace was read and a replay model made for it
         (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1, got 0"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
@@ -100,9 +108,12 @@ def test_a_file_that_is_not_a_gzip_trace_is_named(tmp_path, capsys, game24_trace
 
 def test_the_report_names_the_trace_it_replayed(tmp_path, game24_trace):
     args = [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--layers", "1", "--hidden", "32"]
+    (tmp_path / "lengths.png").write_bytes(b"a --task run's")  # stood beside a report of the trace
     assert main([*args, "--report", str(tmp_path)]) == 0
+    assert not (tmp_path / "lengths.png").exists()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["meta"]["trace"] == str(game24_trace) and report["meta"]["groups"] == 1
+    assert report["meta"]["command"] == shlex.join(["seer_engine", *args, "--report", str(tmp_path)])
     assert report["policies"]["baseline"]["output_tokens"] == 2
 
 
@@ -179,3 +190,30 @@ def test_task_bench_names_a_bad_cache_shape(flag, value, tiny_model, capsys):
     args = [*no_groups, "--task", "arith", "--prompts", "1", "--model", str(tiny_model()), flag, value]
     name = {"--block-size": "block_size", "--kv-blocks": "num_kv_blocks"}[flag]
     assert f"{name} must be a positive integer, got 0" in _error(args, capsys)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--layers", "4"], "--layers, --hidden and --tokenizer shape the --trace replay model"),
+        (["--hidden", "32"], "--layers, --hidden and --tokenizer shape the --trace replay model"),
+        (["--tokenizer", "/tmp/tok.json"], "--layers, --hidden and --tokenizer shape the --trace replay"),
+    ],
+)
+def test_task_bench_refuses_the_replay_models_flags(args, message, capsys):
+    """They were accepted and ignored: a --task run samples with --model as it is."""
+    no_groups = [*BENCH[:2], *BENCH[4:]]
+    err = _error(
+        [*no_groups, "--task", "arith", "--prompts", "1", "--model", "/nonexistent-model", *args], capsys
+    )
+    assert message in err
+
+
+def test_a_model_whose_vocabulary_the_trace_tokens_exceed_is_named(tiny_model, capsys, game24_trace):
+    """The trace is tokenized with the trace tokenizer (32k ids); a --model with a smaller
+    vocabulary (the tiny model's 1,024) was an IndexError traceback from its embedding."""
+    model = tiny_model()
+    err = _error(
+        [*BENCH, "--trace", str(game24_trace), "--policy", "baseline", "--model", str(model)], capsys
+    )
+    assert f"beyond the vocabulary of --model {model} (1024 ids)" in err and "Traceback" not in err

@@ -63,6 +63,17 @@ def test_an_empty_prompts_file_is_an_error_not_the_demo_prompts(tmp_path, capsys
         (["--port", "-1"], "--port must be in 0..65535 (0: a free one), got -1"),
         (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be >= 0, got -1"),
         (["--served-model-name", "m", " "], "--served-model-name must not be blank, got ['m', ' ']"),
+        # `--api-key "$KEY"` with KEY unset served every route without a key
+        (["--api-key", ""], "--api-key must not be blank"),
+        (["--api-key", "  "], "--api-key must not be blank"),
+        # rollout-backend flags on a server of one engine: accepted, then never used
+        (["--chunk-tokens", "512"], "--chunk-tokens applies to the rollout backend"),
+        (["--kv-connector", "mooncake"], "--kv-connector applies to the rollout backend"),
+        (
+            ["--distributed-backend", "mp", "--instance-timeout", "9"],
+            "--distributed-backend, --instance-timeout",
+        ),
+        (["--context-order", "estimate"], "--context-order applies to the rollout backend"),
     ],
 )
 def test_serve_flags_are_checked_before_the_model_loads(args, message, capsys):
@@ -222,3 +233,29 @@ def test_a_bad_prompt_among_several_is_named_by_its_index(tiny_model, capsys):
     """Of several prompts, the one refused was not named: a bare "prompt is empty"."""
     args = ["generate", "--model", str(tiny_model()), "--prompt", "hi", "--prompt", "", "--max-tokens", "1"]
     assert "error: prompts[1]: prompt is empty" in _error(args, capsys)
+
+
+def test_a_rollout_logged_to_a_file_shows_its_progress(tiny_model, tmp_path, capsys):
+    """Its progress bar is off where stderr is no terminal (a job's log): a long rollout said
+    nothing until it ended. There it writes a line every ~10% of responses, as bench does."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+            "--n", "2", "--max-tokens", "2"]  # fmt: skip
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[rollout (baseline)] 4/4 responses" in err
+
+
+@pytest.mark.parametrize("command", ["serve", "rollout"])
+def test_a_history_dir_that_cannot_be_written_is_named_before_the_model_loads(command, tmp_path, capsys):
+    """It was named only when the store was first saved, after every instance had loaded."""
+    a_file, prompts = tmp_path / "not-a-dir", tmp_path / "in.jsonl"
+    a_file.write_text("")
+    prompts.write_text('{"prompt": "a"}\n')
+    args = {
+        "serve": ["serve", "--rollout-mode", "--data-dir", str(tmp_path)],
+        "rollout": ["rollout", "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")],
+    }[command]
+    err = _error([*args, "--model", "/nonexistent-model", "--history", str(a_file)], capsys)
+    assert f"--history {str(a_file)!r} is not a directory this run can write to" in err

@@ -131,13 +131,49 @@ def test_command_line_errors(grpo, capsys):
         (["--batch-prompts", "9", "--prompts", "4"], "--batch-prompts (9) must be <= --prompts (4)"),
         (["--n", "1"], "--n must be >= 2"),
         (["--knob", "steps=x"], "knob steps wants int"),
-        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--temperature", "0"], "--temperature must be a finite number > 0"),
         (["--log-json", "/nonexistent-dir/log.json"], "cannot write --log-json '/nonexistent-dir/log.json'"),
     ]:
         assert grpo.main(argv) == 1
         assert message in capsys.readouterr().err
     assert grpo.group_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1, -1, -1, 1], abs=1e-5)
     assert grpo.group_advantages([0.5, 0.5]) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--clip", "nan"], "--clip must be a finite number > 0, got nan"),
+        (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number > 0, got nan"),
+        (["--kl-coef", "nan"], "--kl-coef must be a finite number >= 0, got nan"),
+        (["--temperature", "nan"], "--temperature must be a finite number > 0"),
+        (["--temperature", "inf"], "--temperature must be a finite number > 0"),
+        (["--format-bonus", "nan"], "--format-bonus must be a finite number, got nan"),
+        (["--timeout-s", "0"], "--timeout-s must be a finite number > 0, got 0.0"),
+        (["--timeout-s", "nan"], "--timeout-s must be a finite number > 0, got nan"),
+        (["--num-threads", "0"], "--num-threads must be >= 1, got 0"),
+    ],
+)
+def test_numeric_flags_that_make_no_sense_are_refused(grpo, argv, message, capsys):
+    """Refused before the server is asked anything: a nan --lr turned every weight nan in the
+    checkpoint the server then loaded, a nan --temperature or --format-bonus failed only
+    after a rollout, and --num-threads 0 was taken as no setting."""
+    assert grpo.main([*argv, "--server", "http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "cannot reach" not in err
+
+
+def test_the_server_may_be_given_as_an_openai_base_url(grpo, served, tmp_path):
+    """``--server http://host:port/v1`` (the base URL OpenAI clients take) was joined with
+    /v1/models and the RL routes: every call a 404 "Not Found" that did not say why."""
+    server, _ = served
+    client = grpo.ServerClient(server.url + "/v1/", API_KEY, 30)
+    try:
+        assert client.served_model() == SERVED and client.weight_version()
+    finally:
+        client.close()
 
 
 def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_model, tmp_path):

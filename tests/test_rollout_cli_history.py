@@ -54,7 +54,7 @@ def test_history_dir_that_cannot_be_written_is_refused_before_the_rollout(model,
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("")
     err = _error(_args(model, tmp_path, "--history", str(in_the_way)), capsys)
-    assert f"cannot save the history store in --history '{in_the_way}'" in err
+    assert f"--history '{in_the_way}' is not a directory this run can write to" in err
     assert not (tmp_path / "out.jsonl").exists(), "refused before the rollout"
     (tmp_path / "hist" / HISTORY_FILE).mkdir(parents=True)
     err = _error(_args(model, tmp_path, "--history", str(tmp_path / "hist")), capsys)

@@ -14,6 +14,15 @@ from seer_engine.workloads.paths import default_tokenizer_path
 
 REPEATED = ["--iterations", "2", "--repeat-prompts"]
 SMALL = ["simulate", "--prompts", "2", "--samples", "2", "--instances", "2", "--max-tokens", "500"]
+GROUPS = [
+    "simulate",
+    "--samples",
+    "2",
+    "--instances",
+    "2",
+    "--max-tokens",
+    "500",
+]  # --groups picks the prompts
 STEP = {"a_s": 0.01, "b_s_per_token": 1e-5, "c_s_per_kv_token": 1e-9}
 PROFILE = {"name": "p", "step": STEP, "kv_capacity_tokens": 4096, "max_num_seqs": 8,
            "max_num_batched_tokens": 1024, "kv_bytes_per_token": 1000, "pool_bytes_per_s": 1e9}  # fmt: skip
@@ -42,8 +51,18 @@ def _error(args: list[str], capsys) -> str:
         (["--setup", ""], "--setup names no setup"),
         (["--setup", " , "], "--setup names no setup"),
         (["--setup", "kimi-k2,moonlight, kimi-k2"], "--setup names kimi-k2 more than once"),
-        (["--drift", "nan", "--repeat-prompts", "--iterations", "2"], "--drift must be >= 0, got nan"),
+        (
+            ["--drift", "nan", "--repeat-prompts", "--iterations", "2"],
+            "--drift must be a finite number >= 0, got nan",
+        ),
+        (["--drift", "inf", *REPEATED], "--drift must be a finite number >= 0, got inf"),
         (["--repeat-prompts"], "samples the same prompts in later iterations: pass --iterations N > 1"),
+        (["--migration-spread", "-1"], "--migration-spread must be >= 0, got -1"),
+        (["--pool-pull-tokens", "-5"], "--pool-pull-tokens must be >= 0, got -5"),
+        (
+            ["--admission", "known"],
+            "choose from reserve, reserve-per-response, peak, peak:TOKENS, peak-known",
+        ),
         (["--across-sigma", "-0.5"], "--across-sigma must be >= 0, got -0.5"),
         (["--across-sigma", "nan"], "--across-sigma must be >= 0, got nan"),
         (["--across-sigma", "inf"], "--across-sigma must be at most 4, got inf"),
@@ -55,6 +74,16 @@ def _error(args: list[str], capsys) -> str:
         (["--speculative-config", '{"num_speculative_tokens": 99}'], "num_speculative_tokens must be"),
         (["--speculative-config", '{"method": "ngram"}'], "models grouped multi-path drafts (seer) only"),
         (["--policy", "baseline,context", "--speculative-config", "{}"], "none of the policies"),
+        # the Context Manager's flags where no policy runs one
+        (["--policy", "baseline,divided,oracle", "--starvation-s", "5"], "--starvation-s sets the Context"),
+        (["--policy", "baseline", "--context-order", "wait"], "--context-order sets the Context Manager's"),
+        # acceptance models that no policy of the run would draft with
+        (
+            ["--policy", "baseline,context+history", "--acceptance", "a.json"],
+            "--acceptance models speculation",
+        ),
+        (["--policy", "seer", *REPEATED, "--history-acceptance", "a.json"], "--history-acceptance models"),
+        (["--policy", "seer+history", "--history-acceptance", "a.json"], "from the second iteration on"),
         # a trace's lengths are its own: both were ignored while the report's meta recorded them
         ([*REPEATED, "--trace", "t.jsonl.gz", "--drift", "0.5"], "--drift shapes the synthetic"),
         (["--trace", "t.jsonl.gz", "--across-sigma", "0"], "--across-sigma shapes the synthetic"),
@@ -129,8 +158,8 @@ def _write_trace(path: Path, lines: list) -> Path:
 )
 def test_simulate_names_a_bad_trace(tmp_path, capsys, lines, message):
     trace = _write_trace(tmp_path / "bad.jsonl.gz", lines)
-    for extra in ([], ["--groups", "1"]):
-        assert message in _error([*SMALL, "--trace", str(trace), *extra], capsys)
+    for command in (SMALL, [*GROUPS, "--groups", "1"]):
+        assert message in _error([*command, "--trace", str(trace)], capsys)
 
 
 @needs_tokenizer
@@ -148,7 +177,7 @@ def test_a_file_that_is_not_a_gzip_trace_is_named(tmp_path, capsys):
 def test_trace_groups_are_the_prompts_in_the_header_and_the_report(tmp_path, capsys):
     rows = [{"group_id": f"g{k}", "prompt": "Add.", "responses": ["one two three"] * 4} for k in range(5)]
     trace = _write_trace(tmp_path / "t.jsonl.gz", rows)
-    args = [*SMALL, "--trace", str(trace), "--groups", "1:4", "--policy", "baseline"]
+    args = [*GROUPS, "--trace", str(trace), "--groups", "1:4", "--policy", "baseline"]
     assert main([*args, "--report", str(tmp_path)]) == 0
     assert "3 prompts x 2 responses" in capsys.readouterr().out
     meta = json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]
@@ -264,7 +293,7 @@ def test_a_step_model_that_takes_no_time_is_named(tmp_path, capsys):
 def test_fixed_trace_groups_over_iterations_need_repeat_prompts(capsys):
     """``--groups`` without ``--repeat-prompts`` replayed responses 0..N-1 in every
     iteration: N identical runs, not the fresh workload each that --iterations promises."""
-    args = [*SMALL, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
+    args = [*GROUPS, "--trace", "gpt4-game24-cot.jsonl.gz", "--groups", "2", "--iterations", "2"]
     assert "pass --repeat-prompts to take disjoint sibling sets" in _error(args, capsys)
 
 
@@ -273,3 +302,33 @@ def test_a_file_where_a_setups_report_folder_goes_is_named_before_the_run(tmp_pa
     (tmp_path / "moonlight").write_text("")
     err = _error([*SMALL, "--policy", "divided", "--report", str(tmp_path)], capsys)
     assert f"--report {str(tmp_path / 'moonlight')!r} is not a directory this run can write to" in err
+
+
+def test_a_report_rewritten_without_speculation_keeps_no_old_acceptance_plot(tmp_path, capsys):
+    """acceptance.png of an earlier run in the same folder stayed beside a report.json whose
+    policies never drafted; the line that names the files written names it when it is one."""
+    report = [*SMALL, "--report", str(tmp_path)]
+    assert main([*report, "--policy", "baseline,seer"]) == 0
+    assert "report.png and " in capsys.readouterr().out
+    assert (tmp_path / "moonlight" / "acceptance.png").is_file()
+    assert main([*report, "--policy", "baseline,context"]) == 0
+    assert not (tmp_path / "moonlight" / "acceptance.png").exists()
+    assert "acceptance.png" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value", [("--seed", "3"), ("--seed", "0"), ("--prompts", "9")])
+def test_trace_groups_refuse_the_flags_that_would_pick_other_groups(flag, value, capsys):
+    """``--groups`` names the groups: both were ignored while the report's meta recorded --seed."""
+    args = [*GROUPS, "--trace", "t.jsonl.gz", "--groups", "2", flag, value]
+    assert "--seed and --prompts pick the groups" in _error(args, capsys)
+
+
+def test_the_report_records_the_command_it_ran(tmp_path):
+    """meta.command was built from sys.argv: a script calling main(argv) (the benchmarks'
+    run.py files) recorded its own command line, not the simulate command it ran."""
+    import shlex
+
+    args = [*SMALL, "--policy", "baseline", "--report", str(tmp_path)]
+    assert main(args) == 0
+    meta = json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]
+    assert meta["command"] == shlex.join(["seer_engine", *args])

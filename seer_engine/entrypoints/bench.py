@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import shlex
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -45,8 +44,15 @@ from seer_engine.rollout.dispatcher import Dispatcher, add_dispatch_args, check_
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.machine import machine_info
 from seer_engine.rollout.metrics import RolloutResult
-from seer_engine.rollout.policies import HISTORY_POLICIES
-from seer_engine.rollout.report import Progress, format_table, plot_group_lengths, writable_dir, write_report
+from seer_engine.rollout.policies import HISTORY_POLICIES, check_context_flags
+from seer_engine.rollout.report import (
+    Progress,
+    format_table,
+    plot_group_lengths,
+    writable_dir,
+    write_report,
+    written,
+)
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import SamplingParams
 from seer_engine.sim.profile import InstanceProfile
@@ -80,7 +86,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--starvation-s", type=float, default=DEFAULT_STARVATION_S)
+    p.add_argument("--starvation-s", type=float, default=None, help=f"default {DEFAULT_STARVATION_S:g}")
     add_context_order_arg(p)
     add_dispatch_args(p)
     p.add_argument(
@@ -92,8 +98,8 @@ def add_cli(subparsers) -> None:
         help="--trace: the trace's tokenizer (default: bpe32k-tokenizer.json beside the trace, else in "
         "the shared traces folder)",
     )  # fmt: skip
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=None, help="--trace without --model: replay model's (2)")
+    p.add_argument("--hidden", type=int, default=None, help="--trace without --model: replay model's (64)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--report", default=None, help="write report.json and report.png here")
     p.add_argument(
@@ -143,6 +149,19 @@ def _trace_model(args: argparse.Namespace, max_len: int, scratch: ExitStack) -> 
     return str(model), f"tiny random qwen3 ({args.layers} layers, hidden {args.hidden}, the trace tokenizer)"
 
 
+def _check_replay_model_args(args: argparse.Namespace) -> None:
+    """``--layers``, ``--hidden`` (and ``--tokenizer``) only shape the model made for a trace
+    replay: given where none is made, they would change nothing."""
+    shape = (args.layers, args.hidden) != (None, None)
+    if args.task is not None and (shape or args.tokenizer is not None):
+        raise ValueError("--layers, --hidden and --tokenizer shape the --trace replay model; --task samples "
+                         "with --model as it is")  # fmt: skip
+    if args.model is not None and shape:
+        raise ValueError("--layers and --hidden shape the replay model made without --model")
+    args.layers = 2 if args.layers is None else args.layers
+    args.hidden = 64 if args.hidden is None else args.hidden
+
+
 def run_bench_rollout(args: argparse.Namespace) -> int:
     with ExitStack() as scratch:  # what the run makes for itself (a replay model) goes with it
         return _bench_rollout(args, scratch)
@@ -154,10 +173,12 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    if not args.starvation_s >= 0:
+    if args.starvation_s is not None and not args.starvation_s >= 0:
         raise ValueError(f"--starvation-s must be >= 0, got {args.starvation_s}")
     machine = machine_info()
     policies = parse_policies(args.policy)
+    check_context_flags([split_policy(p)[0] for p in policies], args.starvation_s, args.context_order)
+    args.starvation_s = DEFAULT_STARVATION_S if args.starvation_s is None else args.starvation_s
     clock = clock_profile(args.clock)  # a bad --clock fails before anything is loaded
     args.admission = check_dispatch_rules(args.admission, args.backfill)
     for flag in ("chunk_tokens", "max_tokens"):
@@ -173,6 +194,7 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
         writable_dir(args.history, "--history")
     if args.task is None and (args.seed, args.temperature) != (None, None):
         raise ValueError("--seed and --temperature go with --task: a trace replay emits the trace's tokens")
+    _check_replay_model_args(args)
     args.seed, args.temperature = (args.seed or 0), (0.7 if args.temperature is None else args.temperature)
     if args.task is not None:
         return _run_task_bench(args, policies, machine, clock)
@@ -201,6 +223,7 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
     path = resolve_model_path(model)
     model_cfg = ModelConfig.from_pretrained(path)
     eos = model_cfg.replay_eos()
+    _check_vocab(args, workloads, model_cfg.vocab_size)
     tokenizer = Detokenizer.from_pretrained(path)  # the stores' binding, as rollout and serve bind them
     processor = InputProcessor(tokenizer, model_cfg.vocab_size, max_len, args.kv_blocks, args.block_size)
     cluster = _cluster(args)
@@ -225,7 +248,8 @@ def _bench_rollout(args: argparse.Namespace, scratch: ExitStack) -> int:
         meta = _meta(args, machine, model_name, cluster, trace=args.trace, groups=len(workloads[0].prompts))
         meta["policies_iteration"] = len(iterations)  # the top-level keys and the figures: the last
         path = write_report(Path(args.report), iterations[-1], meta, iterations=_if_many(iterations))
-        print(f"wrote {path} and {path.with_suffix('.png')}")
+        (path.parent / "lengths.png").unlink(missing_ok=True)  # a --task run's, of other responses
+        print(f"wrote {written(path)}")
     return 0
 
 
@@ -244,6 +268,20 @@ def _check_kv_holds(args: argparse.Namespace, workload: ReplayWorkload) -> None:
                 f"its {prompt}-token prompt and {length} tokens need KV for {prompt + length - 1}; raise "
                 "--kv-blocks or lower --max-tokens"
             )
+
+
+def _check_vocab(args: argparse.Namespace, workloads: list[ReplayWorkload], vocab_size: int) -> None:
+    """The trace's token ids (of the trace tokenizer) are ids of the model's vocabulary."""
+    top = max(
+        max(max((max(ids, default=-1) for _, ids in w.prompts), default=-1) for w in workloads),
+        max(max((max(v[: args.max_tokens], default=-1) for v in w.responses.values()), default=-1)
+            for w in workloads),
+    )  # fmt: skip
+    if top >= vocab_size:
+        raise ValueError(
+            f"the trace tokenized with {args.tokenizer} has token id {top}, beyond the vocabulary of --model "
+            f"{args.model} ({vocab_size} ids): pass the model's own tokenizer with --tokenizer"
+        )
 
 
 def _fresh_seeds(group: Group, iteration: int) -> Group:
@@ -349,7 +387,7 @@ def _run_policy(
 
 def _meta(args: argparse.Namespace, machine: dict, model: str, cluster: RolloutConfig, **extra) -> dict:
     return {
-        "command": shlex.join(["seer_engine", *sys.argv[1:]]),
+        "command": shlex.join(["seer_engine", *args.argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine,
         "model": model, **extra, "samples": args.samples,
@@ -445,5 +483,5 @@ def _run_task_bench(
         path = write_report(out, results, meta, extras, iterations=_if_many(iterations))
         lengths = [[s.num_generated for s in reference[p.id]] for p in prompts]
         plot_group_lengths(lengths, out / "lengths.png", f"{args.model}: {task.name}, {first}'s responses")
-        print(f"wrote {path}, {path.with_suffix('.png')} and {out / 'lengths.png'}")
+        print(f"wrote {written(path, out / 'lengths.png')}")
     return 0

@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a report records as its command
     # SIGTERM's default action ends the process on the spot: a rollout's instance processes
     # then die on a broken pipe with tracebacks and its shared memory is left to the
     # resource tracker (serve: uvicorn re-raises it once drained, before the engine's

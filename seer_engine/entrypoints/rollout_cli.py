@@ -25,7 +25,7 @@ from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.metrics import RolloutResult
-from seer_engine.rollout.report import writable_dir
+from seer_engine.rollout.report import Progress, writable_dir
 from seer_engine.rollout.types import Group
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 from seer_engine.tasks import TASKS, Grade, Task, TaskPrompt, get_task, parse_knobs, task_prompts
@@ -178,12 +178,16 @@ def run_rollout(args: argparse.Namespace) -> int:
         name = rollout_config.policy
         total = sum(g.n for g in groups)
         pool.reset_clocks()  # the rollout's time starts now, not when the instances were up
-        with tqdm(total=total, desc=f"rollout ({name})", unit="resp", disable=None, file=sys.stderr) as bar:
+        tty = sys.stderr.isatty()  # a bar there; in a log, a line every ~10% of responses
+        with tqdm(
+            total=total, desc=f"rollout ({name})", unit="resp", disable=not tty, file=sys.stderr
+        ) as bar:
+            progress = Progress(f"rollout ({name})", total, file=sys.stderr)
             dispatcher = Dispatcher(
                 pool,
                 policy,
                 rollout_config.chunk_tokens,
-                on_sample_finished=lambda s: bar.update(),
+                on_sample_finished=(lambda s: bar.update()) if tty else progress,
                 placement=rollout_config.placement(),
             )
             result = dispatcher.run(groups)

@@ -13,9 +13,9 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import math
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -26,10 +26,18 @@ from seer_engine.rollout.placement import SeerPlacement
 from seer_engine.rollout.policies import (
     HISTORY_SUFFIX,
     ROLLOUT_POLICIES,
+    check_context_flags,
     distinct_policies,
     rollout_policy_names,
 )
-from seer_engine.rollout.report import Progress, format_table, policy_summary, writable_dir, write_report
+from seer_engine.rollout.report import (
+    Progress,
+    format_table,
+    policy_summary,
+    writable_dir,
+    write_report,
+    written,
+)
 from seer_engine.sim.admission import KNOWN_ENDS
 from seer_engine.workloads.synthetic import MAX_ACROSS_SIGMA
 
@@ -46,7 +54,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--drift", type=float, default=0.0, help="with --repeat-prompts: per-iteration "
                    "random walk (SD) of each prompt's log mean length (the policy changing)")  # fmt: skip
     add_dispatch_args(p, f" | {KNOWN_ENDS} (peak told the true lengths; simulator only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="picks the workload (default 0)")
     p.add_argument(
         "--profile", default=None, help="an instance profile (seer_engine profile) replacing the setup's"
     )
@@ -149,8 +157,20 @@ def _workload(args: argparse.Namespace, setup, iteration: int):
     )
 
 
-def _acceptance_models(args: argparse.Namespace) -> dict:
+def _acceptance_models(args: argparse.Namespace, policies: list[str]) -> dict:
+    """``--acceptance`` and ``--history-acceptance``, refused where no policy of the run
+    would draft with them."""
     from seer_engine.sim.acceptance import AcceptanceModel
+
+    drafting = [p for p in policies if ROLLOUT_POLICIES[p.removesuffix(HISTORY_SUFFIX)].speculative]
+    if args.acceptance and not drafting:
+        raise ValueError(f"--acceptance models speculation: none of the policies {policies} speculates")
+    if args.history_acceptance and not any(p.endswith(HISTORY_SUFFIX) for p in drafting):
+        raise ValueError("--history-acceptance models the speculation of a +history policy that speculates "
+                         f"(seer+history): none of {policies} does")  # fmt: skip
+    if args.history_acceptance and args.iterations < 2:
+        raise ValueError("--history-acceptance is used from the second iteration on, once the history store "
+                         "holds one: pass --iterations N > 1")  # fmt: skip
 
     return {
         "plain": AcceptanceModel.load(args.acceptance) if args.acceptance else None,
@@ -183,12 +203,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     from seer_engine.sim.simulator import policy_for, simulate
 
     policies = distinct_policies(rollout_policy_names(args.policy))
+    check_context_flags(policies, args.starvation_s, args.context_order)
+    if args.groups and (args.seed, args.prompts) != (None, None):  # they would change nothing
+        raise ValueError(
+            "--seed and --prompts pick the groups (synthetic, or trace groups cycled to --prompts); "
+            "--groups names the trace groups itself"
+        )
+    args.seed = 0 if args.seed is None else args.seed
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
-    if not args.drift >= 0:
-        raise ValueError(f"--drift must be >= 0, got {args.drift}")
+    if not (math.isfinite(args.drift) and args.drift >= 0):  # inf put every length at 1 or the max
+        raise ValueError(f"--drift must be a finite number >= 0, got {args.drift}")
     if args.repeat_prompts and args.iterations < 2:
         raise ValueError(
             "--repeat-prompts samples the same prompts in later iterations: pass --iterations N > 1 too"
@@ -216,8 +243,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
     spec_overrides = _speculative_overrides(args.speculative_config, policies)
+    for flag in ("migration_spread", "pool_pull_tokens"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     placement = SeerPlacement(args.migration_spread, args.pool_pull_tokens)
-    acceptance = _acceptance_models(args)
+    acceptance = _acceptance_models(args, policies)
     setups = _setups(args)
     if args.report:  # each setup's folder too: a file in its place failed only after the run
         for setup in setups:
@@ -326,7 +356,7 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
     from seer_engine.sim.diagnostics import PAPER_BASELINE, diagnostics
 
     meta = {
-        "command": shlex.join(["seer_engine", *sys.argv[1:]]),
+        "command": shlex.join(["seer_engine", *args.argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "setup": setup.name, "gpus": setup.gpus, "instances": setup.instances, "prompts": setup.prompts,
         "samples": setup.samples, "max_tokens": setup.max_tokens, "chunk_tokens": setup.chunk_tokens,
@@ -351,4 +381,4 @@ def _write(out: Path, setup, runs: list[dict[str, RolloutResult]], summary: dict
             "paper": PAPER_BASELINE,
         }
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {written(path)}")

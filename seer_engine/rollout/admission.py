@@ -27,6 +27,7 @@ never preempt:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,8 +166,9 @@ class PeakAdmission(Admission):
         return self.peak(books, sample, start, end) <= capacity
 
 
-def make_admission(name: str) -> Admission:
-    """``reserve``, ``reserve-per-response``, ``peak`` or ``peak:TOKENS``."""
+def make_admission(name: str, also_known: Sequence[str] = ()) -> Admission:
+    """``reserve``, ``reserve-per-response``, ``peak`` or ``peak:TOKENS``; ``also_known``: rules
+    the caller builds itself, named among the choices when ``name`` is none of them."""
     if name == "reserve":
         return ReserveAdmission(share_prompts=True)
     if name == "reserve-per-response":
@@ -178,4 +180,6 @@ def make_admission(name: str) -> Admission:
         if not horizon.isdigit() or int(horizon) < 1:
             raise ValueError(f"admission peak:TOKENS needs a positive number of tokens, got {horizon!r}")
         return PeakAdmission(horizon_tokens=int(horizon))
-    raise ValueError(f"unknown admission rule {name!r}; choose from {', '.join(ADMISSION_RULES)}")
+    raise ValueError(
+        f"unknown admission rule {name!r}; choose from {', '.join((*ADMISSION_RULES, *also_known))}"
+    )

@@ -23,6 +23,7 @@ from seer_engine.rollout.policies import (
     make_rollout_policy,
 )
 from seer_engine.rollout.pool import BACKENDS, ClockProfile, EnginePool
+from seer_engine.rollout.report import writable_dir
 
 # An instance process or actor that answers no step in this long is taken as hung
 # (stopped, deadlocked): killed, its responses finish elsewhere. A step is a forward
@@ -35,6 +36,16 @@ DEFAULT_INSTANCE_LOAD_TIMEOUT_S = 1800.0
 # oracle needs a trace
 SERVABLE_POLICIES = tuple(name for name in ROLLOUT_POLICIES if name != "oracle") + HISTORY_POLICIES
 HISTORY_FILE = "history.json"  # the store's file in a --history directory
+
+
+# RolloutConfig fields that only the rollout backend reads, and their flags.
+_BACKEND_FLAGS = {
+    "chunk_tokens": "--chunk-tokens", "starvation_s": "--starvation-s", "context_order": "--context-order",
+    "distributed_backend": "--distributed-backend", "kv_connector": "--kv-connector",
+    "mooncake_master": "--mooncake-master", "kv_pool_gib": "--kv-pool-gib",
+    "migration_spread": "--migration-spread", "pool_pull_tokens": "--pool-pull-tokens",
+    "instance_timeout_s": "--instance-timeout",
+}  # fmt: skip
 
 
 def history_help(default: str) -> str:
@@ -53,7 +64,7 @@ def open_history(spec: str, half_life: float | None = None) -> HistoryStore | No
     if spec == "off":
         return None
     if spec != "memory":
-        path = Path(spec).expanduser() / HISTORY_FILE
+        path = writable_dir(spec, "--history") / HISTORY_FILE  # before any instance loads
         if path.is_file():
             store = HistoryStore.load(path)
             store.half_life = half_life
@@ -185,6 +196,16 @@ class RolloutConfig:
         """Whether serving needs the rollout backend rather than one plain engine."""
         history = self.history not in (None, "off")
         return self.rollout_mode or self.instances > 1 or self.policy != "baseline" or history
+
+    def unused_flags(self) -> list[str]:
+        """The rollout backend's flags set away from their defaults where serving runs one
+        plain engine (``needs_pool`` false), which reads none of them."""
+        if self.needs_pool:
+            return []
+        default = RolloutConfig()
+        return [
+            flag for field, flag in _BACKEND_FLAGS.items() if getattr(self, field) != getattr(default, field)
+        ]
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -59,13 +59,13 @@ def add_dispatch_args(parser: argparse.ArgumentParser, more_admission: str = "")
     )  # fmt: skip
 
 
-def check_dispatch_rules(admission: str | None, backfill: str, own_rules: Container[str] = ()) -> str:
+def check_dispatch_rules(admission: str | None, backfill: str, own_rules: Sequence[str] = ()) -> str:
     """The admission rule to use (``None``: the default), after naming a bad rule or a bad
     backfill value, so a command line fails before anything is loaded. ``own_rules``: the
     command's own admission rules (built where it runs them)."""
     rule = admission or DEFAULT_ADMISSION
     if rule not in own_rules:
-        make_admission(rule)
+        make_admission(rule, also_known=own_rules)
     _check_backfill(backfill)
     return rule
 

@@ -173,3 +173,20 @@ def make_rollout_policy(
             raise ValueError("the oracle policy needs the true lengths (trace replay only)")
         return OraclePolicy(true_lengths, context)
     return ROLLOUT_POLICIES[name](context)
+
+
+def check_context_flags(policies: Sequence[str], starvation_s: float | None, order: str) -> None:
+    """``--starvation-s`` and ``--context-order`` (None and ``auto`` when not given) set the
+    Context Manager's guard and order; where no policy runs one (baseline, divided, oracle)
+    they would change nothing."""
+    if any(
+        issubclass(ROLLOUT_POLICIES[p.removesuffix(HISTORY_SUFFIX)], ContextAwarePolicy) for p in policies
+    ):
+        return
+    given = [flag for flag, value in (("--starvation-s", starvation_s), ("--context-order", order))
+             if value not in (None, "auto")]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} the Context Manager's rules, which "
+            f"none of the policies {list(policies)} runs (context and seer do)"
+        )

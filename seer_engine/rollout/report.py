@@ -7,6 +7,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TextIO
 
 from seer_engine.rollout.metrics import RolloutResult
 
@@ -109,9 +110,19 @@ def write_report(
     path = out_dir / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     plot_timelines(results, out_dir / "report.png")
+    acceptance = out_dir / "acceptance.png"
     if any(r.metrics.draft_tokens_verified for r in results.values()):
-        plot_acceptance(results, out_dir / "acceptance.png")
+        plot_acceptance(results, acceptance)
+    else:  # an earlier run's would stand beside a report whose policies never drafted
+        acceptance.unlink(missing_ok=True)
     return path
+
+
+def written(path: Path, *more: Path) -> str:
+    """The files ``write_report`` wrote for ``path`` (and ``more``), as a line names them."""
+    files = [path, path.with_suffix(".png")]
+    files += [f for f in [path.parent / "acceptance.png"] if f.is_file()] + list(more)
+    return ", ".join(map(str, files[:-1])) + f" and {files[-1]}"
 
 
 def _ratios(result: RolloutResult, base: RolloutResult) -> dict:
@@ -243,8 +254,8 @@ def _mean_kv(timelines: list[list], makespan: float, points: int = 200):
 class Progress:
     """A line every ~10% of finished responses, so long runs show they move."""
 
-    def __init__(self, name: str, total: int) -> None:
-        self.name, self.total, self.done = name, total, 0
+    def __init__(self, name: str, total: int, file: TextIO | None = None) -> None:
+        self.name, self.total, self.done, self.file = name, total, 0, file
         self.every = max(1, total // 10)
         self.start = time.perf_counter()
 
@@ -252,4 +263,4 @@ class Progress:
         self.done += 1
         if self.done % self.every == 0 or self.done == self.total:
             print(f"[{self.name}] {self.done}/{self.total} responses, "
-                  f"{time.perf_counter() - self.start:.1f}s wall", flush=True)  # fmt: skip
+                  f"{time.perf_counter() - self.start:.1f}s wall", file=self.file, flush=True)  # fmt: skip

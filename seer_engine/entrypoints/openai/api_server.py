@@ -371,10 +371,22 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {args.timeout_keep_alive}")
     if any(not name.strip() for name in args.served_model_name or []):  # no client could name it
         raise ValueError(f"--served-model-name must not be blank, got {args.served_model_name!r}")
+    if args.api_key is not None and not args.api_key.strip():  # "" turned the guard off, "  " matches nothing
+        raise ValueError(
+            "--api-key must not be blank (an unset variable?); leave it out to serve without one"
+        )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    rollout = RolloutConfig.from_cli_args(args)
+    if unused := rollout.unused_flags():
+        raise ValueError(
+            f"{', '.join(unused)} appl{'ies' if len(unused) == 1 else 'y'} to the rollout backend, which "
+            "this server, one engine, does not run: pass --rollout-mode (or --instances N > 1) too"
+        )
     args.data_dir = args.data_dir or default_data_dir()
     writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
+    if (history := rollout.history_spec(args.data_dir)) not in ("off", "memory"):
+        writable_dir(history, "--history")  # named now, not once every instance has loaded
     config = EngineConfig.from_cli_args(args)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
@@ -382,7 +394,7 @@ def run_server(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         max_upload_bytes=args.max_upload_bytes,
-        rollout=RolloutConfig.from_cli_args(args),
+        rollout=rollout,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
     )
