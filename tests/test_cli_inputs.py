@@ -74,6 +74,7 @@ def test_an_empty_prompts_file_is_an_error_not_the_demo_prompts(tmp_path, capsys
             "--distributed-backend, --instance-timeout",
         ),
         (["--context-order", "estimate"], "--context-order applies to the rollout backend"),
+        (["--instance-load-timeout", "60"], "--instance-load-timeout applies to the rollout backend"),
     ],
 )
 def test_serve_flags_are_checked_before_the_model_loads(args, message, capsys):

@@ -44,7 +44,7 @@ _BACKEND_FLAGS = {
     "distributed_backend": "--distributed-backend", "kv_connector": "--kv-connector",
     "mooncake_master": "--mooncake-master", "kv_pool_gib": "--kv-pool-gib",
     "migration_spread": "--migration-spread", "pool_pull_tokens": "--pool-pull-tokens",
-    "instance_timeout_s": "--instance-timeout",
+    "instance_timeout_s": "--instance-timeout", "instance_load_timeout_s": "--instance-load-timeout",
 }  # fmt: skip
 
 
