@@ -237,6 +237,12 @@ def arith_problem():
         ("#### Step 1: 1000 apples\n#### Step 2: add 234\n#### 1234", 1.0, "1234", "correct"),
         ("#### Step 1: 1000 apples\n#### Step 2: add 234\n1000 + 234 = 1234", 1.0, "1234", "correct"),
         ("#### **1234**\n\n#### Step 3: check it", 1.0, "1234", "correct"),
+        # A fraction is one number, not its numerator (or, last, its denominator).
+        ("#### 1234/2", 0.0, "1234/2", "wrong"),
+        ("#### 2468/2 apples", 1.0, "2468/2", "correct"),
+        ("So each friend gets 1/1234", 0.0, "1/1234", "wrong"),
+        ("#### \u22121234/1", 0.0, "-1234/1", "wrong"),
+        ("#### 1234/0", 0.0, "1234/0", "no_answer"),
         ("I do not know.", 0.0, None, "no_answer"),
         ("", 0.0, None, "no_answer"),
     ],

@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Protocol
 
 Message = dict[str, str]
 
-_NUMBER = re.compile(r"[-\u2212]?\d[\d,]*(?:\.\d+)?")  # U+2212: the minus sign of typeset math
+# A decimal or a fraction ("9/2" is 4.5, not 9 then 2); U+2212 is the minus sign of typeset math.
+_NUMBER = re.compile(r"[-\u2212]?\d[\d,]*(?:\.\d+|/\d+)?")
 
 
 @dataclass
@@ -108,13 +109,13 @@ class Task(ABC):
 
 
 def last_number(text: str) -> str | None:
-    """The last number written in ``text`` (thousands commas dropped), or None."""
+    """The last number written in ``text`` (thousands commas dropped, a fraction whole), or None."""
     found = _NUMBER.findall(text)
     return _plain(found[-1]) if found else None
 
 
 def first_number(text: str) -> str | None:
-    """The first number written in ``text`` (thousands commas dropped), or None."""
+    """The first number written in ``text`` (thousands commas dropped, a fraction whole), or None."""
     match = _NUMBER.search(text)
     return _plain(match.group(0)) if match else None
 
