@@ -237,6 +237,13 @@ def arith_problem():
         ("#### Step 1: 1000 apples\n#### Step 2: add 234\n#### 1234", 1.0, "1234", "correct"),
         ("#### Step 1: 1000 apples\n#### Step 2: add 234\n1000 + 234 = 1234", 1.0, "1234", "correct"),
         ("#### **1234**\n\n#### Step 3: check it", 1.0, "1234", "correct"),
+        # Commas between digits that do not group thousands (a list, a decimal comma) make
+        # no number: neither 1234 from "12,34" nor 1234 from "1234,5".
+        ("#### 1,2,3,4", 0.0, "1,2,3,4", "no_answer"),
+        ("#### 12,34", 0.0, "12,34", "no_answer"),
+        ("#### 1234,5", 0.0, "1234,5", "no_answer"),
+        ("The counts were 617,1234", 0.0, "617,1234", "no_answer"),
+        ("#### 1234, then 1235", 1.0, "1234", "correct"),
         # A fraction is one number, not its numerator (or, last, its denominator).
         ("#### 1234/2", 0.0, "1234/2", "wrong"),
         ("#### 2468/2 apples", 1.0, "2468/2", "correct"),

@@ -17,8 +17,10 @@ from typing import Any, ClassVar, Protocol
 
 Message = dict[str, str]
 
-# A decimal or a fraction ("9/2" is 4.5, not 9 then 2); U+2212 is the minus sign of typeset math.
-_NUMBER = re.compile(r"[-\u2212]?\d[\d,]*(?:\.\d+|/\d+)?")
+# Digits and the commas between them, then a decimal or a fraction ("9/2" is 4.5, not 9
+# then 2). U+2212 is typeset math's minus sign.
+_NUMBER = re.compile(r"[-\u2212]?\d+(?:,\d+)*(?:\.\d+|/\d+)?")
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
 
 
 @dataclass
@@ -109,21 +111,27 @@ class Task(ABC):
 
 
 def last_number(text: str) -> str | None:
-    """The last number written in ``text`` (thousands commas dropped, a fraction whole), or None."""
+    """The last number written in ``text`` (see ``_plain``; a fraction whole), or None."""
     found = _NUMBER.findall(text)
     return _plain(found[-1]) if found else None
 
 
 def first_number(text: str) -> str | None:
-    """The first number written in ``text`` (thousands commas dropped, a fraction whole), or None."""
+    """The first number written in ``text`` (see ``_plain``; a fraction whole), or None."""
     match = _NUMBER.search(text)
     return _plain(match.group(0)) if match else None
 
 
 def _plain(number: str) -> str:
     """A number as read, without thousands commas and with an ASCII minus: a typeset
-    minus sign (U+2212) before 7 makes it -7, not a 7 after an unknown character."""
-    return number.replace(",", "").replace("\u2212", "-")
+    minus sign (U+2212) before 7 makes it -7, not a 7 after an unknown character. Commas
+    that do not group thousands ("1,2,3", a decimal comma "12,5") are kept: no number
+    reads that text, so it is neither 123 nor 125."""
+    number = number.replace("\u2212", "-")
+    integer = number.lstrip("-").split(".")[0].split("/")[0]
+    if "," in integer and not _THOUSANDS.fullmatch(integer):
+        return number
+    return number.replace(",", "")
 
 
 def check_positive(task: str, **values: int) -> None:
