@@ -340,6 +340,18 @@ def test_evaluate_refuses_code():
             evaluate(bad)
 
 
+def test_deeply_nested_answers_are_invalid_not_a_crash():
+    """Python's parser gives up on deep nesting with RecursionError or, past a few thousand
+    unary operators, MemoryError: a long enough limit (a problem of many numbers) meets both."""
+    for expression in ("-" * 10_000 + "1", "1 - " * 10_000 + "1", "(" * 10_000 + "1" + ")" * 10_000):
+        with pytest.raises(ExpressionError, match="nested|parenthes"):
+            evaluate(expression, max_chars=len(expression))
+    problem = get_task("countdown").problems(1)[0]
+    problem.data = {"numbers": list(range(1, 1001)), "target": 93}
+    grade = get_task("countdown").grade(problem, "<answer>" + "-" * 8_000 + "93</answer>")
+    assert grade.verdict == "invalid_expression"
+
+
 # ----------------------------------------------------------------------------- command line and summary
 
 

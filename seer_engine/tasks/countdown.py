@@ -54,7 +54,7 @@ def evaluate(expression: str, max_chars: int = MAX_EXPRESSION_CHARS) -> tuple[Fr
     except (SyntaxError, ValueError) as e:
         detail = e.msg if isinstance(e, SyntaxError) else str(e)
         raise ExpressionError(f"not an arithmetic expression: {detail}") from None
-    except RecursionError:
+    except (RecursionError, MemoryError):  # MemoryError: the parser's stack (3.11) on deep nesting
         raise ExpressionError("expression nested too deeply") from None
     used: list[int] = []
 
