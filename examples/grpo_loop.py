@@ -376,22 +376,25 @@ class Trainer:
         return scaled, raw
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
-        """``epochs`` clipped policy-gradient steps on the samples with a nonzero advantage
-        (a group whose rewards are all equal teaches nothing). Token-mean loss."""
-        active = [s for s in samples if s.advantage != 0.0]
+        """``epochs`` steps of the token-mean clipped policy gradient over the samples with a
+        nonzero advantage (a group whose rewards are all equal has none), plus ``kl_coef``
+        times the token-mean KL over every sample: each drifts from the reference."""
+        kl_on = self.reference is not None and self.cfg.kl_coef > 0
+        stepped = samples if kl_on else [s for s in samples if s.advantage != 0.0]
         out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "kl": 0.0, "logp_gap": float("nan")}
-        if not active:
+        if not stepped:
             return out
-        tokens = sum(len(s.token_ids) for s in active)
+        tokens = sum(len(s.token_ids) for s in stepped)
+        pg_tokens = sum(len(s.token_ids) for s in stepped if s.advantage != 0.0)
         gaps: list[float] = []
         for epoch in range(self.cfg.epochs):
             loss_sum = clipped = kl_sum = 0.0
             self.optimizer.zero_grad(set_to_none=True)
-            for start in range(0, len(active), self.cfg.micro_batch):
-                micro = active[start : start + self.cfg.micro_batch]
+            for start in range(0, len(stepped), self.cfg.micro_batch):
+                micro = stepped[start : start + self.cfg.micro_batch]
                 scaled, raw = self.logprobs(micro)
                 ref = None
-                if self.reference is not None and self.cfg.kl_coef:
+                if kl_on:
                     with torch.no_grad():
                         ref, _ = self.logprobs(micro, self.reference)
                 loss = torch.zeros(())
@@ -399,16 +402,17 @@ class Trainer:
                     if epoch == 0:
                         s.old_logprobs = scaled[k].detach()
                         gaps += (raw[k] - torch.tensor(s.engine_logprobs)).abs().tolist()
-                    ratio = torch.exp(scaled[k] - s.old_logprobs)
-                    bounded = torch.clamp(ratio, 1 - self.cfg.clip, 1 + self.cfg.clip)
-                    surrogate = -torch.minimum(ratio * s.advantage, bounded * s.advantage)
-                    clipped += float(((ratio - bounded).abs() > 1e-9).sum())
+                    if s.advantage != 0.0:
+                        ratio = torch.exp(scaled[k] - s.old_logprobs)
+                        bounded = torch.clamp(ratio, 1 - self.cfg.clip, 1 + self.cfg.clip)
+                        surrogate = -torch.minimum(ratio * s.advantage, bounded * s.advantage)
+                        clipped += float(((ratio - bounded).abs() > 1e-9).sum())
+                        loss = loss + surrogate.sum() / pg_tokens
                     if ref is not None:
                         delta = ref[k] - scaled[k]
                         kl = torch.exp(delta) - delta - 1
-                        surrogate = surrogate + self.cfg.kl_coef * kl
+                        loss = loss + self.cfg.kl_coef * kl.sum() / tokens
                         kl_sum += float(kl.detach().sum())
-                    loss = loss + surrogate.sum() / tokens
                 loss.backward()
                 loss_sum += float(loss.detach())
             norm = torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), self.cfg.max_grad_norm)
@@ -417,7 +421,8 @@ class Trainer:
                     f"the gradient is not finite (norm {float(norm)}); the weights are left as they were"
                 )
             self.optimizer.step()
-            out.update(loss=loss_sum, grad_norm=float(norm), clip_frac=clipped / tokens, kl=kl_sum / tokens)
+            clip_frac = clipped / pg_tokens if pg_tokens else 0.0
+            out.update(loss=loss_sum, grad_norm=float(norm), clip_frac=clip_frac, kl=kl_sum / tokens)
         out["logp_gap"] = statistics.fmean(gaps) if gaps else float("nan")
         return out
 

@@ -197,6 +197,44 @@ def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_mode
     assert all(torch.equal(p, before[n]) for n, p in trainer.trainable.items())
 
 
+def test_the_kl_term_pulls_every_sample_not_only_those_with_an_advantage(grpo, tiny_model, tmp_path):
+    """With --kl-coef, a group whose rewards are all equal still has a KL to the reference:
+    the step's KL is the token mean of k3 over every sample (checked against a plain
+    forward of the model and of its initial weights) and it moves the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("qwen3")
+    cfg = grpo.GRPOConfig(model=str(model), lr=1e-2, kl_coef=0.5, temperature=0.7, num_threads=1,
+                          out_dir=tmp_path)  # fmt: skip
+    trainer = grpo.Trainer(model, cfg)
+    mixed = [
+        grpo.Sample([5, 6, 7], [8, 9, 10], "", "length", [0.0] * 3, advantage=1.0),
+        grpo.Sample([5, 6], [11, 12], "", "length", [0.0] * 2, advantage=-1.0),
+    ]
+    trainer.step(mixed)  # the policy leaves its reference
+    equal = [
+        grpo.Sample([5, 6, 7], [8, 9], "", "length", [0.0] * 2),
+        grpo.Sample([9, 6], [11, 12, 13, 14], "", "length", [0.0] * 4),
+    ]
+    initial = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    k3 = []
+    with torch.no_grad():
+        for s in equal:
+            ids = torch.tensor([s.prompt_ids + s.token_ids])
+            target = torch.tensor(s.token_ids)[:, None]
+            lp, ref = (
+                torch.log_softmax(m(ids).logits[0, len(s.prompt_ids) - 1 : -1] / 0.7, -1).gather(1, target)
+                for m in (trainer.model, initial)
+            )
+            k3 += (torch.exp(ref - lp) - (ref - lp) - 1).squeeze(1).tolist()
+    before = {n: p.detach().clone() for n, p in trainer.trainable.items()}
+    out = trainer.step(equal)
+    assert out["kl"] == pytest.approx(sum(k3) / len(k3), rel=1e-4) and out["kl"] > 0
+    assert out["loss"] == pytest.approx(0.5 * out["kl"], rel=1e-4)
+    assert not all(torch.equal(p, before[n]) for n, p in trainer.trainable.items())
+
+
 def test_a_resumed_trainer_trains_as_one_that_went_on(grpo, tiny_model, tmp_path):
     """A checkpoint carries the optimizer's moments and the KL reference: a trainer resumed
     from it takes the same next step as the trainer that saved it, and keeps the first
