@@ -285,6 +285,9 @@ def countdown_problem():
         ("<answer>$25 \\times 4 - 7$</answer>", "invalid_expression"),
         ("<answer>$25 * 4 - 7$</answer>", "correct"),
         ("<answer>`25 * 4 - 7`</answer>", "correct"),
+        ("<answer>$25 * 4 - 7$ = 93</answer>", "correct"),  # the delimiters around one side
+        ("<answer>93 = `25 * 4 - 7`</answer>", "correct"),
+        ("<answer>$25 * 4 - 7$ = $93$</answer>", "correct"),
         ("<answer>93</answer>", "numbers_not_allowed"),
         ("<answer>93 = 93</answer>", "numbers_not_allowed"),
         ("<answer>=</answer>", "no_answer"),
