@@ -292,6 +292,8 @@ def countdown_problem():
         ("<answer>93 = 93</answer>", "numbers_not_allowed"),
         ("<answer>=</answer>", "no_answer"),
         ("<answer> 25 × 4 − 7 </answer>", "correct"),
+        ("<answer>25 * 4\n- 7</answer>", "correct"),  # any whitespace is a space: a wrapped line
+        ("<answer>25\u00a0*\u00a04\u202f-\u202f7</answer>", "correct"),  # no-break spaces
         ("Try <answer>25 * 4</answer>, no: <answer>25*4-7</answer>", "correct"),
         ("<answer>25 * 4 + 7 <answer>25 * 4 - 7</answer>", "correct"),  # an unclosed tag before
         ("<answer>25 * 4 - 7 + 25 - 25</answer>", "numbers_not_allowed"),  # 25 used three times

@@ -83,11 +83,13 @@ def evaluate(expression: str, max_chars: int = MAX_EXPRESSION_CHARS) -> tuple[Fr
 def extract_answer(response: str) -> str | None:
     """The expression in the last ``<answer>...</answer>`` (from the last opening tag before
     it), without the ``$`` or backtick delimiters around it (or around each side) and an
-    ``= N`` after or before it (``93 = 25 * 4 - 7``)."""
+    ``= N`` after or before it (``93 = 25 * 4 - 7``). Any run of whitespace (a line break,
+    a no-break space) is one space: Python would refuse it inside an expression."""
     found = _ANSWER.findall(response)
     if not found:
         return None
-    sides = [side.strip().strip("$`").strip() for side in found[-1].translate(_LOOKALIKES).split("=")]
+    text = " ".join(found[-1].translate(_LOOKALIKES).split())
+    sides = [side.strip().strip("$`").strip() for side in text.split("=")]
     return next((side for side in sides if side and not side.isdigit()), sides[0]) or None
 
 
