@@ -1,4 +1,5 @@
-"""Shared references for tests: transformers' greedy decoding and a Hopper compile check."""
+"""Shared references for tests: transformers' greedy decoding, a chi-square test and a Hopper
+compile check."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def compile_for_hopper(script: str, cache_dir: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def chi_square_p(observed: list[int], expected: list[float]) -> float:
+    """P(chi2 >= statistic) with cells of expected count < 5 merged."""
+    cells, acc_o, acc_e = [], 0, 0.0
+    for o, e in sorted(zip(observed, expected), key=lambda x: x[1]):
+        acc_o, acc_e = acc_o + o, acc_e + e
+        if acc_e >= 5:
+            cells.append((acc_o, acc_e))
+            acc_o, acc_e = 0, 0.0
+    if acc_e:
+        o, e = cells.pop() if cells else (0, 0.0)
+        cells.append((o + acc_o, e + acc_e))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))

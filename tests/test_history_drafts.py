@@ -108,3 +108,21 @@ def test_seeded_replicas_match_one_seeded_shared_proposer():
         rep.finish_group("g")
         rep.apply([HistorySeed("g", tuple(PROMPT), ((1, 2),))])  # late: ignored
         assert len(rep.trees) == 0
+
+
+def test_a_full_tree_stops_growing_and_drafts_from_the_context():
+    """A C++ tree counts its weighted tokens in an int32: at the lowest history_weight a
+    live token weighs 65536 and a group holds 32767 tokens. Past that the tree keeps what
+    it holds (seeds too), and drafts continue a response's real context, never its stored
+    sequence, which stopped short of it."""
+    proposer = SuffixProposer(SpeculativeConfig(min_prob=0.0, history_weight=1 / 65536), grouped=True)
+    a = _request("a", [5, 6, 7, 8] * 4000)
+    proposer.observe(a)
+    proposer.observe(_request("b", [9] * 20_000))  # would overflow: the tree is full
+    assert proposer.trees.full("g")
+    assert proposer.seed_group("g", PROMPT, [[1, 2, 3]]) == 0
+    a.append_output_token(5)
+    proposer.observe(a)
+    assert proposer.propose(a, 3, multi_path=False).tokens == [6, 7, 8]
+    proposer.finish_group("g")
+    assert not proposer.trees.full("g")

@@ -396,6 +396,26 @@ def test_accepted_draft_tokens_advance_and_rejected_slots_are_trimmed() -> None:
     assert (stats.generated_tokens, stats.sampled_rows) == (4, 2)
 
 
+def test_rejected_draft_slots_leave_the_prefix_cache_alone() -> None:
+    """Most steps a's draft needs one more block, which its rejection gives back. Such blocks
+    hold nothing, so they are the next to be reused: steps of drafting never evict the
+    cached prompt of a finished request (a rollout chunk resumes from such a prefix)."""
+    sched = make_scheduler(num_blocks=16)
+    done = make_request("done", 8, max_tokens=1)
+    sched.add_request(done)
+    run_to_end(sched)
+    a = make_request("a", 3, max_tokens=30)
+    sched.add_request(a)
+    while sched.has_unfinished_requests():
+        if a.num_computed_tokens == a.num_tokens - 1:
+            a.draft = path([40, 41, 42])
+        step(sched)  # emits TOKEN: every draft is rejected
+    assert sched.stats.draft_tokens_verified >= 60
+    again = make_request("again", [*done.prompt_token_ids, TOKEN], max_tokens=1)
+    assert sched.kv.get_computed_blocks(again)[1] == 8
+    assert_all_blocks_free(sched)
+
+
 @pytest.mark.parametrize(
     "params,tokens,status",
     [

@@ -15,6 +15,7 @@ import torch
 from conftest import hf_greedy
 from conftest import make_engine as _engine
 from conftest import run_waves as _run_waves
+from references import chi_square_p
 
 from seer_engine.core.draft import DraftTree, accept
 from seer_engine.core.request import RequestStatus
@@ -359,22 +360,6 @@ def test_widest_draft_tree_keeps_greedy_output(model, backend):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
-def _chi_square_p(observed: list[int], expected: list[float]) -> float:
-    """P(chi2 >= statistic) with cells of expected count < 5 merged."""
-    cells, acc_o, acc_e = [], 0, 0.0
-    for o, e in sorted(zip(observed, expected), key=lambda x: x[1]):
-        acc_o, acc_e = acc_o + o, acc_e + e
-        if acc_e >= 5:
-            cells.append((acc_o, acc_e))
-            acc_o, acc_e = 0, 0.0
-    if acc_e:
-        o, e = cells.pop() if cells else (0, 0.0)
-        cells.append((o + acc_o, e + acc_e))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    dof = len(cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
-
-
 @pytest.mark.parametrize("name", ["group-tree", "group-path"])
 def test_sampling_keeps_the_target_distribution(model, hf_model, name):
     """The first three tokens of 360 seeded samples (top-k 3, so 27 outcomes) against
@@ -408,7 +393,7 @@ def test_sampling_keeps_the_target_distribution(model, hf_model, name):
     for s in samples:
         counts[s] += 1  # a KeyError would mean a token outside the target's support
     keys = list(exact)
-    p = _chi_square_p([counts[k] for k in keys], [exact[k] * len(samples) for k in keys])
+    p = chi_square_p([counts[k] for k in keys], [exact[k] * len(samples) for k in keys])
     assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
@@ -417,8 +402,8 @@ def test_chi_square_helper_rejects_a_wrong_distribution():
     observed = [0, 0]
     for _ in range(400):
         observed[next(rng)] += 1
-    assert _chi_square_p(observed, [300.0, 100.0]) > 0.5
-    assert _chi_square_p(observed, [200.0, 200.0]) < 1e-6
+    assert chi_square_p(observed, [300.0, 100.0]) > 0.5
+    assert chi_square_p(observed, [200.0, 200.0]) < 1e-6
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

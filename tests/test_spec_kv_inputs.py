@@ -36,6 +36,7 @@ from seer_engine.spec_decode.config import SpeculativeConfig
         ('{"method": "ngram", "prompt_lookup_min": 2.5, "prompt_lookup_max": 3}', "need integers"),
         ('{"prompt_lookup_max": 1e400}', "need integers"),
         ('{"history_weight": true}', "history_weight must be in"),
+        ('{"history_weight": 1e-6}', r"history_weight must be in \[1/65536, 1\]"),
         ('{"history_sequences": true}', "history_sequences must be an integer"),
         ('{"num_speculative_tokens": -3}', r"1\.\.63"),
         ('{"num_speculative_tokens": 1e9}', r"1\.\.63"),
@@ -54,6 +55,18 @@ def test_speculative_config_wrong_types_are_clear_errors(bad, needle):
 def test_speculative_config_accepts_integral_numbers():
     spec = SpeculativeConfig.parse('{"min_prob": 0, "history_weight": 1, "max_depth": 4096, "backoff": 0}')
     assert (spec.min_prob, spec.history_weight, spec.max_depth, spec.backoff) == (0, 1, 4096, 0)
+
+
+def test_the_smallest_history_weight_drafts(tiny_model):
+    """Live sequences weigh 1 / history_weight in the C++ trees, which cap a weight at 65536."""
+    spec = {"method": "group_suffix", "budget": "fixed", "history_weight": 1 / 65536}
+    model = str(tiny_model("qwen3"))
+    engine = LLMEngine(EngineConfig(model=model, speculative_config=spec, num_kv_blocks=64))
+    prompt = [(5 * i) % 40 + 2 for i in range(24)]  # its greedy output repeats a token
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.stats.draft_tokens_accepted > 0
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300])

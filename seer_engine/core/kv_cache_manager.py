@@ -85,6 +85,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free[block.block_id] = None
 
+    def release_unused(self, blocks: Iterable[KVBlock]) -> None:
+        """``release`` for blocks that hold nothing to share (rejected draft slots): at 0
+        references they go to the free list's head, so the next allocation takes them
+        before it evicts a cached block."""
+        for block in blocks:
+            self.release((block,))
+            if block.ref_cnt == 0 and block.block_hash is None:
+                self.free.move_to_end(block.block_id, last=False)
+
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)
 
@@ -273,7 +282,9 @@ class KVCacheManager:
         """Give back the tail blocks beyond ``num_tokens`` slots (rejected draft nodes).
 
         Those blocks were allocated this step for the draft and hold no registered
-        prefix, so they go straight back to the free list.
+        prefix, so they go straight back to the free list, where they are the next to be
+        reused: drafting every step would otherwise cycle the whole free list and evict
+        every cached prefix in it.
         """
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
@@ -282,7 +293,7 @@ class KVCacheManager:
         if keep < len(blocks):
             extra = blocks[keep:]
             del blocks[keep:]
-            self.pool.release(reversed(extra))
+            self.pool.release_unused(extra)
 
     def free(self, request: Request) -> None:
         """Return a request's blocks, tail first so that prompt blocks stay cached longest."""

@@ -15,6 +15,7 @@ MAX_DRAFT_NODES = 63  # the tree mask gives each verification row 64 visibility 
 MAX_TREE_DEPTH = 4096  # the C++ suffix tree's limit on max_depth
 MAX_PRIORITY_WEIGHT = 1e3  # past this every low-priority node is already worthless beside a high one
 MAX_BACKOFF = 1e6  # pseudo-counts; far past any tree's counts, so a larger one means nothing more
+MAX_LIVE_WEIGHT = 1 << 16  # the C++ suffix tree's limit on a sequence's weight (1 / history_weight)
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,11 @@ class SpeculativeConfig:
             raise ValueError(f"backoff must be a number in [0, {MAX_BACKOFF:g}], got {self.backoff!r}")
         if not (is_int(self.max_depth) and 2 <= self.max_depth <= MAX_TREE_DEPTH):
             raise ValueError(f"max_depth must be an integer in 2..{MAX_TREE_DEPTH}, got {self.max_depth!r}")
-        if not (is_real(self.history_weight) and 0.0 < self.history_weight <= 1.0):
-            raise ValueError(f"history_weight must be in (0, 1], got {self.history_weight!r}")
+        if not (is_real(self.history_weight) and 1.0 / MAX_LIVE_WEIGHT <= self.history_weight <= 1.0):
+            raise ValueError(
+                f"history_weight must be in [1/{MAX_LIVE_WEIGHT}, 1] (live sequences weigh its inverse "
+                f"in the suffix trees, at most {MAX_LIVE_WEIGHT}), got {self.history_weight!r}"
+            )
         if not is_int(self.history_sequences) or self.history_sequences < 0:
             raise ValueError(f"history_sequences must be an integer >= 0, got {self.history_sequences!r}")
         w = self.priority_weight

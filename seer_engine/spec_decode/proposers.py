@@ -90,8 +90,10 @@ class SuffixProposer(Proposer):
         tree = self._tree_of(request)
         # Its own output is context enough: no walk. In a seeded tree a walk through the
         # prompt would match only the seeds (they start with the prompt's tail), so once
-        # the response has a token its output is the context there.
-        if done >= self.match_cap or (done and self.grouped and self.trees.seeded(tree)):
+        # the response has a token its output is the context there. A full tree's
+        # sequences may stop short of their responses: walk the request's own tokens.
+        own = done >= self.match_cap or (done and self.grouped and self.trees.seeded(tree))
+        if own and not self.trees.full(tree):
             return self.trees.speculate_sequence(tree, self._seq_keys[sid], budget, multi_path)
         return self.trees.speculate(tree, request.all_token_ids[-self.match_cap :], budget, multi_path)
 

@@ -38,6 +38,7 @@ PROMPT_KEY = -1
 # History seed j of a group has key HISTORY_KEY - j.
 HISTORY_KEY = -2
 HISTORY_WEIGHT = 1  # a seed's weight; live sequences weigh ``live_weight``
+MAX_WEIGHTED_TOKENS = (1 << 31) - 1  # a C++ tree counts its weighted tokens in an int32
 
 
 def _as_list(tokens: Sequence[int]) -> Sequence[int]:
@@ -77,17 +78,33 @@ class GroupSuffixTrees:
         self.max_match_len = max_match_len
         self.backoff = backoff
         self._trees: dict[Hashable, GroupSuffixTree] = {}
+        self._full: set[Hashable] = set()  # trees that refused tokens: they no longer grow
 
     def append(
         self, group_id: Hashable, seq_key: int, tokens: Sequence[int], weight: int | None = None
     ) -> None:
         """Append tokens to one sequence of a group (prompt or a sibling's output).
         ``weight`` (default ``live_weight``) applies when the sequence is new: its
-        occurrences count that many times."""
+        occurrences count that many times. A tree whose weighted token count would pass
+        ``MAX_WEIGHTED_TOKENS`` is ``full``: it keeps what it holds and takes no more."""
+        if group_id in self._full:
+            return
         tree = self._trees.get(group_id)
         if tree is None:
             tree = self._trees[group_id] = GroupSuffixTree(self.max_depth)
-        tree.append(seq_key, _as_list(tokens), self.live_weight if weight is None else weight)
+        weight = self.live_weight if weight is None else weight
+        tokens = _as_list(tokens)
+        try:
+            tree.append(seq_key, tokens, weight)
+        except ValueError:
+            if tree.count([]) + len(tokens) * weight <= MAX_WEIGHTED_TOKENS:
+                raise
+            self._full.add(group_id)
+
+    def full(self, group_id: Hashable) -> bool:
+        """The group's tree stopped growing (see ``append``): its sequences may end short
+        of the responses they hold."""
+        return group_id in self._full
 
     def seed(self, group_id: Hashable, prompt: Sequence[int], responses: Sequence[Sequence[int]]) -> int:
         """Put earlier iterations' responses to the group's prompt into its tree (creating
@@ -105,7 +122,9 @@ class GroupSuffixTrees:
             key = HISTORY_KEY - j
             if key in tree:
                 continue
-            tree.add_sequence(key, tail + list(_as_list(response)), HISTORY_WEIGHT)
+            self.append(group_id, key, tail + list(_as_list(response)), HISTORY_WEIGHT)
+            if self.full(group_id):
+                break
             added += len(response)
         return added
 
@@ -193,6 +212,7 @@ class GroupSuffixTrees:
     def free(self, group_id: Hashable) -> None:
         """Drop a group's tree and its memory; a no-op for unknown groups."""
         self._trees.pop(group_id, None)
+        self._full.discard(group_id)
 
     def tree(self, group_id: Hashable) -> GroupSuffixTree | None:
         """The group's tree, for inspection (node counts, memory)."""
