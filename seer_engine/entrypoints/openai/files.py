@@ -102,6 +102,7 @@ class FileStore:
 
     At start, what interrupted writes left is removed: temporary files, and data whose
     file object was never written (the file was never listed, so nothing refers to it).
+    A file whose object is there but unusable is skipped, and its bytes are left alone.
     """
 
     def __init__(self, root: Path) -> None:
@@ -114,7 +115,7 @@ class FileStore:
             if meta is not None and self.data_path(meta["id"]).is_file():
                 self._files[meta["id"]] = meta
         for data in root.glob("file-*.data"):
-            if data.stem not in self._files:
+            if not (root / f"{data.stem}.json").exists():  # a skipped record keeps its bytes
                 logger.info("removing %s: its file object was never written", data)
                 data.unlink(missing_ok=True)
 
