@@ -242,7 +242,8 @@ def test_server_killed_while_finalizing_reports_each_batch_whole(batch_server, t
 def test_a_record_that_is_json_but_not_a_record_is_skipped_at_start(tmp_path, damaged):
     """A batch or file record that parses but is not one this server wrote (damaged, or of
     another version) used to stop the server from starting (a TypeError or KeyError); it is
-    skipped with a warning, and the other batches and files come back and run."""
+    skipped with a warning, and the other batches and files come back and run. The skipped
+    file's bytes stay on disk: they used to be removed as if its record had never been written."""
     batch_id, _ = _stop_at(tmp_path, "files", pytest.MonkeyPatch(), _lines(2, bad=0))
     (tmp_path / "batches" / "batch_damaged.json").write_text(damaged)
     (tmp_path / "files" / "file-damaged.json").write_text(damaged)
@@ -251,6 +252,7 @@ def test_a_record_that_is_json_but_not_a_record_is_skipped_at_start(tmp_path, da
     assert batch["request_counts"]["completed"] == 2 and files.exists(batch["output_file_id"])
     listed = {f["id"] for f in files.list(None, None, 100, "asc")["data"]}
     assert listed == {batch["input_file_id"], batch["output_file_id"]}
+    assert (tmp_path / "files" / "file-damaged.data").read_bytes() == b"{}\n"
 
 
 @pytest.mark.parametrize("content", [_lines(2, 0), b"not json\n"], ids=["good", "malformed"])

@@ -322,6 +322,23 @@ def test_a_line_may_hold_unicode_line_separators(server, client, model):
     assert batch.status == "completed" and batch.request_counts.completed == 3, batch
 
 
+def test_an_error_of_the_whole_file_names_no_line_and_bad_bytes_name_theirs(server, client, model):
+    """Lines count from 1: an empty file's error used to say line 0 (a client reading
+    ``lines[e.line - 1]`` got the last line), and bytes that are not UTF-8 said line 0
+    wherever they were; now the one has no line and the other names the line they are on."""
+    good = json.dumps(_completion_line("a", model)).encode()
+    for content, code, line in [
+        (b"\n\n", "empty_file", None),
+        (good + b"\n" + b'{"x": "\xff"}\n', "invalid_file", 2),
+    ]:
+        file_id = client.files.create(file=("in.jsonl", content), purpose="batch").id
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
+        [error] = _wait(server, client, batch.id).errors.data
+        assert (error.code, error.line) == (code, line), error
+
+
 def test_a_second_server_on_the_data_dir_leaves_the_first_ones_batches_alone(tiny_model, tmp_path):
     """Servers on one host share the default --data-dir. A second one used to load the
     first one's batches and run its unfinished ones again beside it (each then pointing

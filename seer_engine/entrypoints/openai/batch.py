@@ -58,7 +58,7 @@ _EXPIRED = {
 
 
 class BatchLineError(Exception):
-    def __init__(self, line: int, code: str, message: str, param: str | None = None) -> None:
+    def __init__(self, line: int | None, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.record = {"code": code, "message": message, "param": param, "line": line}
 
@@ -76,7 +76,7 @@ def parse_lines(content: bytes, endpoint: str) -> list[dict]:
     try:
         text = decode_utf8(content, "the input file")
     except BodyError as e:
-        raise BatchLineError(0, "invalid_file", e.message) from None
+        raise BatchLineError(_line_of_bad_utf8(content), "invalid_file", e.message) from None
     for number, raw in enumerate(text.split("\n"), start=1):
         if len(errors) > MAX_LINE_ERRORS:
             break
@@ -107,8 +107,17 @@ def parse_lines(content: bytes, endpoint: str) -> list[dict]:
     if errors:
         raise BatchValidationError(errors)
     if not lines:
-        raise BatchLineError(0, "empty_file", "the input file has no requests")
+        raise BatchLineError(None, "empty_file", "the input file has no requests")
     return lines
+
+
+def _line_of_bad_utf8(content: bytes) -> int:
+    """The line (from 1) of the first byte that is not UTF-8."""
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return content.count(b"\n", 0, e.start) + 1
+    raise AssertionError("the content is valid UTF-8")
 
 
 def _line_problem(line: Any, endpoint: str, seen: set[str]) -> tuple[str, str] | None:

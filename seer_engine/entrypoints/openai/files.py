@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -56,6 +57,20 @@ def new_file_id() -> str:
     return f"file-{ordered_hex()}"
 
 
+_FILE_ID = re.compile(r"file-([0-9a-f]{16})[0-9a-f]{16}")
+
+
+def minted_at(file_id: str) -> int | None:
+    """The second ``new_file_id`` made ``file_id`` (a file's ``created_at``), or None
+    for an id of another form."""
+    match = _FILE_ID.fullmatch(file_id)
+    return int(match.group(1), 16) // 10**9 if match else None
+
+
+def _listing_key(meta: dict) -> tuple[int, str]:
+    return meta["created_at"], meta["id"]
+
+
 def remove_partial_writes(root: Path) -> None:
     """Remove the temporary files of writes that a killed process left unfinished."""
     for tmp in root.glob(".*"):
@@ -87,6 +102,7 @@ class FileStore:
 
     At start, what interrupted writes left is removed: temporary files, and data whose
     file object was never written (the file was never listed, so nothing refers to it).
+    A file whose object is there but unusable is skipped, and its bytes are left alone.
     """
 
     def __init__(self, root: Path) -> None:
@@ -99,7 +115,7 @@ class FileStore:
             if meta is not None and self.data_path(meta["id"]).is_file():
                 self._files[meta["id"]] = meta
         for data in root.glob("file-*.data"):
-            if data.stem not in self._files:
+            if not (root / f"{data.stem}.json").exists():  # a skipped record keeps its bytes
                 logger.info("removing %s: its file object was never written", data)
                 data.unlink(missing_ok=True)
 
@@ -123,7 +139,7 @@ class FileStore:
             "id": file_id,
             "object": "file",
             "bytes": data.stat().st_size,
-            "created_at": int(time.time()),
+            "created_at": minted_at(file_id) or int(time.time()),
             "filename": filename,
             "purpose": purpose,
             "status": "processed",
@@ -169,12 +185,20 @@ class FileStore:
         return self.data_path(file_id).read_bytes()
 
     def list(self, purpose: str | None, after: str | None, limit: int, order: str) -> dict:
-        items = sorted(
-            self._files.values(), key=lambda m: (m["created_at"], m["id"]), reverse=order == "desc"
-        )
+        """A page of files. ``after`` is a place in the listing, found from the id alone
+        when that file is gone: a client deleting the files it lists asks for the next
+        page after one it deleted."""
+        descending = order == "desc"
+        items = sorted(self._files.values(), key=_listing_key, reverse=descending)
         if purpose is not None:
             items = [m for m in items if m["purpose"] == purpose]
-        return page(items, after, limit)
+        if after is not None:
+            cursor = self._files.get(after) or {"created_at": minted_at(after), "id": after}
+            if cursor["created_at"] is None:
+                raise APIError(400, f"unknown cursor {after!r}: not a file id", param="after")
+            place = _listing_key(cursor)
+            items = [m for m in items if (_listing_key(m) < place if descending else _listing_key(m) > place)]
+        return page(items, None, limit)
 
     def delete(self, file_id: str) -> dict:
         self.get(file_id)
