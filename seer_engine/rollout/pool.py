@@ -2,9 +2,9 @@
 
 Backends (``--distributed-backend``):
 
-- ``inproc``: instances in this process step one at a time, the one with the earliest
-  clock first; each clock advances by its own measured step time, so the makespan,
-  idle time and tail are those of N instances side by side on one machine.
+- ``inproc``: instances in this process step one at a time, in time order (the earliest
+  step start or step end first); each clock advances by its own measured step time, so
+  the makespan, idle time and tail are those of N instances side by side on one machine.
 - ``mp``: an instance per process (the default for ``--instances N``); they compute in
   parallel and the clock is the wall clock.
 - ``ray``: an instance per Ray actor, placed by Ray across nodes.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,11 +102,14 @@ class ClockProfile(Protocol):
 
 
 class SimulatedClock:
-    """Instances step one at a time, the earliest clock first, and each clock advances
-    by its own step's duration: measured, or, with a ``timer``, what the timer says
-    the step's shape costs (a CPU then shows what the policies do on a GPU). An
+    """Instances step one at a time, and each clock advances by its own step's duration:
+    measured, or, with a ``timer``, what the timer says the step's shape costs (a CPU
+    then shows what the policies do on a GPU). Events go in modeled-time order, as in
+    the simulator: the next is the earliest of a step start (a busy instance's clock)
+    and a computed step's end, whose reply is held until then, so no step's outcome
+    reaches the Request Buffer before an earlier event of another instance. An
     instance must not run work in its own past, and an idle one waits for the work it
-    gets.
+    gets; a chunk sent to an instance in mid-step joins its next step.
 
     On a modeled clock the KV pool is modeled too, as the simulator models it: the
     instance that loads a response's KV pays ``pool_load_s(tokens)`` (none without it),
@@ -119,9 +122,22 @@ class SimulatedClock:
         self.timer = timer
         self.pool_load_s = pool_load_s
         self._pool_s: dict[int, float] = {}  # instance index -> modeled pool time so far
+        self._held: dict[int, tuple[StepReply, float]] = {}  # instance -> a computed step's reply, its end
 
-    def to_start(self, busy: Sequence[InstanceHandle]) -> list[InstanceHandle]:
-        return [min(busy, key=lambda i: i.books.clock)]
+    def next_event(self, inst: InstanceHandle) -> tuple[float, int, int]:
+        """When ``inst``'s next event is (a held step's end before a start at the same
+        time, so the start sees what the end dispatched), then its index."""
+        held = self._held.get(inst.index)
+        return (held[1], 0, inst.index) if held is not None else (inst.books.clock, 1, inst.index)
+
+    def holds(self, inst: InstanceHandle) -> bool:
+        return inst.index in self._held
+
+    def hold(self, inst: InstanceHandle, reply: StepReply) -> None:
+        self._held[inst.index] = (reply, self.after(inst, reply))
+
+    def take(self, inst: InstanceHandle) -> tuple[StepReply, float] | None:
+        return self._held.pop(inst.index, None)
 
     def after(self, inst: InstanceHandle, reply: StepReply) -> float:
         if self.timer is not None:
@@ -138,7 +154,7 @@ class SimulatedClock:
         return inst.books.clock + reply.elapsed_s
 
     def accepts_at(self, inst: InstanceHandle, t: float) -> bool:
-        return not (inst.books.has_work and inst.books.clock < t)
+        return self.holds(inst) or not (inst.books.has_work and inst.books.clock < t)
 
     def wait_until(self, inst: InstanceHandle, t: float) -> None:
         if not inst.books.has_work:
@@ -146,6 +162,7 @@ class SimulatedClock:
 
     def reset(self) -> None:
         self._pool_s.clear()
+        self._held.clear()
 
 
 class WallClock:
@@ -154,9 +171,6 @@ class WallClock:
 
     def __init__(self) -> None:
         self._t0 = time.perf_counter()
-
-    def to_start(self, busy: Sequence[InstanceHandle]) -> list[InstanceHandle]:
-        return list(busy)
 
     def after(self, inst: InstanceHandle, reply: StepReply) -> float:
         return time.perf_counter() - self._t0
@@ -281,28 +295,59 @@ class EnginePool:
     # -- stepping ------------------------------------------------------------------------
 
     def advance(self) -> tuple[InstanceHandle, StepReply] | None:
+        if isinstance(self.clock, SimulatedClock):
+            return self._advance_in_time_order(self.clock)
         busy = [inst for inst in self.instances if inst.alive and inst.books.has_work]
         if not busy:
             return None
-        for inst in self.clock.to_start(busy):
+        for inst in busy:
             if not inst.stepping:
-                if self.history_sequences:
-                    self._seed_new_groups(inst)
-                inst.start_step(*self._draft_traffic(inst))
-        stepping = [inst for inst in busy if inst.stepping]
+                self._start_step(inst)
         for waited in (False, True):
             # Bounded, so a hung instance (found out by its reply timeout) does not keep
             # the server from dispatching to the others and answering its callers meanwhile.
             if waited:
-                type(stepping[0]).wait_any(stepping, timeout=REPLY_WAIT_S)
-            for inst in stepping:
+                type(busy[0]).wait_any(busy, timeout=REPLY_WAIT_S)
+            for inst in busy:
                 reply = inst.poll_reply()
                 if reply is not None:
-                    inst.books.record(reply, self.clock.after(inst, reply))
-                    if self.draft_server is not None:
-                        self._publish(inst, reply.draft_updates)
-                    return inst, reply
+                    self._publish(inst, reply.draft_updates)
+                    return self._hand_out(inst, reply, self.clock.after(inst, reply))
         return None
+
+    def _advance_in_time_order(self, clock: SimulatedClock) -> tuple[InstanceHandle, StepReply] | None:
+        """Run the earliest event: start (and compute) a step, or hand out a held reply."""
+        while True:
+            busy = [i for i in self.instances if i.alive and (i.books.has_work or clock.holds(i))]
+            if not busy:
+                return None
+            inst = min(busy, key=clock.next_event)
+            held = clock.take(inst)
+            if held is not None:
+                return self._hand_out(inst, *held)
+            if not inst.stepping:
+                self._start_step(inst)
+            reply = inst.poll_reply()
+            if reply is None:
+                type(inst).wait_any([inst], timeout=REPLY_WAIT_S)
+                reply = inst.poll_reply()
+                if reply is None:
+                    return None
+            # Drafts go out as the step is computed, as an in-process shared tree takes
+            # them, so both backends draft alike.
+            self._publish(inst, reply.draft_updates)
+            clock.hold(inst, reply)
+
+    def _start_step(self, inst: InstanceHandle) -> None:
+        if self.history_sequences:
+            self._seed_new_groups(inst)
+        inst.start_step(*self._draft_traffic(inst))
+
+    def _hand_out(
+        self, inst: InstanceHandle, reply: StepReply, end: float
+    ) -> tuple[InstanceHandle, StepReply]:
+        inst.books.record(reply, end)
+        return inst, reply
 
     def _publish(self, inst: InstanceHandle, records: list) -> None:
         """A step's draft records, less those of groups with no chunk in flight: a reply
@@ -310,7 +355,7 @@ class EnginePool:
         would make a log that nothing drops. A live group's records always have their
         own chunk still in flight (the reply's outputs are taken after this); an aborted
         response's records go only while a sibling's chunk runs somewhere."""
-        if not records:
+        if not records or self.draft_server is None:
             return
         running = [other.books.group_chunks for other in self.instances]
         kept = [r for r in records if any(r.group_id in chunks for chunks in running)]
