@@ -232,3 +232,17 @@ def test_cli_names_an_unreachable_mooncake_master(tmp_path, capsys):
         main(args)
     assert exit_info.value.code == 2
     assert "no Mooncake master answers at 127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_in_process_instances_count_each_pool_call_once(model):
+    """In-process instances and their dispatcher share one pool handle: each reports the
+    calls it made itself, so the rollout's totals are the handle's, not N times them."""
+    pool, rollout = _pooled_rollout(model, "inproc")
+    with pool:
+        m = rollout.run(pool_groups()).metrics
+        shared = pool.kv_pool.connector.stats
+        assert m.pool_saved_blocks == shared.saved_blocks > 0
+        assert m.pool_save_s + m.pool_load_s == pytest.approx(shared.save_s + shared.load_s)
+        assert m.pool_failures == shared.failures
+        own = [inst.books.connector_stats.loaded_blocks for inst in pool.instances]
+        assert sum(own) == shared.loaded_blocks > 0

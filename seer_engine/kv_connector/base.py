@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Protocol, runtime_checkable
 from urllib.parse import quote
 
@@ -135,6 +135,49 @@ class KVConnector:
 
     def close(self) -> None:
         """Release this process's handle on the pool."""
+
+
+class SharedHandle(KVConnector):
+    """One user's handle on a connector shared in this process (in-process instances
+    and their dispatcher): calls go to the shared connector, and ``stats`` counts this
+    user's own calls, so the users' stats add up to each call counted once."""
+
+    def __init__(self, shared: KVConnector) -> None:
+        super().__init__()
+        self.shared = shared
+        self.name = shared.name
+
+    def __getattr__(self, name: str):
+        if name == "shared":  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.shared, name)  # the store and the rest of the shared connector
+
+    def _own(self, call, *args):
+        before = replace(self.shared.stats)
+        try:
+            return call(*args)
+        finally:
+            after = self.shared.stats
+            for f in fields(ConnectorStats):
+                if f.name != "down":
+                    setattr(
+                        self.stats,
+                        f.name,
+                        getattr(self.stats, f.name) + getattr(after, f.name) - getattr(before, f.name),
+                    )
+            self.stats.down = after.down
+
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
+        return self._own(self.shared.save, key, engine, token_ids)
+
+    def lookup(self, key: str, token_ids: list[int]) -> int:
+        return self._own(self.shared.lookup, key, token_ids)
+
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
+        return self._own(self.shared.load, key, engine, token_ids)
+
+    def free(self, key: str) -> None:
+        return self._own(self.shared.free, key)
 
 
 class RecomputeConnector(KVConnector):

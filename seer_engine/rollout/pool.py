@@ -34,7 +34,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.llm_engine import TokenSource, resolve_model_path
-from seer_engine.kv_connector.base import KVConnector
+from seer_engine.kv_connector.base import KVConnector, SharedHandle
 from seer_engine.kv_connector.factory import KVPool
 from seer_engine.rollout.books import InstanceBooks
 from seer_engine.rollout.history import HistoryStore
@@ -215,7 +215,9 @@ class EnginePool:
         self.config = config  # the instances' own (with the policy's speculative decoding)
         self.instances = instances
         self.kv_pool = kv_pool
-        self.kv_connector = kv_pool.connector
+        # In-process instances share this process's handle: each one, and the dispatcher,
+        # counts its own calls on it.
+        self.kv_connector = SharedHandle(kv_pool.connector) if backend == "inproc" else kv_pool.connector
         self.clock = clock
         self.backend = backend
         self.draft_server = draft_server
@@ -271,7 +273,8 @@ class EnginePool:
                 spec = config.speculative_config
                 proposer = make_proposer(spec) if spec is not None else None
                 for i in range(num_instances):
-                    worker = build_worker(config, token_source, kv_pool.connector, proposer=proposer)
+                    handle = SharedHandle(kv_pool.connector)
+                    worker = build_worker(config, token_source, handle, proposer=proposer)
                     instances.append(LocalInstance(i, worker))
                 clock: SimulatedClock | WallClock = SimulatedClock(step_timer, pool_load_s)
             else:
