@@ -246,3 +246,44 @@ def test_in_process_instances_count_each_pool_call_once(model):
         assert m.pool_failures == shared.failures
         own = [inst.books.connector_stats.loaded_blocks for inst in pool.instances]
         assert sum(own) == shared.loaded_blocks > 0
+
+
+def test_a_weight_update_whose_pool_free_fails_never_lets_a_move_load_old_kv(model, monkeypatch):
+    """The free of the pool's KV at a weight update can fail (the pool briefly locked or
+    unreachable); once the pool serves again, a response that moves must still find
+    nothing of the old weights there, not load the KV the failed free left behind."""
+    import fcntl
+    import os
+
+    import seer_engine.kv_connector.local as local
+    from seer_engine.rollout.backend import RolloutBackend
+    from seer_engine.rollout.config import RolloutConfig
+    from seer_engine.sampling_params import SamplingParams
+
+    monkeypatch.setattr(local, "LOCK_TIMEOUT_S", 0.2)
+    rollout = RolloutConfig(policy="context", instances=2, chunk_tokens=8, distributed_backend="inproc",
+                            kv_connector="local", kv_pool_gib=0.05, pool_pull_tokens=0)  # fmt: skip
+    backend = RolloutBackend(pool_config(model, 16), rollout)
+    try:
+        params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.0, seed=5)
+        (sample,) = backend.add_request("a", pool_groups()[2].prompt_token_ids, params)
+        dispatcher, connector = backend.dispatcher, backend.pool.kv_connector
+        while not (sample in dispatcher.buffer and sample.num_generated >= 8):
+            backend.step()
+        assert connector.stats.saved_blocks > 0, "the chunk that ended saved its KV"
+        holder = os.open(connector.store.spec.lock_path, os.O_RDWR)
+        fcntl.flock(holder, fcntl.LOCK_EX)  # the pool is locked through the update
+        try:
+            backend.update_weights(str(model))
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            os.close(holder)
+        assert connector.stats.failures == 1, "the update's free of the pooled KV failed"
+        loads = dispatcher.counters.pool_loads
+        dispatcher.lose_instance(backend.pool.instances[sample.instance], "moved on purpose")
+        while backend.has_unfinished_requests():
+            backend.step()
+        assert dispatcher.counters.migrations >= 1 and sample.num_generated == 32
+        assert dispatcher.counters.pool_loads == loads, "a move loaded KV of the old weights"
+    finally:
+        backend.close()

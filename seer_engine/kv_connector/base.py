@@ -116,16 +116,18 @@ class KVConnector:
     def __init__(self) -> None:
         self.stats = ConnectorStats()
 
-    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> int:
         """Offer the KV of ``token_ids`` (a finished chunk's context, in ``engine``'s
-        prefix cache) to the pool; returns the leading tokens the pool now holds."""
+        prefix cache) to the pool; returns the leading tokens the pool now holds.
+        ``epoch``: the weights the KV was computed with (the rollout counts its weight
+        updates); a save, lookup or load sees only entries of its own epoch."""
         raise NotImplementedError
 
-    def lookup(self, key: str, token_ids: list[int]) -> int:
+    def lookup(self, key: str, token_ids: list[int], epoch: int = 0) -> int:
         """How many leading tokens of ``key``'s context ``token_ids`` the pool holds."""
         raise NotImplementedError
 
-    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> LoadResult:
         """Place the pooled KV into ``engine`` so its prefix cache serves ``token_ids``."""
         raise NotImplementedError
 
@@ -185,13 +187,13 @@ class RecomputeConnector(KVConnector):
 
     name = "recompute"
 
-    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> int:
         return 0
 
-    def lookup(self, key: str, token_ids: list[int]) -> int:
+    def lookup(self, key: str, token_ids: list[int], epoch: int = 0) -> int:
         return 0
 
-    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> LoadResult:
         return LoadResult(tokens=0)
 
     def free(self, key: str) -> None:
@@ -240,14 +242,15 @@ class PooledConnector(KVConnector):
         self._warned = False
         self._unfreed: deque[str] = deque(maxlen=UNFREED_LIMIT)  # frees that failed, retried
 
-    def _keys(self, key: str, token_ids: Sequence[int], num_blocks: int) -> list[str]:
-        """Block i's key: its index and a digest of the context up to the block's end.
-        Response keys come back (a caller's group id, a later iteration), and an entry a
-        failed free left under one holds another context's KV: with the digest it reads
-        as absent (the block is saved again) instead of loading KV of other tokens."""
+    def _keys(self, key: str, token_ids: Sequence[int], num_blocks: int, epoch: int = 0) -> list[str]:
+        """Block i's key: its index and a digest of the epoch and the context up to the
+        block's end. Response keys come back (a caller's group id, a later iteration), and
+        an entry a failed free left under one holds another context's KV, or KV of weights
+        since replaced: with the digest it reads as absent (the block is saved again)
+        instead of loading KV of other tokens or weights."""
         bs = self.block_size
         data = np.asarray(token_ids[: num_blocks * bs], dtype="<i8").tobytes()
-        digest = hashlib.blake2b(digest_size=8)
+        digest = hashlib.blake2b(epoch.to_bytes(8, "little", signed=True), digest_size=8)
         keys = []
         for i in range(num_blocks):
             digest.update(data[i * bs * 8 : (i + 1) * bs * 8])
@@ -270,12 +273,12 @@ class PooledConnector(KVConnector):
             self._warned = True
         return message
 
-    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> int:
         self._check(engine)
         block_ids = engine.cached_kv_blocks(engine.kv_block_hashes(token_ids))
         if not block_ids:
             return 0
-        keys = self._keys(key, token_ids, len(block_ids))
+        keys = self._keys(key, token_ids, len(block_ids), epoch)
         try:
             have = self.store.count_leading(keys)
             if have < len(keys):
@@ -298,23 +301,23 @@ class PooledConnector(KVConnector):
                 f"{engine.kv_block_size}"
             )
 
-    def lookup(self, key: str, token_ids: list[int]) -> int:
+    def lookup(self, key: str, token_ids: list[int], epoch: int = 0) -> int:
         bs = self.block_size
         try:
-            found = self.store.count_leading(self._keys(key, token_ids, len(token_ids) // bs)) * bs
+            found = self.store.count_leading(self._keys(key, token_ids, len(token_ids) // bs, epoch)) * bs
         except KVPoolError as e:
             self._failed(f"look up {key}", e)
             return 0
         self.stats.down = None
         return found
 
-    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> LoadResult:
         self._check(engine)
         bs = self.block_size
         hashes = engine.kv_block_hashes(token_ids)
         cached = len(engine.cached_kv_blocks(hashes))
         try:
-            keys = self._keys(key, token_ids, len(hashes))
+            keys = self._keys(key, token_ids, len(hashes), epoch)
             pooled = self.store.count_leading(keys)
             self.stats.down = None
             if pooled <= cached:

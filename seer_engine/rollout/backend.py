@@ -280,6 +280,7 @@ class RolloutBackend:
                 self._roll_back(failed)
             raise
         self._weights, self._mixed_weights = str(path), None
+        self.dispatcher.kv_epoch += 1
         self._drop_pooled_kv()
         if self.history is not None:
             self.history.next_iteration()
@@ -306,7 +307,8 @@ class RolloutBackend:
     def _drop_pooled_kv(self) -> None:
         """The instances dropped their prefix caches with the old weights; the pool holds the
         same KV of the responses between chunks, which a moved response would load where one
-        that stays recomputes: it goes too, and every response recomputes its context."""
+        that stays recomputes: it goes too, and every response recomputes its context. A free
+        that fails leaves nothing loadable: chunks from now on use the next ``kv_epoch``."""
         if self.dispatcher.pooled:
             for request in self._requests.values():
                 for sample in request.samples:

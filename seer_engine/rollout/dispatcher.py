@@ -116,6 +116,7 @@ class Dispatcher:
         self.placement = placement or SeerPlacement()
         self.kv_connector = pool.kv_connector  # this process's handle: frees finished entries
         self.pooled = self.kv_connector.name != "recompute"
+        self.kv_epoch = 0  # weight updates so far: the pool serves a chunk only KV of its epoch
         self.buffer = RequestBuffer(lambda s: self._blocks_for(self.pool.instances[0], s), policy)
         self.now = 0.0  # the time of the latest event (the clock of the last reply)
         self.counters = RolloutCounters()
@@ -390,6 +391,7 @@ class Dispatcher:
                 save_kv=self.pooled and limit < sample.max_tokens,
                 cuttable=reserve and self.admission.may_overflow,
                 high_priority=self.policy.high_priority(sample),
+                kv_epoch=self.kv_epoch,
             )
         )
 

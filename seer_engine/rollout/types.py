@@ -113,6 +113,7 @@ class ChunkRequest:
     save_kv: bool = False  # push the context's KV to the pool if the chunk ends by length
     cuttable: bool = False  # out of KV, the engine may end the chunk early (KV kept) instead of preempting
     high_priority: bool = False  # a long response: its drafts weigh the config's priority_weight
+    kv_epoch: int = 0  # the weights' version: the pool serves only KV saved under it
 
     @property
     def context(self) -> list[int]:

@@ -52,7 +52,7 @@ class InstanceWorker:
         if chunk.load_kv:
             start = time.perf_counter()
             context = chunk.context
-            result = self.connector.load(chunk.sequence_id, self.engine, context)
+            result = self.connector.load(chunk.sequence_id, self.engine, context, chunk.kv_epoch)
             self._loads.append((chunk.request_id, len(context), result))
             self._carried_s += time.perf_counter() - start
         if chunk.save_kv:
@@ -101,7 +101,7 @@ class InstanceWorker:
             chunk = self._save.pop(out.request_id, None) if out.finished else None
             if chunk is not None and out.outputs[0].finish_reason == "length":
                 context = list(chunk.prompt_token_ids) + list(out.outputs[0].token_ids)
-                self.connector.save(chunk.sequence_id, self.engine, context)
+                self.connector.save(chunk.sequence_id, self.engine, context, chunk.kv_epoch)
         elapsed = time.perf_counter() - start + self._carried_s
         self._carried_s = 0.0
         loads, self._loads = self._loads, []
