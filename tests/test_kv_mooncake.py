@@ -412,6 +412,24 @@ def test_servers_sharing_a_master_never_load_or_free_each_others_blocks(master):
         b.close()
 
 
+def test_a_pool_on_a_given_master_leaves_none_of_its_blocks_when_it_closes(master, store):
+    """A server on a shared master that stops with responses unfinished must take their
+    blocks along: those in other processes' memory would outlive it, unreachable (its
+    namespace dies with it), and crowd out the other servers' blocks."""
+    big = 6 << 20  # its own 16 MiB segment holds two of these: the others go elsewhere
+    pool = make_kv_pool(
+        "mooncake", 4, big, mooncake_master=master.address, mooncake_metadata=master.metadata_server,
+        capacity_gib=(16 << 20) / 2**30, namespace="leaving",
+    )  # fmt: skip
+    conn = pool.connector
+    keys = [key for i in range(6) for key in conn._keys(f"grp0/{i}", list(range(9)), 1)]
+    conn.store.put(keys, torch.zeros(6, big, dtype=torch.uint8))
+    assert store.count_leading(keys) == 6
+    pool.close()
+    assert [store.count_leading([key]) for key in keys] == [0] * 6
+    assert conn.stats.failures == 0
+
+
 # -- two engines -----------------------------------------------------------------------
 
 

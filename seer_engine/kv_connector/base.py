@@ -349,5 +349,13 @@ class PooledConnector(KVConnector):
             self._unfreed.pop()
         self.stats.down = None
 
+    def clear(self) -> None:
+        """Remove every entry of this namespace (a pool shared with other servers outlives
+        this one, and nothing else would ever free them)."""
+        try:
+            self.store.remove_prefix(f"{self.namespace}/")
+        except KVPoolError as e:
+            self._failed("remove its entries", e)
+
     def close(self) -> None:
         self.store.close()

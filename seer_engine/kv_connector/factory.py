@@ -50,6 +50,7 @@ class KVPool:
     spec: RecomputeSpec | PooledSpec | None  # ``spec.open()``: a handle in another process
     _closers: list[Callable[[], None]] = field(default_factory=list)
     master: MooncakeMaster | None = None  # the master this pool started, if any
+    shared: bool = False  # the store outlives this pool (a given master): close clears its entries
     _closed: bool = False
 
     @property
@@ -66,6 +67,8 @@ class KVPool:
             return
         self._closed = True
         closers, self._closers = self._closers, []
+        if self.shared and isinstance(self.connector, PooledConnector):
+            self.connector.clear()
         self.connector.close()
         for close in reversed(closers):
             close()
@@ -120,7 +123,8 @@ def make_kv_pool(
             raise
         spec = PooledSpec(type(store), store.spec, block_size, namespace)
         owned = master if mooncake_master is None else None
-        return KVPool(PooledConnector(store, block_size, namespace), spec, closers, owned)
+        connector = PooledConnector(store, block_size, namespace)
+        return KVPool(connector, spec, closers, owned, shared=owned is None)
     raise ValueError(f"--kv-connector must be one of {list(KV_CONNECTORS)}, got {kind!r}")
 
 
