@@ -172,3 +172,18 @@ def test_a_full_pool_is_not_down_and_a_pool_that_serves_again_is_up(monkeypatch)
         assert conn.lookup("a", context) == 0 and conn.stats.down is None
     finally:
         tiny.close()
+
+
+@pytest.mark.parametrize(
+    "kind,gib,error",
+    [
+        ("local", BLOCK_BYTES / 2 / 2**30, f"too small: one KV block takes.*{BLOCK_BYTES} bytes"),
+        ("mooncake", 0.01, r"too small: a mooncake pool mounts at least 0\.015625 \(16 MiB\)"),
+    ],
+)
+def test_a_kv_pool_gib_too_small_for_the_pool_names_the_flag(kind, gib, error):
+    """The user sets ``--kv-pool-gib``; an error about a store's inner parameter
+    (``global_segment_size``) would not tell them what to change. Mooncake's is refused
+    before any master starts."""
+    with pytest.raises(ValueError, match=f"--kv-pool-gib.*{error}"):
+        make_kv_pool(kind, BS, BLOCK_BYTES, capacity_gib=gib)

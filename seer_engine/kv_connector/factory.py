@@ -74,6 +74,10 @@ class KVPool:
             close()
 
 
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+
+
 def make_kv_pool(
     kind: str,
     block_size: int,
@@ -99,6 +103,17 @@ def make_kv_pool(
     if not (is_real(capacity_gib) and capacity_gib > 0):
         raise ValueError(f"--kv-pool-gib must be a finite number > 0, got {capacity_gib!r}")
     capacity = int(capacity_gib * 2**30)
+    least = block_bytes
+    if kind == "mooncake":
+        from seer_engine.kv_connector.mooncake.common import MIN_SEGMENT_BYTES
+
+        least = MIN_SEGMENT_BYTES
+    if kind in ("local", "mooncake") and capacity < least:
+        what = "a mooncake pool mounts" if kind == "mooncake" else "one KV block takes"
+        raise ValueError(
+            f"--kv-pool-gib {capacity_gib:g} ({capacity} bytes) is too small: {what} at least "
+            f"{least / 2**30:g} ({_size(least)})"
+        )
     if kind == "local":
         from seer_engine.kv_connector.local import LocalStore
 
