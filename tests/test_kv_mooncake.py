@@ -330,6 +330,13 @@ def _child_reads_and_writes(spec: MooncakeSpec, keys: list[str]) -> list[float]:
         s.close()
 
 
+def test_a_segment_larger_than_the_host_can_give_says_so(master):
+    """``--kv-pool-gib`` past the host's memory: Mooncake's setup only answers a code;
+    the error must say what was asked of the host, not leave the user guessing."""
+    with pytest.raises(KVPoolError, match=r"not mount 1125899906842624 bytes .*--kv-pool-gib"):
+        MooncakeStore(master.address, master.metadata_server, global_segment_size=1 << 50)
+
+
 def test_another_process_opens_the_pool_from_the_spec(store, ns):
     """A spawned child reads what this process put and puts blocks that outlive it (the
     pool's memory is the master's segment holder, not the child's)."""

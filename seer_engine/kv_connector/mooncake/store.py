@@ -321,9 +321,15 @@ class MooncakeStore(BlockStore):
             spec.master,
         )
         if rc != 0:
+            why = ""
+            if rc == -600 and spec.global_segment_size:  # Mooncake's answer to a segment it cannot allocate
+                why = (
+                    f": could this process not mount {spec.global_segment_size} bytes of its memory "
+                    "into the pool (global_segment_size, the server's --kv-pool-gib)?"
+                )
             raise KVPoolError(
                 f"Mooncake client setup against master {spec.master} (metadata {spec.metadata_server}, "
-                f"{spec.protocol}) failed with code {rc} after {time.monotonic() - start:.1f} s"
+                f"{spec.protocol}) failed with code {rc} after {time.monotonic() - start:.1f} s{why}"
             )
         staging = torch.empty(spec.local_buffer_size, dtype=torch.uint8)
         rc = client.register_buffer(staging.data_ptr(), staging.numel())
