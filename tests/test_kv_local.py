@@ -306,6 +306,52 @@ def test_a_killed_owner_leaves_nothing_behind():
     assert segments_of(spec) == []
 
 
+_FILLS_ITS_SHM = (
+    "import os, torch\n"
+    "from seer_engine.kv_connector.base import KVPoolFull\n"
+    "from seer_engine.kv_connector.local import LocalStore\n"
+    "bb = 64 << 10\n"
+    "s = LocalStore.create(32 * bb, bb)\n"  # 2 MiB: fits the 4 MiB /dev/shm when made
+    "tiny = LocalStore.create(16384 * 64, 64)\n"  # a 512 KiB index: its pages too
+    "fd = os.open('/dev/shm/filler', os.O_WRONLY | os.O_CREAT)\n"  # then another program takes the rest
+    "try:\n"
+    "    while True:\n"
+    "        os.write(fd, b'x' * 4096)\n"
+    "except OSError:\n"
+    "    os.close(fd)\n"
+    "for store, n in ((s, 32), (tiny, 1)):\n"
+    "    keys, blocks = [f'a/{i}' for i in range(n)], torch.ones(n, store.block_bytes, dtype=torch.uint8)\n"
+    "    try:\n"
+    "        store.put(keys, blocks)\n"
+    "    except KVPoolFull:\n"
+    "        assert store.used_slots == 0\n"
+    "        print('full', flush=True)\n"
+    "os.unlink('/dev/shm/filler')\n"
+    "for store, n in ((s, 32), (tiny, 1)):\n"
+    "    store.put([f'a/{i}' for i in range(n)], torch.ones(n, store.block_bytes, dtype=torch.uint8))\n"
+    "    assert store.count_leading([f'a/{i}' for i in range(n)]) == n\n"
+    "print('served', flush=True)\n"
+    "s.close()\n"
+    "tiny.close()\n"
+)
+
+
+def test_a_put_into_a_dev_shm_filled_since_the_pool_was_made_fails_as_full():
+    """Segments are sparse: room in /dev/shm checked when the pool is made can be taken
+    by others later, and a put's copy into pages that cannot be had killed the instance
+    with SIGBUS (then the next instance, and the rollout). Such a put is refused as
+    full. Runs on a 4 MiB /dev/shm of its own (a private mount namespace)."""
+    inner = f'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    argv = ["unshare", "--mount", "--map-root-user", "sh", "-c", inner, _FILLS_ITS_SHM]
+    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c",
+                            "mount -t tmpfs -o size=4m tmpfs /dev/shm"], capture_output=True)  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {probe.stderr.decode().strip()}")
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["full", "full", "served"]
+
+
 def test_unrelated_process_exit_keeps_the_pool(store):
     """A process with its own resource tracker that attaches and exits without close."""
     store.put(["p/0"], rows(1))

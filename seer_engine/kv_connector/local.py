@@ -23,8 +23,10 @@ store is garbage-collected, or at interpreter exit. Any process on the host atta
 ``LocalStore.open(spec)``; its ``close()`` only detaches.
 
 A put claims its slots under the lock (the key reads as absent while it is written),
-copies the bytes without the lock, then publishes the key hashes under the lock: readers
-never see a half-written block. A read resolves its slots under the lock, copies without
+allocates their pages (segments are sparse, and ``/dev/shm`` may have filled since the pool
+was made: no room is ``KVPoolFull``, where a copy would be SIGBUS), copies the bytes without
+the lock, then publishes the key hashes under the lock: readers never see a half-written
+block. A read resolves its slots under the lock, copies without
 it, and checks under the lock that no slot changed hands meanwhile (else it retries):
 concurrent puts and removes never hand a reader mixed bytes.
 
@@ -61,7 +63,15 @@ import numpy as np
 import torch
 
 from seer_engine.kv_connector.base import BlockStore, KVPoolError, KVPoolFull
-from seer_engine.kv_connector.shm import TRACKER_LOCK, attach, check_shm_room, lock_file_for, pid_alive
+from seer_engine.kv_connector.shm import (
+    SHM_DIR,
+    TRACKER_LOCK,
+    attach,
+    check_shm_room,
+    lock_file_for,
+    pid_alive,
+    reserve,
+)
 
 # Values of a slot's key hash that are states, not keys (real hashes are shifted past them).
 _FREE = 0  # nothing in the slot
@@ -238,6 +248,8 @@ class LocalStore(BlockStore):
                 made.append(SharedMemory(data_name, create=True, size=num_slots * block_bytes))
                 index_bytes = 8 * (_HEADER_WORDS + 4 * num_slots)
                 made.append(SharedMemory(index_name, create=True, size=index_bytes))  # zeros: free
+            if not reserve(made[1], [0], index_bytes):  # every put and free writes in it
+                raise ValueError(f"no room in {SHM_DIR} for a local KV pool's index of {index_bytes} bytes")
             lock_path = lock_file_for(index_name, fallback)
             spec = LocalPoolSpec(data_name, index_name, num_slots, block_bytes, lock_path)
             mapping = _Mapping(spec, made[0], made[1], owner=True)
@@ -374,6 +386,10 @@ class LocalStore(BlockStore):
             m.parents[slots] = parent_h
             m.versions[slots] += 1
             m.writers[slots] = os.getpid()
+        if not reserve(m.data, slots.tolist(), self.block_bytes):
+            with self._locked(bounded=False) as m:
+                self._free_slots(m, slots)
+            raise KVPoolFull(f"local KV pool: {SHM_DIR} has no room left for {len(slots)} more blocks")
         try:
             m.slab[slots] = rows.numpy()
         except BaseException:

@@ -3,6 +3,7 @@ outlive the process attaching them, room in ``/dev/shm``, and whether a writer s
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -27,6 +28,27 @@ def check_shm_room(size: int) -> None:
             f"writes would crash with SIGBUS; lower --kv-pool-gib or enlarge {SHM_DIR} "
             "(docker run --shm-size)"
         )
+
+
+def reserve(shm: SharedMemory, slots: list[int], slot_bytes: int) -> bool:
+    """Allocate the pages of ``slots`` (of ``slot_bytes`` each) in ``shm`` now; False where
+    ``SHM_DIR`` has no room for them. The room checked when the pool was made may since have
+    gone to others, and a copy into a page that cannot be had is SIGBUS, not an error.
+    True where the system cannot tell (no ``posix_fallocate``, a file system without it)."""
+    fd = getattr(shm, "_fd", -1)
+    if fd < 0 or not hasattr(os, "posix_fallocate"):
+        return True
+    slots = sorted(slots)
+    start = 0
+    for i in range(1, len(slots) + 1):  # one call per run of adjacent slots
+        if i < len(slots) and slots[i] == slots[i - 1] + 1:
+            continue
+        try:
+            os.posix_fallocate(fd, slots[start] * slot_bytes, (i - start) * slot_bytes)
+        except OSError as e:
+            return e.errno not in (errno.ENOSPC, errno.ENOMEM)  # other errors: it cannot tell
+        start = i
+    return True
 
 
 def lock_file_for(segment: str, fallback: str) -> str:
