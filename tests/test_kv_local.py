@@ -171,7 +171,7 @@ def test_close_detaches_openers_and_destroys_for_the_owner():
     assert read(owner, ["a/0"]) == [4.0]
     owner.close()
     assert segments_of(spec) == []
-    with pytest.raises(KVPoolError, match="does not exist"):
+    with pytest.raises(KVPoolError, match="is not in this process.s /dev/shm"):
         LocalStore.open(spec)
 
 

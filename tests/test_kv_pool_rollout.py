@@ -287,3 +287,26 @@ def test_a_weight_update_whose_pool_free_fails_never_lets_a_move_load_old_kv(mod
         assert dispatcher.counters.pool_loads == loads, "a move loaded KV of the old weights"
     finally:
         backend.close()
+
+
+def test_instances_that_cannot_open_the_pool_recompute(model, reference):
+    """An instance that cannot open the pool (a Ray actor on another host than the local
+    pool's, a container without its /dev/shm, a master it cannot reach) runs without it:
+    its moves recompute and /health's counts say so, instead of failing the rollout's start."""
+    import dataclasses
+
+    cfg = pool_config(model, 10)
+    kv_pool = kv_pool_for("local", cfg, capacity_gib=0.05)
+    elsewhere = dataclasses.replace(kv_pool.spec.store_spec, data_name="seer_kv_elsewhere_data",
+                                    index_name="seer_kv_elsewhere_index")  # fmt: skip
+    kv_pool.spec = dataclasses.replace(kv_pool.spec, store_spec=elsewhere)
+    placement = SeerPlacement(spread_threshold=32, pull_threshold_tokens=0)
+    with EnginePool.start(cfg, 2, backend="mp", kv_pool=kv_pool) as pool:
+        result = Dispatcher(pool, make_rollout_policy("context"), chunk_tokens=8, placement=placement).run(
+            pool_groups()
+        )
+        downs = [inst.books.connector_stats.down or "" for inst in pool.instances]
+    m = result.metrics
+    assert outputs_of(result.samples) == reference
+    assert m.migrations > 0 and m.pool_loads == 0 and m.pool_failures >= 2
+    assert all("seer_kv_elsewhere_data" in down for down in downs), downs

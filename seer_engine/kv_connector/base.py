@@ -187,6 +187,15 @@ class RecomputeConnector(KVConnector):
 
     name = "recompute"
 
+    @classmethod
+    def unreachable(cls, why: str) -> RecomputeConnector:
+        """Stands in for a pool this process could not open: counted as one failure, and
+        down for good (``/health`` says so)."""
+        logger.warning("KV pool unavailable here: %s", why)
+        connector = cls()
+        connector.stats.failures, connector.stats.down = 1, why
+        return connector
+
     def save(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> int:
         return 0
 

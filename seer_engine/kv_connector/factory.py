@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from seer_engine.core.numbers import is_real
-from seer_engine.kv_connector.base import KVConnector, PooledConnector, RecomputeConnector
+from seer_engine.kv_connector.base import KVConnector, KVPoolError, PooledConnector, RecomputeConnector
 
 if TYPE_CHECKING:
     from seer_engine.engine.config import EngineConfig
@@ -41,7 +41,13 @@ class PooledSpec:
     namespace: str
 
     def open(self) -> KVConnector:
-        return PooledConnector(self.store_type.open(self.store_spec), self.block_size, self.namespace)
+        """A pool this process cannot open leaves it without one: its responses recompute,
+        and its stats say why (a failing pool never fails a request, nor an instance)."""
+        try:
+            store = self.store_type.open(self.store_spec)
+        except KVPoolError as e:
+            return RecomputeConnector.unreachable(f"{e}; this instance recomputes what it would load")
+        return PooledConnector(store, self.block_size, self.namespace)
 
 
 @dataclass

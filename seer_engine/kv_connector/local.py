@@ -274,7 +274,11 @@ class LocalStore(BlockStore):
         except FileNotFoundError as e:
             for shm in attached:
                 shm.close()
-            raise KVPoolError(f"local KV pool {spec.data_name} does not exist (closed by its owner?)") from e
+            raise KVPoolError(
+                f"local KV pool {spec.data_name} is not in this process's {SHM_DIR} (closed by its owner, "
+                "or on another host or container: a local pool serves one host; --kv-connector mooncake "
+                "spans hosts)"
+            ) from e
         except BaseException:
             for shm in attached:
                 shm.close()
