@@ -310,3 +310,44 @@ def test_instances_that_cannot_open_the_pool_recompute(model, reference):
     assert outputs_of(result.samples) == reference
     assert m.migrations > 0 and m.pool_loads == 0 and m.pool_failures >= 2
     assert all("seer_kv_elsewhere_data" in down for down in downs), downs
+
+
+def test_entries_a_failed_free_left_are_freed_once_the_server_is_idle(model, monkeypatch):
+    """The pool failed the frees of the last responses to finish (its lock briefly held):
+    with nothing finishing after them no later free retries them, so an idle server must,
+    or their blocks stay in the pool for good (a local pool never evicts)."""
+    import fcntl
+    import os
+
+    import seer_engine.kv_connector.local as local
+    from seer_engine.rollout.backend import RolloutBackend
+    from seer_engine.rollout.config import RolloutConfig
+    from seer_engine.sampling_params import SamplingParams
+
+    monkeypatch.setattr(local, "LOCK_TIMEOUT_S", 0.2)
+    rollout = RolloutConfig(policy="context", instances=1, chunk_tokens=8, distributed_backend="inproc",
+                            kv_connector="local", kv_pool_gib=0.05)  # fmt: skip
+    backend = RolloutBackend(pool_config(model, 16), rollout)
+    try:
+        params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.0, seed=5)
+        (sample,) = backend.add_request("a", pool_groups()[2].prompt_token_ids, params)
+        store = backend.pool.kv_connector.store
+        while not (sample in backend.dispatcher.buffer and sample.num_generated >= 8):
+            backend.step()
+        assert store.used_slots > 0
+        holder = os.open(store.spec.lock_path, os.O_RDWR)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            while backend.has_unfinished_requests():
+                backend.step()
+            failures = backend.health().kv_pool_failures
+            backend.stats()  # what the idle engine thread asks every second: still locked
+            assert backend.health().kv_pool_failures == failures, "a failed retry is no new failure"
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            os.close(holder)
+        assert sample.num_generated == 32 and store.used_slots > 0, "the free at its finish failed"
+        backend.stats()
+        assert store.used_slots == 0
+    finally:
+        backend.close()

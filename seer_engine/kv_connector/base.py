@@ -135,6 +135,9 @@ class KVConnector:
         """The response finished: drop its pool entry (not left to eviction)."""
         raise NotImplementedError
 
+    def free_left(self) -> None:
+        """Retry the frees the pool failed (an idle server: no later free would)."""
+
     def close(self) -> None:
         """Release this process's handle on the pool."""
 
@@ -169,17 +172,20 @@ class SharedHandle(KVConnector):
                     )
             self.stats.down = after.down
 
-    def save(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> int:
-        return self._own(self.shared.save, key, engine, token_ids)
+    def save(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> int:
+        return self._own(self.shared.save, key, engine, token_ids, epoch)
 
-    def lookup(self, key: str, token_ids: list[int]) -> int:
-        return self._own(self.shared.lookup, key, token_ids)
+    def lookup(self, key: str, token_ids: list[int], epoch: int = 0) -> int:
+        return self._own(self.shared.lookup, key, token_ids, epoch)
 
-    def load(self, key: str, engine: KVBlockIO, token_ids: list[int]) -> LoadResult:
-        return self._own(self.shared.load, key, engine, token_ids)
+    def load(self, key: str, engine: KVBlockIO, token_ids: list[int], epoch: int = 0) -> LoadResult:
+        return self._own(self.shared.load, key, engine, token_ids, epoch)
 
     def free(self, key: str) -> None:
         return self._own(self.shared.free, key)
+
+    def free_left(self) -> None:
+        return self._own(self.shared.free_left)
 
 
 class RecomputeConnector(KVConnector):
@@ -349,11 +355,20 @@ class PooledConnector(KVConnector):
         """Free a finished response's entries; a free the pool failed (a pool briefly
         unreachable or locked) is tried again with the next ones, so nothing is left behind."""
         self._unfreed.append(key)
+        self._free_unfreed(count=True)
+
+    def free_left(self) -> None:
+        """A retry that fails again is not counted again (an idle server retries each second)."""
+        if self._unfreed:
+            self._free_unfreed(count=False)
+
+    def _free_unfreed(self, count: bool) -> None:
         while self._unfreed:
             try:
                 self.store.remove_prefix(self._prefix(self._unfreed[-1]))
             except KVPoolError as e:
-                self._failed(f"free {self._unfreed[-1]}", e)
+                if count:
+                    self._failed(f"free {self._unfreed[-1]}", e)
                 return
             self._unfreed.pop()
         self.stats.down = None

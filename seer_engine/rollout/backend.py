@@ -341,12 +341,14 @@ class RolloutBackend:
     def stats(self) -> EngineStats:
         """The sum over instances, as of their last replies (asking them would wait on
         their steps) with their chunks counted as the books hold them now; responses in
-        the Request Buffer count as waiting. Raises
+        the Request Buffer count as waiting; idle, the pool frees that failed are retried. Raises
         ``RolloutStalled`` once every instance is gone (the engine thread asks often)."""
         for inst in self.pool.alive:
             if not inst.poll_alive():
                 self.dispatcher.lose_instance(inst, f"engine instance {inst.index} died")
         self.dispatcher.check_alive()  # none left: the server stops serving (503), paused or idle
+        if not self.has_unfinished_requests():
+            self.pool.kv_connector.free_left()  # idle: no finishing response would retry them
         stats = total([inst.books.current_stats() for inst in self.pool.alive])
         stats.waiting += len(self.dispatcher.buffer)
         return stats
