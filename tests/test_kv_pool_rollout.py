@@ -267,7 +267,8 @@ def test_a_weight_update_whose_pool_free_fails_never_lets_a_move_load_old_kv(mod
     try:
         params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.0, seed=5)
         (sample,) = backend.add_request("a", pool_groups()[2].prompt_token_ids, params)
-        dispatcher, connector = backend.dispatcher, backend.pool.kv_connector
+        dispatcher = backend.dispatcher
+        connector = backend.pool.kv_connector.shared  # what every in-process instance calls
         while not (sample in dispatcher.buffer and sample.num_generated >= 8):
             backend.step()
         assert connector.stats.saved_blocks > 0, "the chunk that ended saved its KV"
