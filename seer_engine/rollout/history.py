@@ -197,8 +197,7 @@ class HistoryStore:
             while len(entry.sequences) > self.max_sequences:
                 records.sequence_tokens -= len(entry.sequences.popleft())
             if entry.sequences:
-                records.holding[key] = None
-                records.holding.move_to_end(key)
+                records.holding[key] = None  # a new key goes last; a known one _entry moved there
         self._trim(records)
 
     def _trim(self, records: _Records) -> None:
