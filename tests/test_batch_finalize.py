@@ -288,3 +288,32 @@ def test_a_finished_batch_leaves_no_running_state(tmp_path):
 
     manager = asyncio.run(run())
     assert (manager._runs, manager._lines, manager._saved_at) == ({}, {}, {})
+
+
+def test_a_disk_error_while_writing_results_fails_the_batch_without_orphans(tmp_path, monkeypatch):
+    """A result file that cannot be written (a full disk) fails the batch; the files of
+    its plan written before it are removed, not left listed with no batch pointing at them."""
+    real_save = FileStore._save
+
+    def save(self, file_id, copy_in, filename, purpose):
+        if filename.endswith("_error.jsonl"):
+            raise OSError(28, "No space left on device")
+        return real_save(self, file_id, copy_in, filename, purpose)
+
+    monkeypatch.setattr(FileStore, "_save", save)
+
+    async def run() -> tuple[dict, FileStore]:
+        manager = _manager(tmp_path)
+        manager.start()
+        batch_id = await _submit(manager, _lines(4, bad=1))
+        await _wait_for(lambda: manager.get(batch_id)["status"] in TERMINAL, "the batch to end")
+        await manager.stop()
+        return manager.get(batch_id), manager.files
+
+    batch, files = asyncio.run(run())
+    assert batch["status"] == "failed" and "No space left" in batch["errors"]["data"][0]["message"]
+    assert batch["output_file_id"] is None and batch["error_file_id"] is None
+    assert [m["id"] for m in files.list(None, None, 100, "asc")["data"]] == [batch["input_file_id"]]
+    assert not any(name.endswith(".plan") for name in _on_disk(tmp_path))
+    restarted = BatchStore(tmp_path / "batches").load_all()[batch["id"]]
+    assert restarted["status"] == "failed"

@@ -283,7 +283,7 @@ def test_the_input_file_of_an_unfinished_batch_cannot_be_deleted(server, client,
 def test_a_file_of_junk_fails_its_batch_with_a_bounded_error_list(server, client):
     """Every bad line used to be listed: a big junk file made a huge batch record, sent
     with every GET. At most MAX_LINE_ERRORS are listed, then where reading stopped."""
-    from seer_engine.entrypoints.openai.batch import MAX_LINE_ERRORS
+    from seer_engine.entrypoints.openai.batch_input import MAX_LINE_ERRORS
 
     file_id = client.files.create(file=("junk.jsonl", b"x\n" * 5_000), purpose="batch").id
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
@@ -297,7 +297,7 @@ def test_a_file_of_junk_fails_its_batch_with_a_bounded_error_list(server, client
 def test_a_batch_of_more_than_the_request_cap_fails_naming_the_cap(server, client, model):
     """OpenAI caps a batch at 50,000 requests; one more fails the batch (each request
     would be a task of its own) with an error at the line past the cap."""
-    from seer_engine.entrypoints.openai.batch import MAX_BATCH_REQUESTS
+    from seer_engine.entrypoints.openai.batch_input import MAX_BATCH_REQUESTS
 
     line = '{"custom_id":"r%d","url":"/v1/completions","body":{"model":"m","prompt":"x","max_tokens":1}}\n'
     text = "".join(line % i for i in range(MAX_BATCH_REQUESTS + 1)).encode()
