@@ -484,3 +484,23 @@ def test_min_p_truncates_before_top_p_as_in_vllm():
     logits = torch.tensor([0.5, 0.3, 0.2]).log()
     kept = apply_min_p_top_k_top_p(logits.clone(), -1, 0.6, 0.5)
     assert torch.isfinite(kept).tolist() == [True, False, False]
+
+
+def test_a_step_scoring_a_prompt_counts_its_logit_rows(model_path):
+    """A modeled clock prices a step by its shape: a prompt scored for prompt_logprobs
+    computes logits at each scored position (the LM head over those rows), besides the
+    sampled token's row; a prefix-cache hit makes the request compute its prompt again."""
+    engine = LLM(str(model_path), max_num_batched_tokens=16).engine
+    prompt = list(range(10, 10 + 24))
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=1))
+    engine.step()  # 16 prompt positions: none reaches the last token
+    assert engine.last_step_shape.logit_tokens == 0
+    engine.step()
+    assert engine.last_step_shape.logit_tokens == 1
+    _run_to_end(engine)
+    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    engine.step()  # positions 0-15 score prompt tokens 1-16
+    assert engine.last_step_shape.logit_tokens == 16
+    (out,) = engine.step()  # positions 16-22 score tokens 17-23; position 23 samples
+    assert engine.last_step_shape.logit_tokens == 7 + 1
+    assert out.finished and len(out.prompt_logprobs) == len(prompt)

@@ -473,11 +473,12 @@ def test_step_shapes_count_what_the_rows_compute():
     from seer_engine.engine.stats import StepShape
 
     # a decode row (20 computed, 1 new) with a 3-node draft, and a prompt span of 8 tokens
-    shape = StepShape.of([(20, 4, 10, 21), (0, 8, 30, 30)])
+    shape = StepShape.of([(20, 4, 10, 21, 0), (0, 8, 30, 30, 0)])
     assert shape.scheduled_tokens == 12 and shape.kv_tokens == 24 + 8
     assert shape.kv_pairs == (4 * 20 + 10) + (0 + 36)
     assert shape.logit_tokens == 4 and shape.kind == "mixed"
-    assert StepShape.of([(29, 1, 10, 30)]).kind == "decode"
+    assert StepShape.of([(29, 1, 10, 30, 0)]).kind == "decode"
+    assert StepShape.of([(4, 8, 30, 30, 8)]).logit_tokens == 8  # prompt positions scored for prompt_logprobs
 
 
 def test_bench_rollout_on_a_modeled_clock(tmp_path, game24_trace):

@@ -107,6 +107,13 @@ class Request:
         taken from the prefix cache."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
+    def prompt_rows_to_score(self, start: int, end: int) -> int:
+        """Prompt positions a step computing positions [start, end) scores for
+        prompt_logprobs (position p's logits score prompt token p + 1)."""
+        if not self.needs_prompt_logprobs or not start <= len(self.prompt_logprobs) < end:
+            return 0
+        return min(end, self.num_prompt_tokens - 1) - len(self.prompt_logprobs)
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)

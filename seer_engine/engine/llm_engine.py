@@ -291,9 +291,7 @@ class LLMEngine:
         if sched.is_empty:
             self.last_step_shape = None
             return self.outputs.collect(sched.cut)
-        self.last_step_shape = StepShape.of(
-            [(r.num_computed_tokens, n, r.num_prompt_tokens, r.num_tokens) for r, n in sched.scheduled]
-        )
+        self.last_step_shape = StepShape.of_step(sched.scheduled)
         batch = [
             ScheduledRequest(req, n, self.kv_manager.block_ids(req.request_id)) for req, n in sched.scheduled
         ]

@@ -9,6 +9,10 @@ rollout reports total it per policy. The scheduler keeps the counters it owns in
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from seer_engine.core.request import Request
 
 
 @dataclass
@@ -53,15 +57,32 @@ class StepShape:
     kind: str = "decode"  # "prefill" (every row in its prompt), "mixed" or "decode"
 
     @classmethod
-    def of(cls, rows: list[tuple[int, int, int, int]]) -> StepShape:
-        """From (computed tokens before the step, new tokens, prompt tokens, all tokens)
-        of every scheduled row; a row reaching its last token computes logits for it and
-        each draft node after it."""
+    def of_step(cls, scheduled: list[tuple[Request, int]]) -> StepShape:
+        """From a step's (request, new tokens) rows."""
+        return cls.of(
+            [
+                (
+                    r.num_computed_tokens,
+                    n,
+                    r.num_prompt_tokens,
+                    r.num_tokens,
+                    r.prompt_rows_to_score(r.num_computed_tokens, r.num_computed_tokens + n),
+                )
+                for r, n in scheduled
+            ]
+        )
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, int, int]]) -> StepShape:
+        """From (computed tokens before the step, new tokens, prompt tokens, all tokens,
+        prompt positions scored) of every scheduled row; a row reaching its last token
+        computes logits for it and each draft node after it, and a prompt scored for
+        prompt_logprobs computes logits for each position scored."""
         kv = pairs = logits = prompts = 0
-        for computed, new, prompt, num_tokens in rows:
+        for computed, new, prompt, num_tokens, scored in rows:
             kv += computed + new
             pairs += new * computed + new * (new + 1) // 2
-            logits += max(0, computed + new - num_tokens + 1)
+            logits += max(0, computed + new - num_tokens + 1) + scored
             prompts += computed < prompt
         kind = "prefill" if prompts == len(rows) else "mixed" if prompts else "decode"
         return cls(sum(r[1] for r in rows), kv, pairs, logits, kind)

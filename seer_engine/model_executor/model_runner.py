@@ -143,9 +143,9 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + scheduled.num_new_tokens
             committed_end = end - num_draft
-            if req.needs_prompt_logprobs and start <= len(req.prompt_logprobs) < committed_end:
+            count = req.prompt_rows_to_score(start, committed_end)
+            if count:
                 first = len(req.prompt_logprobs)
-                count = min(committed_end, req.num_prompt_tokens - 1) - first
                 scored.append((req, len(input_ids) + first - start, first, count))
             input_ids.extend(req.all_token_ids[start:committed_end])
             positions.extend(range(start, committed_end))
