@@ -60,8 +60,9 @@ class DecodeBand:
         return self._ends[0][0] if self._ends else float("inf")
 
     def growth(self, gain: float) -> float:
-        """Tokens the rows write in a step of ``gain`` each: none past its chunk's end (a
-        speculative step may accept more than a row has left)."""
+        """Tokens the rows write in a step (or steps) of ``gain`` each: none past its chunk's
+        end (a speculative step may accept more than a row has left; the engine neither
+        holds KV for those tokens nor counts them as generated or accepted)."""
         if self.first_end() - self.progress >= gain - EPS:
             return len(self.rows) * gain
         return sum(min(gain, self._progress_end(req) - self.progress) for req in self.rows.values())
