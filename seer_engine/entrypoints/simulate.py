@@ -278,7 +278,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                 )
                 if spec_overrides and policy.speculative is not None:
                     policy.speculative = {**policy.speculative, **spec_overrides}
-                model = acceptance_for(store, setup.samples, acceptance["plain"], acceptance["history"])
+                prompts = [g.prompt for g in groups]
+                plain, seeded = acceptance["plain"], acceptance["history"]
+                model = acceptance_for(store, setup.samples, plain, seeded, prompts)
                 results[name] = simulate(
                     groups, policy, p, setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
                     acceptance=model, pooled=not args.no_kv_pool,

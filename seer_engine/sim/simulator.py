@@ -40,6 +40,11 @@ class SimGroup:
     lengths: list[int]
     prompt_key: str = ""  # the prompt's identity across iterations (default: the group id)
 
+    @property
+    def prompt(self) -> SimPrompt:
+        """The prompt as the engines and the history store see it: a length and an identity."""
+        return SimPrompt(self.prompt_len, self.prompt_key or self.group_id)
+
 
 class ModeledPool(KVConnector):
     """The global KV pool as the simulator sees it: always there, its transfer time
@@ -139,7 +144,7 @@ def simulate(
     rollout_groups = [
         Group(
             g.group_id,
-            SimPrompt(g.prompt_len, g.prompt_key or g.group_id),
+            g.prompt,
             params,
             len(g.lengths),
             max_tokens,
