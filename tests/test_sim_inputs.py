@@ -334,7 +334,7 @@ def test_the_report_records_the_command_it_ran(tmp_path):
     assert meta["command"] == shlex.join(["seer_engine", *args])
 
 
-@pytest.mark.parametrize("trace", [False])
+@pytest.mark.parametrize("trace", [False, True])
 def test_history_policies_without_repeated_prompts_run_as_their_base_policy(tmp_path, trace, game24_trace):
     """Iterations without --repeat-prompts draw fresh prompts: the history store knows none
     of them, so it neither seeds their drafts nor gives them a prior."""
