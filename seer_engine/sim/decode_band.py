@@ -67,6 +67,16 @@ class DecodeBand:
             return len(self.rows) * gain
         return sum(min(gain, self._progress_end(req) - self.progress) for req in self.rows.values())
 
+    def accepted(self, steps: int, gain: float) -> float:
+        """Draft tokens the rows accept in ``steps`` steps of ``gain`` each: what each writes
+        beyond one token a step, up to its chunk's end. A last step cut short by the end
+        accepts none, rather than taking back what earlier steps accepted (the count only
+        grows, as an engine's does)."""
+        if self.first_end() - self.progress >= steps * gain - EPS:
+            return len(self.rows) * steps * (gain - 1)
+        left = (self._progress_end(req) - self.progress for req in self.rows.values())
+        return sum(max(0.0, min(steps * gain, n) - steps) for n in left)
+
     def advance(self, tokens: float) -> None:
         """Every row gains ``tokens``."""
         self.progress += tokens

@@ -424,7 +424,7 @@ class SimInstance(InstanceHandle):
         st.sampled_rows += steps * seg.decoding_rows
         st.generated_tokens += written
         st.draft_tokens_verified += steps * sum(n * d for n, d in zip(seg.rows, seg.drafted))
-        st.draft_tokens_accepted += written - steps * seg.decoding_rows
+        st.draft_tokens_accepted += sum(band.accepted(steps, g) for band, g in zip(self.bands, seg.gain))
         for band, gain in zip(self.bands, seg.gain):
             band.advance(steps * gain)
         self._evict()  # the rows grew into cached blocks before any of them ended
