@@ -84,6 +84,10 @@ def _error(args: list[str], capsys) -> str:
         ),
         (["--policy", "seer", *REPEATED, "--history-acceptance", "a.json"], "--history-acceptance models"),
         (["--policy", "seer+history", "--history-acceptance", "a.json"], "from the second iteration on"),
+        (
+            ["--policy", "seer+history", "--iterations", "2", "--history-acceptance", "a.json"],
+            "--history-acceptance is used once the history store knows the prompts: pass --repeat-prompts",
+        ),
         # a trace's lengths are its own: both were ignored while the report's meta recorded them
         ([*REPEATED, "--trace", "t.jsonl.gz", "--drift", "0.5"], "--drift shapes the synthetic"),
         (["--trace", "t.jsonl.gz", "--across-sigma", "0"], "--across-sigma shapes the synthetic"),

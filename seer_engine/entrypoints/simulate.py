@@ -171,6 +171,9 @@ def _acceptance_models(args: argparse.Namespace, policies: list[str]) -> dict:
     if args.history_acceptance and args.iterations < 2:
         raise ValueError("--history-acceptance is used from the second iteration on, once the history store "
                          "holds one: pass --iterations N > 1")  # fmt: skip
+    if args.history_acceptance and not args.repeat_prompts:  # every iteration's prompts are fresh
+        raise ValueError("--history-acceptance is used once the history store knows the prompts: "
+                         "pass --repeat-prompts")  # fmt: skip
 
     return {
         "plain": AcceptanceModel.load(args.acceptance) if args.acceptance else None,
