@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         for it in range(args.iterations):
             groups = setup_groups(setup, args.seed, iteration=it)
             policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store)
+            model = acceptance_for(store, setup.samples, prompts=[g.prompt for g in groups])
             result = simulate(
                 groups, policy, setup.profile, setup.instances, setup.max_tokens, setup.chunk_tokens,
-                SeerPlacement(), acceptance=acceptance_for(store, setup.samples),
+                SeerPlacement(), acceptance=model,
             )  # fmt: skip
             if store is not None:
                 store.next_iteration()

@@ -84,6 +84,10 @@ def _error(args: list[str], capsys) -> str:
         ),
         (["--policy", "seer", *REPEATED, "--history-acceptance", "a.json"], "--history-acceptance models"),
         (["--policy", "seer+history", "--history-acceptance", "a.json"], "from the second iteration on"),
+        (
+            ["--policy", "seer+history", "--iterations", "2", "--history-acceptance", "a.json"],
+            "--history-acceptance is used once the history store knows the prompts: pass --repeat-prompts",
+        ),
         # a trace's lengths are its own: both were ignored while the report's meta recorded them
         ([*REPEATED, "--trace", "t.jsonl.gz", "--drift", "0.5"], "--drift shapes the synthetic"),
         (["--trace", "t.jsonl.gz", "--across-sigma", "0"], "--across-sigma shapes the synthetic"),
@@ -332,3 +336,20 @@ def test_the_report_records_the_command_it_ran(tmp_path):
     assert main(args) == 0
     meta = json.loads((tmp_path / "moonlight" / "report.json").read_text())["meta"]
     assert meta["command"] == shlex.join(["seer_engine", *args])
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_history_policies_without_repeated_prompts_run_as_their_base_policy(tmp_path, trace, game24_trace):
+    """Iterations without --repeat-prompts draw fresh prompts: the history store knows none
+    of them, so it neither seeds their drafts nor gives them a prior."""
+    args = ["simulate", "--prompts", "4", "--samples", "8", "--instances", "2", "--max-tokens", "2000",
+            "--iterations", "2", "--policy", "seer,seer+history,context,context+history",
+            "--report", str(tmp_path)]  # fmt: skip
+    assert main(args + (["--trace", str(game24_trace)] if trace else [])) == 0
+    report = json.loads((tmp_path / "moonlight" / "report.json").read_text())
+    later = report["iterations"][1]["policies"]
+    for base in ("seer", "context"):
+        plain, learnt = later[base], later[f"{base}+history"]
+        assert {k: v for k, v in learnt.items() if k != "policy"} == {
+            k: v for k, v in plain.items() if k != "policy"
+        }, base

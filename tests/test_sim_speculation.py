@@ -217,3 +217,45 @@ def test_running_groups_keep_each_bands_stage_and_coverage():
     assert groups.mean_stages(world) == pytest.approx((0.0, 0.0))
     groups.leave(rows[2])
     assert groups.mean_stages(world) == (0.0, 0.0) and groups.coverage_shares(world, spec)[1] == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_draft_tokens_a_chunks_end_cut_off_are_not_counted(chunk, sim_instances):
+    """A row accepts more tokens in its chunk's last step than it has left; the engine
+    counts only the tokens it emitted (``Scheduler``), so the modeled engines' generated
+    tokens are the responses'. Accepted ones are those past each step's own token: a
+    last step that writes less than one accepts none."""
+    from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+    from seer_engine.sim.simulator import policy_for, simulate, synthetic_groups
+
+    groups = synthetic_groups(6, 8, 600, prompt_len=50, seed=1)
+    profile = InstanceProfile("t", StepTimeModel(0.02, 2e-5, 2e-9), kv_capacity_tokens=20_000,
+                              max_num_seqs=64, max_num_batched_tokens=4096)  # fmt: skip
+    result = simulate(groups, policy_for("seer", groups, 600, 3600.0), profile, 2, 600, chunk)
+    stats = [inst._stats for inst in sim_instances]
+    rows = sum(s.sampled_rows for s in stats)
+    generated = sum(s.generated_tokens for s in stats)
+    accepted = sum(s.draft_tokens_accepted for s in stats)
+    chunks = sum(s.chunks for samples in result.samples.values() for s in samples)
+    m = result.metrics
+    assert m.draft_tokens_accepted > 0
+    assert generated == pytest.approx(m.output_tokens, abs=1e-6)
+    assert m.output_tokens - rows - 1e-6 <= accepted <= m.output_tokens - rows + chunks
+    assert m.accepted_tokens_per_step == pytest.approx(accepted / rows)
+
+
+def test_accepted_tokens_per_step_is_never_negative_in_any_third(sim_instances):
+    """Rows whose chunks end in a third after accepting drafts in the one before: their
+    last steps, cut short by their ends, must not take back what the earlier third counted."""
+    from seer_engine.sim.profile import InstanceProfile, StepTimeModel
+    from seer_engine.sim.simulator import policy_for, simulate, synthetic_groups
+
+    groups = synthetic_groups(15, 2, 64, prompt_len=10, seed=22, across_sigma=1.6, prompt_len_sigma=0.5)
+    profile = InstanceProfile("t", StepTimeModel(0.02, 2e-5, 2e-9), kv_capacity_tokens=20_000,
+                              max_num_seqs=64, max_num_batched_tokens=1024)  # fmt: skip
+    result = simulate(groups, policy_for("seer", groups, 64, 0.0), profile, 4, 64, 16, admission="peak-known")
+    assert result.metrics.accepted_tokens_per_step > 0
+    assert min(result.metrics.accepted_tokens_per_step_thirds) >= 0
+    for inst in sim_instances:
+        counts = [p.draft_tokens_accepted for p in inst.books.timeline]
+        assert counts == sorted(counts), "a cumulative count never falls"

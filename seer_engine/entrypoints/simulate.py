@@ -171,6 +171,9 @@ def _acceptance_models(args: argparse.Namespace, policies: list[str]) -> dict:
     if args.history_acceptance and args.iterations < 2:
         raise ValueError("--history-acceptance is used from the second iteration on, once the history store "
                          "holds one: pass --iterations N > 1")  # fmt: skip
+    if args.history_acceptance and not args.repeat_prompts:  # every iteration's prompts are fresh
+        raise ValueError("--history-acceptance is used once the history store knows the prompts: "
+                         "pass --repeat-prompts")  # fmt: skip
 
     return {
         "plain": AcceptanceModel.load(args.acceptance) if args.acceptance else None,
@@ -278,7 +281,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                 )
                 if spec_overrides and policy.speculative is not None:
                     policy.speculative = {**policy.speculative, **spec_overrides}
-                model = acceptance_for(store, setup.samples, acceptance["plain"], acceptance["history"])
+                prompts = [g.prompt for g in groups]
+                plain, seeded = acceptance["plain"], acceptance["history"]
+                model = acceptance_for(store, setup.samples, plain, seeded, prompts)
                 results[name] = simulate(
                     groups, policy, p, setup.instances, setup.max_tokens, setup.chunk_tokens, placement,
                     acceptance=model, pooled=not args.no_kv_pool,

@@ -255,12 +255,20 @@ def acceptance_for(
     samples: int,
     plain: AcceptanceModel | None = None,
     seeded: AcceptanceModel | None = None,
+    prompts: Iterable | None = None,
 ) -> AcceptanceModel | None:
     """The acceptance model for one iteration of a policy: with a history store that
-    holds earlier iterations (it seeds every group's suffix tree), ``seeded`` (default:
-    the committed history fit); else ``plain`` (None: the simulator's default)."""
+    holds earlier iterations of the iteration's ``prompts`` (``SimPrompt``s; None: take
+    it that it does), ``seeded`` (default: the committed history fit), as the store then
+    seeds their groups' suffix trees; else ``plain`` (None: the simulator's default). One
+    model runs the whole iteration: the seeded one where the store knows at least half
+    of the prompts (fresh prompts have nothing to seed their trees with)."""
     if history is None or not history.iteration or not len(history):
         return plain
+    if prompts is not None:
+        prompts = list(prompts)
+        if 2 * sum(p in history for p in prompts) < len(prompts):
+            return plain
     return seeded if seeded is not None else history_acceptance(samples)
 
 

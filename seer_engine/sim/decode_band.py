@@ -60,11 +60,22 @@ class DecodeBand:
         return self._ends[0][0] if self._ends else float("inf")
 
     def growth(self, gain: float) -> float:
-        """Tokens the rows write in a step of ``gain`` each: none past its chunk's end (a
-        speculative step may accept more than a row has left)."""
+        """Tokens the rows write in a step (or steps) of ``gain`` each: none past its chunk's
+        end (a speculative step may accept more than a row has left; the engine neither
+        holds KV for those tokens nor counts them as generated or accepted)."""
         if self.first_end() - self.progress >= gain - EPS:
             return len(self.rows) * gain
         return sum(min(gain, self._progress_end(req) - self.progress) for req in self.rows.values())
+
+    def accepted(self, steps: int, gain: float) -> float:
+        """Draft tokens the rows accept in ``steps`` steps of ``gain`` each: what each writes
+        beyond one token a step, up to its chunk's end. A last step cut short by the end
+        accepts none, rather than taking back what earlier steps accepted (the count only
+        grows, as an engine's does)."""
+        if self.first_end() - self.progress >= steps * gain - EPS:
+            return len(self.rows) * steps * (gain - 1)
+        left = (self._progress_end(req) - self.progress for req in self.rows.values())
+        return sum(max(0.0, min(steps * gain, n) - steps) for n in left)
 
     def advance(self, tokens: float) -> None:
         """Every row gains ``tokens``."""

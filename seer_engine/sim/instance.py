@@ -420,10 +420,11 @@ class SimInstance(InstanceHandle):
         if not seg.mixed:
             st.steps += steps
             st.scheduled_tokens += steps * seg.decode_tokens
+        written = sum(band.growth(steps * g) for band, g in zip(self.bands, seg.gain))  # none past an end
         st.sampled_rows += steps * seg.decoding_rows
-        st.generated_tokens += steps * seg.growth
+        st.generated_tokens += written
         st.draft_tokens_verified += steps * sum(n * d for n, d in zip(seg.rows, seg.drafted))
-        st.draft_tokens_accepted += steps * sum(n * (g - 1) for n, g in zip(seg.rows, seg.gain))
+        st.draft_tokens_accepted += sum(band.accepted(steps, g) for band, g in zip(self.bands, seg.gain))
         for band, gain in zip(self.bands, seg.gain):
             band.advance(steps * gain)
         self._evict()  # the rows grew into cached blocks before any of them ended

@@ -40,6 +40,11 @@ class SimGroup:
     lengths: list[int]
     prompt_key: str = ""  # the prompt's identity across iterations (default: the group id)
 
+    @property
+    def prompt(self) -> SimPrompt:
+        """The prompt as the engines and the history store see it: a length and an identity."""
+        return SimPrompt(self.prompt_len, self.prompt_key or self.group_id)
+
 
 class ModeledPool(KVConnector):
     """The global KV pool as the simulator sees it: always there, its transfer time
@@ -139,7 +144,7 @@ def simulate(
     rollout_groups = [
         Group(
             g.group_id,
-            SimPrompt(g.prompt_len, g.prompt_key or g.group_id),
+            g.prompt,
             params,
             len(g.lengths),
             max_tokens,
@@ -277,7 +282,8 @@ def trace_groups(
     ``iteration`` of ``iterations`` that repeat the prompts takes the next sibling set
     of every prompt: disjoint sets, so a trace group with fewer than ``samples x
     iterations`` responses is an error (a response met again would be a history seed
-    drafting itself)."""
+    drafting itself). A prompt's identity (the history store's key) carries the seed, as
+    a synthetic one does: a fresh seed is a fresh workload, not the same prompts again."""
     from seer_engine.workloads.groups import scale_lengths
     from seer_engine.workloads.traces import load_trace
 
@@ -300,7 +306,7 @@ def trace_groups(
         lengths = scaled[j]
         start = ((k // len(source) + seed) * iterations + iteration) * samples
         picked = [lengths[(start + i) % len(lengths)] for i in range(samples)]
-        groups.append(SimGroup(f"t{k}", len(source[j].prompt_token_ids), picked, f"trace-{k}"))
+        groups.append(SimGroup(f"t{k}", len(source[j].prompt_token_ids), picked, f"trace-{seed}-{k}"))
     return groups
 
 
