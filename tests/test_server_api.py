@@ -742,6 +742,8 @@ def test_logit_bias_through_the_openai_client(client, http, model):
     for bias, needle in [
         ({"x": 1}, "logit_bias keys must be token ids"),
         ({"-3": 1}, "logit_bias keys must be token ids"),
+        ({"\u00b2": 1}, "logit_bias keys must be token ids"),  # a digit to str.isdigit, not to int()
+        ({"\u0663": 1}, "logit_bias keys must be token ids"),  # Arabic-Indic 3, which int() reads
         ({"5": 101}, "numbers in [-100, 100]"),
         ({"99999": 1}, "logit_bias token id 99999 is out of the vocabulary"),
     ]:
