@@ -110,6 +110,25 @@ def test_a_stop_string_of_many_multibyte_characters_is_found(llm):
     assert detok.find_stop_string(output[:-1], [stop]) is None
 
 
+def test_a_partial_characters_replacement_mark_completes_no_stop_string(llm):
+    """As vLLM's incremental detokenizer: text ending in U+FFFD waits for the tokens that
+    may complete its character, so a stop string with U+FFFD matches only a mark that
+    stays (a byte that starts no character, once text follows it), never the bytes of a
+    character still being written; the output is cut where that match starts."""
+    from seer_engine.engine.detokenizer import new_stop_match
+
+    detok = llm.engine.detokenizer
+    char = detok.encode("日")
+    assert len(char) == 3 and detok.decode(char) == "日"
+    for k in range(1, 4):
+        assert detok.find_stop_string(char[:k], ["\ufffd"]) is None, k
+    assert detok.find_stop_string(char, ["日"]) == "日"
+    stray = char[1:2]  # a continuation byte alone: never a character
+    assert detok.find_stop_string(detok.encode("ab") + stray, ["\ufffd"]) is None
+    assert detok.find_stop_string(detok.encode("ab") + stray + detok.encode("x"), ["\ufffd"]) == "\ufffd"
+    assert new_stop_match("ab\ufffd", "ab\ufffdx", ["\ufffd"]) == (2, "\ufffd")
+
+
 def test_an_interrupted_generate_leaves_nothing_behind(tiny_model, monkeypatch):
     llm = LLM(str(tiny_model("qwen3")), max_model_len=64)
     engine, step, calls = llm.engine, llm.engine.step, []

@@ -156,7 +156,10 @@ def new_stop_match(before: str, text: str, stops: Sequence[str]) -> tuple[int, s
 
     Where the texts differ is found by their common prefix: a last token that completes
     a multi-byte character also changes the replacement character ``before`` ends with.
+    Text ending in U+FFFD may be a character still being written, so, as in vLLM's
+    incremental detokenizer, that end is left out until text follows it.
     """
-    common = len(os.path.commonprefix([before, text]))
-    hits = [(i, s) for s in stops if (i := text.find(s, max(0, common - len(s) + 1))) >= 0]
+    before, shown = before.rstrip("\ufffd"), text.rstrip("\ufffd")
+    common = len(os.path.commonprefix([before, shown]))
+    hits = [(i, s) for s in stops if (i := shown.find(s, max(0, common - len(s) + 1))) >= 0]
     return min(hits) if hits else None
