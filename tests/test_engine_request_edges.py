@@ -110,6 +110,44 @@ def test_a_stop_string_of_many_multibyte_characters_is_found(llm):
     assert detok.find_stop_string(output[:-1], [stop]) is None
 
 
+def test_a_partial_characters_replacement_mark_completes_no_stop_string(llm):
+    """As vLLM's incremental detokenizer: text ending in U+FFFD waits for the tokens that
+    may complete its character, so a stop string with U+FFFD matches only a mark that
+    stays (a byte that starts no character, once text follows it), never the bytes of a
+    character still being written; the output is cut where that match starts."""
+    from seer_engine.engine.detokenizer import new_stop_match
+
+    detok = llm.engine.detokenizer
+    char = detok.encode("日")
+    assert len(char) == 3 and detok.decode(char) == "日"
+    for k in range(1, 4):
+        assert detok.find_stop_string(char[:k], ["\ufffd"]) is None, k
+    assert detok.find_stop_string(char, ["日"]) == "日"
+    stray = char[1:2]  # a continuation byte alone: never a character
+    assert detok.find_stop_string(detok.encode("ab") + stray, ["\ufffd"]) is None
+    assert detok.find_stop_string(detok.encode("ab") + stray + detok.encode("x"), ["\ufffd"]) == "\ufffd"
+    assert new_stop_match("ab\ufffd", "ab\ufffdx", ["\ufffd"]) == (2, "\ufffd")
+
+
+def test_a_character_begun_by_the_prompt_and_finished_by_the_output_is_the_outputs(llm):
+    """As vLLM's detokenizer, which starts from the prompt's last tokens: a prompt given
+    as token ids may end inside a character; the output token that finishes it gives the
+    character, not U+FFFD, and a stop string can match it."""
+    detok = llm.engine.detokenizer
+    ids = detok.encode("Hello 日本")
+    prompt, last = ids[:-1], ids[-1]
+    assert detok.decode(prompt).endswith("\ufffd") and detok.decode([last]) == "\ufffd"
+    base = dict(max_tokens=2, allowed_token_ids=[last], ignore_eos=True)
+    out = llm.generate([prompt], SamplingParams(**{**base, "max_tokens": 1}))[0].outputs[0]
+    assert out.text == "本" and out.token_ids == [last]
+    out = llm.generate([prompt], SamplingParams(**base, stop=["本"]))[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text, out.token_ids) == ("stop", "本", "", [last])
+    out = llm.generate([prompt], SamplingParams(**base, stop=["本"], include_stop_str_in_output=True))
+    assert out[0].outputs[0].text == "本"
+    clean = llm.generate([detok.encode("Hello")], SamplingParams(**base))[0].outputs[0]
+    assert clean.text == detok.decode([last, last])  # a prompt ending a character lends nothing
+
+
 def test_an_interrupted_generate_leaves_nothing_behind(tiny_model, monkeypatch):
     llm = LLM(str(tiny_model("qwen3")), max_model_len=64)
     engine, step, calls = llm.engine, llm.engine.step, []

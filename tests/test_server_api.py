@@ -742,6 +742,8 @@ def test_logit_bias_through_the_openai_client(client, http, model):
     for bias, needle in [
         ({"x": 1}, "logit_bias keys must be token ids"),
         ({"-3": 1}, "logit_bias keys must be token ids"),
+        ({"\u00b2": 1}, "logit_bias keys must be token ids"),  # a digit to str.isdigit, not to int()
+        ({"\u0663": 1}, "logit_bias keys must be token ids"),  # Arabic-Indic 3, which int() reads
         ({"5": 101}, "numbers in [-100, 100]"),
         ({"99999": 1}, "logit_bias token id 99999 is out of the vocabulary"),
     ]:
@@ -910,3 +912,21 @@ def test_text_prompts_take_the_tokenizers_bos_and_chat_prompts_do_not(tiny_model
         assert http.post("/tokenize", json=body).json()["tokens"] == tok(no_prompt).input_ids
         resp = http.post("/detokenize", json={"model": server.model, "tokens": [bos, *plain]})
         assert resp.json() == {"prompt": tok.decode([bos, *plain])}
+
+
+def test_echoed_token_prompt_keeps_its_special_tokens(client, http, model):
+    """An echoed prompt given as token ids (or a text prompt cut by truncate_prompt_tokens)
+    is shown with its special tokens, as /detokenize and the echo's logprobs tokens spell
+    it: the logprobs' tokens join into the text and their offsets index it."""
+    text = "<|im_start|>user\nHi there<|im_end|>\n"
+    ids = http.post("/tokenize", json={"model": model, "prompt": text}).json()["tokens"]
+    kwargs = dict(model=model, max_tokens=3, echo=True, logprobs=1, seed=2)
+    for prompt, extra in ((ids, {}), (f"Well {text}", {"truncate_prompt_tokens": len(ids)})):
+        resp = client.completions.create(prompt=prompt, **kwargs, extra_body={"ignore_eos": True, **extra})
+        choice = resp.choices[0]
+        lp = choice.logprobs
+        assert choice.text.startswith(text) and "".join(lp.tokens) == choice.text, (prompt, choice.text)
+        assert all(choice.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+        extra_body = {"ignore_eos": True, **extra}
+        chunks = client.completions.create(prompt=prompt, **kwargs, stream=True, extra_body=extra_body)
+        assert "".join(c.choices[0].text for c in chunks) == choice.text

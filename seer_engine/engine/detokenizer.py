@@ -54,6 +54,26 @@ class Detokenizer:
             text = self._piece_cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def text_lead(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt's last tokens that may hold the start of a character its output
+        finishes (pieces holding U+FFFD); none for a prompt that ends a character."""
+        lead: list[int] = []
+        for tid in reversed(prompt_ids[-_MAX_LEAD:]):
+            if "\ufffd" not in self.piece(tid):
+                break
+            lead.append(tid)
+        return lead[::-1]
+
+    def output_text(self, lead: Sequence[int], ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of output tokens after the prompt's ``text_lead``, as vLLM's detokenizer
+        continuing from the prompt gives it: a character the prompt began and the output
+        finished is the output's; the prompt's own whole characters are not."""
+        if not lead:
+            return self.decode(ids, skip_special_tokens)
+        head = self.decode(lead, skip_special_tokens).rstrip("\ufffd")
+        text = self.decode([*lead, *ids], skip_special_tokens)
+        return text[len(head) :] if text.startswith(head) else self.decode(ids, skip_special_tokens)
+
     def token_bytes(self, token_id: int, text: str) -> bytes:
         """The token's own bytes (``text``: its decoded piece). A token that holds part of
         a character decodes to U+FFFD alone; its bytes come from its vocabulary spelling
@@ -110,7 +130,11 @@ class Detokenizer:
         )
 
     def find_stop_string(
-        self, output_ids: Sequence[int], stops: Sequence[str], skip_special_tokens: bool = True
+        self,
+        output_ids: Sequence[int],
+        stops: Sequence[str],
+        skip_special_tokens: bool = True,
+        lead: Sequence[int] = (),
     ) -> str | None:
         """A stop string that the last output token completed.
 
@@ -120,12 +144,14 @@ class Detokenizer:
         a special token's text is not there, so it completes no stop string (vLLM's rule).
         Only a window of trailing tokens is decoded, which keeps the check cheap on long
         outputs; the window is wide enough for the longest stop string, counted in UTF-8
-        bytes since a byte-level tokenizer may spend a token on every byte.
+        bytes since a byte-level tokenizer may spend a token on every byte. ``lead``: the
+        prompt's ``text_lead``, which counts while the window holds the whole output.
         """
         window = 2 * max(len(s.encode("utf-8", "surrogatepass")) for s in stops) + 8
         tail = output_ids[-window:]
-        before = self.decode(tail[:-1], skip_special_tokens)
-        hit = new_stop_match(before, self.decode(tail, skip_special_tokens), stops)
+        lead = lead if len(tail) == len(output_ids) else ()
+        before = self.output_text(lead, tail[:-1], skip_special_tokens)
+        hit = new_stop_match(before, self.output_text(lead, tail, skip_special_tokens), stops)
         return hit[1] if hit else None
 
     def logprobs_to_output(
@@ -147,6 +173,7 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_alphabet()
+_MAX_LEAD = 8  # prompt tokens looked at for a character the output may finish
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -156,7 +183,10 @@ def new_stop_match(before: str, text: str, stops: Sequence[str]) -> tuple[int, s
 
     Where the texts differ is found by their common prefix: a last token that completes
     a multi-byte character also changes the replacement character ``before`` ends with.
+    Text ending in U+FFFD may be a character still being written, so, as in vLLM's
+    incremental detokenizer, that end is left out until text follows it.
     """
-    common = len(os.path.commonprefix([before, text]))
-    hits = [(i, s) for s in stops if (i := text.find(s, max(0, common - len(s) + 1))) >= 0]
+    before, shown = before.rstrip("\ufffd"), text.rstrip("\ufffd")
+    common = len(os.path.commonprefix([before, shown]))
+    hits = [(i, s) for s in stops if (i := shown.find(s, max(0, common - len(s) + 1))) >= 0]
     return min(hits) if hits else None

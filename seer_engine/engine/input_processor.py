@@ -153,8 +153,7 @@ class InputProcessor:
             if not ids:
                 raise InvalidRequestError("prompt is empty once tokenized", param="prompt")
             if keep_last is not None and len(ids) > keep_last:
-                ids = self._truncated(prompt, ids, add_special_tokens, keep_last)
-                prompt = self.tokenizer.decode(ids)
+                ids, prompt = self._truncated(prompt, ids, add_special_tokens, keep_last)
             outside = self._first_outside_vocabulary(ids)
             if outside is not None:
                 raise InvalidRequestError(
@@ -176,9 +175,12 @@ class InputProcessor:
         self._check_ids(ids, "prompt", "prompt")
         return None, ids
 
-    def _truncated(self, text: str, ids: list[int], add_special_tokens: bool, keep: int) -> list[int]:
+    def _truncated(
+        self, text: str, ids: list[int], add_special_tokens: bool, keep: int
+    ) -> tuple[list[int], str]:
         """The text's last tokens, ``keep`` in all with the special tokens the tokenizer
-        puts around it (a BOS stays first), as a tokenizer truncating on the left gives."""
+        puts around it (a BOS stays first), as a tokenizer truncating on the left gives;
+        and the text they keep (special tokens written in it stay, the added ones do not)."""
         plain = self.tokenizer.encode(text, False) if add_special_tokens else ids
         head = next((i for i in range(len(ids) - len(plain) + 1) if ids[i : i + len(plain)] == plain), 0)
         tail = len(ids) - head - len(plain)
@@ -189,7 +191,9 @@ class InputProcessor:
                 f"{head + tail} special tokens the tokenizer adds",
                 param="truncate_prompt_tokens",
             )
-        return ids[:head] + plain[-room:] + ids[len(ids) - tail :]
+        kept = plain[-room:]
+        text = self.tokenizer.decode(kept, skip_special_tokens=False)
+        return ids[:head] + kept + ids[len(ids) - tail :], text
 
     def _check_ids(self, ids: list[int], what: str, param: str | None) -> None:
         if len(ids) >= self.max_model_len:

@@ -342,20 +342,20 @@ class LLMEngine:
             self.drafter.stats.moved_kv_slots += len(moves)
 
     def _check_stop_strings(self, req: Request, num_new: int) -> None:
-        """A stop string completed by one of this step's ``num_new`` tokens finishes the
-        request there; tokens after it (accepted draft tokens) are dropped.
-
-        A request that just finished is checked too: a stop string completed by its last
-        token (at max_tokens) makes it stop, as in vLLM. One ended by EOS or a stop token
-        id is checked up to the token before: that token adds no text. As in vLLM, only
-        tokens past the first min_tokens complete one (EOS and stop ids are banned up to there).
+        """A stop string completed by one of this step's ``num_new`` tokens finishes the request
+        there; tokens after it (accepted draft tokens) are dropped. A request that just finished
+        is checked too: a stop string completed by its last token (at max_tokens) makes it stop,
+        as in vLLM. One ended by EOS or a stop token id is checked up to the token before: that
+        token adds no text. As in vLLM, only tokens past the first min_tokens complete one (EOS
+        and stop ids are banned up to there).
         """
         params = req.sampling_params
         total = req.num_output_tokens
         last = total - 1 if req.status is RequestStatus.FINISHED_STOPPED else total
+        lead = self.detokenizer.text_lead(req.prompt_token_ids)
         for length in range(max(total - num_new + 1, params.min_tokens + 1), last + 1):
             output_ids = req.output_token_ids[:length]
-            hit = self.detokenizer.find_stop_string(output_ids, params.stop, params.skip_special_tokens)
+            hit = self.detokenizer.find_stop_string(output_ids, params.stop, params.skip_special_tokens, lead)
             if hit is not None:
                 req.stop_reason = hit
                 self.scheduler.finish_truncated(req, length, RequestStatus.FINISHED_STOPPED)

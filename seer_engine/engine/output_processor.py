@@ -111,10 +111,11 @@ class OutputProcessor:
             and not params.include_stop_str_in_output
         ):
             text_ids = text_ids[:-1]  # the stop token (EOS or a stop token id) is not text, as in vLLM
-        text = self.detokenizer.decode(text_ids, params.skip_special_tokens)
+        lead = self.detokenizer.text_lead(req.prompt_token_ids)
+        text = self.detokenizer.output_text(lead, text_ids, params.skip_special_tokens)
         if isinstance(req.stop_reason, str):
             # Cut at the match the last token completed, not at an earlier occurrence.
-            before = self.detokenizer.decode(text_ids[:-1], params.skip_special_tokens)
+            before = self.detokenizer.output_text(lead, text_ids[:-1], params.skip_special_tokens)
             hit = new_stop_match(before, text, [req.stop_reason])
             if hit is not None:
                 text = text[: hit[0] + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]

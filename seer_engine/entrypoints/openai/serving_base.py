@@ -241,10 +241,12 @@ class ServingBase:
 
 
 def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's logit_bias, whose keys are token ids written as strings."""
+    """OpenAI's logit_bias, whose keys are token ids written as strings: ASCII digits only
+    (``str.isdigit`` takes "\u00b2", which ``int`` refuses, and ``int`` reads other scripts' digits)."""
     out: dict[int, float] = {}
     for key, value in (logit_bias or {}).items():
-        if not key.strip().isdigit():
+        digits = key.strip()
+        if not (digits.isascii() and digits.isdigit()):
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
         out[int(key)] = value
     return out

@@ -65,8 +65,10 @@ class OpenAIServingCompletion(ServingBase):
 
     def _prompt_text(self, out: RequestOutput) -> str:
         """The prompt an echo shows: the request's text, or its token ids' (a truncated
-        prompt's: what was kept)."""
-        return out.prompt if out.prompt is not None else self.engine.detokenizer.decode(out.prompt_token_ids)
+        prompt's: what was kept), special tokens included, as its logprobs' tokens spell it."""
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.detokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
     def _response(self, req: CompletionRequest, request_id: str, outputs: list[RequestOutput]) -> dict:
         choices = []
