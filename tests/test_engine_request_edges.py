@@ -110,6 +110,16 @@ def test_a_stop_string_of_many_multibyte_characters_is_found(llm):
     assert detok.find_stop_string(output[:-1], [stop]) is None
 
 
+def test_stop_strings_starting_at_one_place_go_by_the_requests_order():
+    """The earliest match wins; of matches that start at one place, the stop string first
+    in the request's list (vLLM's order), whatever their length or spelling."""
+    from seer_engine.engine.detokenizer import new_stop_match
+
+    assert new_stop_match("x", "xabc", ["abc", "ab"]) == (1, "abc")
+    assert new_stop_match("x", "xabc", ["ab", "abc"]) == (1, "ab")
+    assert new_stop_match("x", "xabc", ["c", "zz", "b"]) == (2, "b")
+
+
 def test_a_partial_characters_replacement_mark_completes_no_stop_string(llm):
     """As vLLM's incremental detokenizer: text ending in U+FFFD waits for the tokens that
     may complete its character, so a stop string with U+FFFD matches only a mark that

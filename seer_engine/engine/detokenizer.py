@@ -179,7 +179,8 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 def new_stop_match(before: str, text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     """(start, stop string) of the first stop string in ``text`` that ends in what the
-    last token added to ``before`` (the text without it), or None.
+    last token added to ``before`` (the text without it), or None. Of stop strings that
+    start at the same place, the first in the request's list (vLLM's order).
 
     Where the texts differ is found by their common prefix: a last token that completes
     a multi-byte character also changes the replacement character ``before`` ends with.
@@ -189,4 +190,4 @@ def new_stop_match(before: str, text: str, stops: Sequence[str]) -> tuple[int, s
     before, shown = before.rstrip("\ufffd"), text.rstrip("\ufffd")
     common = len(os.path.commonprefix([before, shown]))
     hits = [(i, s) for s in stops if (i := shown.find(s, max(0, common - len(s) + 1))) >= 0]
-    return min(hits) if hits else None
+    return min(hits, key=lambda hit: hit[0]) if hits else None
