@@ -23,6 +23,10 @@ def _engine_prompt(prompt: Prompt) -> str | Sequence[int]:
     """The text or token ids of a prompt as vLLM's ``LLM`` takes it: a prompt dict is
     unpacked, and numpy integer ids (``list(array)``) become ints, which the engine checks."""
     if isinstance(prompt, Mapping):
+        extra = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+        if extra:  # multi_modal_data, cache_salt, ...: run without them, the output would not be theirs
+            why = f"a prompt dict holds 'prompt' or 'prompt_token_ids'; unsupported keys {extra}"
+            raise InvalidRequestError(why, param="prompt")
         if "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]  # type: ignore[assignment]
         elif "prompt" in prompt:
@@ -54,7 +58,7 @@ def _param_list(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
 ) -> list[SamplingParams]:
     """One ``SamplingParams`` per prompt, as vLLM's ``LLM`` takes them: one for all, or a list."""
-    params = sampling_params or SamplingParams()
+    params = SamplingParams() if sampling_params is None else sampling_params
     param_list = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
     if len(param_list) != num_prompts:
         raise ValueError(f"got {len(param_list)} SamplingParams for {num_prompts} prompts")
