@@ -260,3 +260,24 @@ def test_a_history_dir_that_cannot_be_written_is_named_before_the_model_loads(co
     }[command]
     err = _error([*args, "--model", "/nonexistent-model", "--history", str(a_file)], capsys)
     assert f"--history {str(a_file)!r} is not a directory this run can write to" in err
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON (nested too deeply)"),
+        ('{"prompt": "x"', "not valid JSON"),
+        ('["x"]', 'expected an object with a "prompt"'),
+        ('{"prompt": "x", "foo": 1}', "unknown fields ['foo']"),
+        ('{"prompt": "x", "n": 0}', "n must be an integer >= 1, got 0"),
+        ('{"prompt": "x", "temperature": -1}', "temperature must be a finite number >= 0, got -1"),
+    ],
+)
+def test_a_bad_rollout_input_line_is_named_before_the_model_loads(line, message, tmp_path, capsys):
+    """The input was read only once every instance had loaded the model, so a bad line was
+    named minutes late; JSON nested past Python's recursion limit was a RecursionError traceback."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "fine"}\n' + line + "\n")
+    out = str(tmp_path / "o.jsonl")
+    args = ["rollout", "--model", "/nonexistent-model", "--input", str(src), "--output", out]
+    assert f"{src}:2: {message}" in _error(args, capsys)

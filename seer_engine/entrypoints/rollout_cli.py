@@ -108,8 +108,11 @@ def summarize(prompts: list[TaskPrompt], result: RolloutResult, grades: list[lis
     )
 
 
-def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -> list[Group]:
-    groups = []
+def read_lines(path: Path, n: int, defaults: dict) -> list[tuple[int, object, SamplingParams, int]]:
+    """Every prompt line as ``(line number, prompt, params, n)``, checked as far as the
+    model is not needed (JSON, fields, sampling values): read before the model loads, a bad
+    line is named before minutes of loading, not after."""
+    lines = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:  # a BOM (as Windows editors write one) is not part of the first line's JSON
@@ -123,6 +126,8 @@ def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            except RecursionError:
+                raise InvalidRequestError(f"{path}:{lineno}: not valid JSON (nested too deeply)") from None
             if not isinstance(item, dict) or "prompt" not in item:
                 raise InvalidRequestError(f'{path}:{lineno}: expected an object with a "prompt"')
             unknown = set(item) - _SAMPLING_FIELDS - {"prompt", "n"}
@@ -133,14 +138,26 @@ def read_groups(path: Path, n: int, defaults: dict, processor: InputProcessor) -
             if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
                 raise InvalidRequestError(f"{path}:{lineno}: n must be an integer >= 1, got {samples!r}")
             try:
-                checked = processor.process(item["prompt"], SamplingParams(**fields))
+                params = SamplingParams(**fields)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"{path}:{lineno}: {e}") from e
-            gid = f"g{len(groups)}"
-            groups.append(Group(gid, checked.prompt_token_ids, checked.params, samples, checked.max_tokens,
-                                prompt=checked.prompt))  # fmt: skip
-    if not groups:
+            lines.append((lineno, item["prompt"], params, samples))
+    if not lines:
         raise InvalidRequestError(f"{path} holds no prompts")
+    return lines
+
+
+def read_groups(path: Path, lines: list, processor: InputProcessor) -> list[Group]:
+    """The groups of ``read_lines``' prompts, tokenized and checked against the model."""
+    groups = []
+    for lineno, prompt, params, samples in lines:
+        try:
+            checked = processor.process(prompt, params)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{path}:{lineno}: {e}") from e
+        gid = f"g{len(groups)}"
+        groups.append(Group(gid, checked.prompt_token_ids, checked.params, samples, checked.max_tokens,
+                            prompt=checked.prompt))  # fmt: skip
     return groups
 
 
@@ -165,6 +182,7 @@ def run_rollout(args: argparse.Namespace) -> int:
     except InvalidRequestError as e:
         raise ValueError(f"--{(e.param or '').replace('_', '-')}: {e}") from None
     rollout_config = RolloutConfig.from_cli_args(args)
+    lines = read_lines(path, args.n, defaults) if task is None else []
     history = rollout_config.open_history()
     policy = rollout_config.make_policy(history)
     with rollout_config.make_pool(EngineConfig.from_cli_args(args), policy, history=history) as pool:
@@ -174,7 +192,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             params = SamplingParams(**defaults)
             prompts, groups = task_groups(task, args.prompts, args.seed, args.n, params, processor)
         else:
-            groups = read_groups(path, args.n, defaults, processor)
+            groups = read_groups(path, lines, processor)
         name = rollout_config.policy
         total = sum(g.n for g in groups)
         pool.reset_clocks()  # the rollout's time starts now, not when the instances were up
