@@ -281,3 +281,33 @@ def test_a_bad_rollout_input_line_is_named_before_the_model_loads(line, message,
     out = str(tmp_path / "o.jsonl")
     args = ["rollout", "--model", "/nonexistent-model", "--input", str(src), "--output", out]
     assert f"{src}:2: {message}" in _error(args, capsys)
+
+
+def test_an_output_that_cannot_be_written_in_full_keeps_the_earlier_file(tiny_model, tmp_path):
+    """The output was written in place: a write that failed part way (a full disk; here a
+    file size limit) was an OSError traceback and left a file cut mid-line in place of the
+    earlier one. It is written beside it and renamed, the failure named in one line."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n{"prompt": [5, 6]}\n{"prompt": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier\n")
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+            "--n", "2", "--max-tokens", "8", "--num-threads", "1"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "seer_engine.entrypoints.cli", *args],
+        capture_output=True, text=True, preexec_fn=limit_file_size, env=os.environ,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: cannot write --output {str(out)!r}: File too large" in proc.stderr
+    assert out.read_text() == "earlier\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]

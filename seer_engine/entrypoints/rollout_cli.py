@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -210,7 +212,8 @@ def run_rollout(args: argparse.Namespace) -> int:
             )
             result = dispatcher.run(groups)
     grades = grade_result(task, prompts, result) if task is not None else None
-    with out_path.open("w") as out:
+
+    def out_lines():
         for k, g in enumerate(groups):
             line = _line(g, result.samples[g.group_id])
             if grades is not None:
@@ -218,7 +221,9 @@ def run_rollout(args: argparse.Namespace) -> int:
                 line = {**{key: problem[key] for key in ("id", "task", "messages", "answer", "data")}, **line}
                 for output, grade in zip(line["outputs"], grades[k]):
                     output.update(reward=grade.reward, parsed=grade.parsed, verdict=grade.verdict)
-            out.write(json.dumps(line) + "\n")
+            yield json.dumps(line) + "\n"
+
+    write_whole(out_path, out_lines(), f"--output {args.output!r}")
     if history is not None:
         history.next_iteration()  # this rollout is an earlier iteration to the next one
         save_history(history, rollout_config.history_spec())
@@ -229,6 +234,22 @@ def run_rollout(args: argparse.Namespace) -> int:
           f"({m.throughput_tokens_per_s:.1f} tokens/s), preemptions {m.preemptions} -> {args.output}",
           file=sys.stderr)  # fmt: skip
     return 0
+
+
+def write_whole(path: Path, lines: Iterable[str], flag: str) -> None:
+    """Write ``lines`` beside ``path`` and rename the file into place: a write that fails
+    (a full disk) or is interrupted leaves the earlier file, never one cut short."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(lines)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {flag}: {e.strerror or e}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _line(g: Group, samples: list) -> dict:
