@@ -311,3 +311,33 @@ def test_an_output_that_cannot_be_written_in_full_keeps_the_earlier_file(tiny_mo
     assert f"error: cannot write --output {str(out)!r}: File too large" in proc.stderr
     assert out.read_text() == "earlier\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+def test_an_output_through_a_link_or_to_a_stream_is_written_there(tiny_model, tmp_path, capsys):
+    """``--output`` may be a link to the file (written through, not replaced; its target's
+    folder is the one checked), a file with its own mode (kept), or ``/dev/stdout`` (a
+    stream: written in place)."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n')
+    real = tmp_path / "data" / "real.jsonl"
+    real.parent.mkdir()
+    real.write_text("earlier\n")
+    real.chmod(0o640)
+    link = tmp_path / "out.jsonl"
+    link.symlink_to(real)
+    args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--n", "1", "--max-tokens", "2"]
+    assert main([*args, "--output", str(link)]) == 0
+    assert link.is_symlink() and json.loads(real.read_text())["prompt"] == "a"
+    assert real.stat().st_mode & 0o777 == 0o640
+    cli = [sys.executable, "-m", "seer_engine.entrypoints.cli", *args, "--output", "/dev/stdout"]
+    proc = subprocess.run(cli, capture_output=True, text=True, env=os.environ)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["prompt"] == "a"
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "missing" / "out.jsonl")
+    refused = ["rollout", "--model", "/nonexistent-model", "--input", str(src), "--output", str(dangling)]
+    assert "not a file in an existing directory" in _error(refused, capsys)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -175,9 +176,7 @@ def run_rollout(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ValueError(f"input file {str(path)!r} not found")
     out_path = Path(args.output)  # checked now: a rollout is not run to be lost at the end
-    if out_path.is_dir() or not out_path.parent.is_dir():
-        raise ValueError(f"cannot write --output {args.output!r}: not a file in an existing directory")
-    writable_dir(out_path.parent, f"--output {args.output!r}: its folder")
+    check_output(out_path, f"--output {args.output!r}")
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     try:  # the flags' fault, named before the model loads, not blamed on the input's first line
         SamplingParams(**defaults)
@@ -236,14 +235,38 @@ def run_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_output(path: Path, flag: str) -> None:
+    """``path`` as ``write_whole`` will write it: a stream it can write to, or a file in an
+    existing folder (a link's target's) where it can make the file it renames into place."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"cannot write {flag}: permission denied")
+        return
+    real = Path(os.path.realpath(path))
+    if real.is_dir() or not real.parent.is_dir():
+        raise ValueError(f"cannot write {flag}: not a file in an existing directory")
+    writable_dir(real.parent, f"{flag}: its folder")
+
+
 def write_whole(path: Path, lines: Iterable[str], flag: str) -> None:
-    """Write ``lines`` beside ``path`` and rename the file into place: a write that fails
-    (a full disk) or is interrupted leaves the earlier file, never one cut short."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write ``lines`` beside ``path`` (a link's target) and rename the file into place, in
+    the earlier file's mode: a write that fails (a full disk) or is interrupted leaves the
+    earlier file, never one cut short. A stream (``/dev/stdout``, a pipe) is written to."""
+    if path.exists() and not path.is_file():
+        try:
+            with path.open("w", encoding="utf-8") as f:
+                f.writelines(lines)
+        except OSError as e:
+            raise ValueError(f"cannot write {flag}: {e.strerror or e}") from None
+        return
+    target = Path(os.path.realpath(path))
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("w", encoding="utf-8") as f:
             f.writelines(lines)
-        os.replace(tmp, path)
+        if target.exists():
+            shutil.copymode(target, tmp)
+        os.replace(tmp, target)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write {flag}: {e.strerror or e}") from None
