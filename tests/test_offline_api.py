@@ -30,3 +30,17 @@ def test_a_prompt_dict_key_the_engine_does_not_read_is_refused(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\]: .*unsupported keys \['multi_modal_data'\]"):
         llm.generate(["hi", prompt], params)
     assert len(llm.generate({"prompt": "hi"}, params)) == 1
+
+
+def test_prompts_of_the_wrong_kind_are_refused_not_read_as_something_else(llm):
+    """``b"hi"`` ran as the token ids [104, 105] (its bytes), ``{"prompt_token_ids": "abc"}``
+    as the text "abc", and a bare int failed as "'int' object is not iterable"."""
+    params = SamplingParams(max_tokens=1)
+    kinds = "prompts must be text, token ids, a prompt dict or a list of them"
+    with pytest.raises(TypeError, match=f"{kinds}, got bytes"):
+        llm.generate(b"hi", params)
+    with pytest.raises(TypeError, match="got int"):
+        llm.generate(5, params)
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list of token ids, got 'abc'"):
+        llm.generate({"prompt_token_ids": "abc"}, params)
+    assert [o.prompt_token_ids for o in llm.generate({"prompt_token_ids": (5, 6)}, params)] == [[5, 6]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -29,6 +29,9 @@ def _engine_prompt(prompt: Prompt) -> str | Sequence[int]:
             raise InvalidRequestError(why, param="prompt")
         if "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]  # type: ignore[assignment]
+            if isinstance(prompt, (str, bytes)):  # else its text would run as the prompt
+                why = f"prompt_token_ids must be a list of token ids, got {prompt!r}"
+                raise InvalidRequestError(why, param="prompt_token_ids")
         elif "prompt" in prompt:
             prompt = prompt["prompt"]  # type: ignore[assignment]
         else:
@@ -50,6 +53,9 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return list(prompts)  # type: ignore[arg-type]
     if isinstance(prompts, (str, Mapping)) or hasattr(prompts, "tolist"):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):  # bytes: not ids
+        kind = type(prompts).__name__
+        raise TypeError(f"prompts must be text, token ids, a prompt dict or a list of them, got {kind}")
     listed = list(prompts)
     return [listed] if listed and isinstance(listed[0], numbers.Integral) else listed  # type: ignore[list-item]
 
