@@ -341,3 +341,20 @@ def test_an_output_through_a_link_or_to_a_stream_is_written_there(tiny_model, tm
     dangling.symlink_to(tmp_path / "missing" / "out.jsonl")
     refused = ["rollout", "--model", "/nonexistent-model", "--input", str(src), "--output", str(dangling)]
     assert "not a file in an existing directory" in _error(refused, capsys)
+
+
+def test_rollout_input_from_a_pipe_is_read(tiny_model, tmp_path, capsys):
+    """``--input /dev/stdin`` (a pipe, no regular file) was refused as "not found"."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.jsonl"
+    args = ["rollout", "--model", str(tiny_model()), "--input", "/dev/stdin", "--output", str(out),
+            "--n", "1", "--max-tokens", "2", "--num-threads", "1"]  # fmt: skip
+    cli = [sys.executable, "-m", "seer_engine.entrypoints.cli", *args]
+    proc = subprocess.run(cli, input='{"prompt": "a"}\n', capture_output=True, text=True, env=os.environ)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["prompt"] == "a"
+    refused = ["rollout", "--model", "/nonexistent-model", "--input", str(tmp_path), "--output", str(out)]
+    assert f"--input {str(tmp_path)!r} is a directory" in _error(refused, capsys)

@@ -116,7 +116,11 @@ def read_lines(path: Path, n: int, defaults: dict) -> list[tuple[int, object, Sa
     model is not needed (JSON, fields, sampling values): read before the model loads, a bad
     line is named before minutes of loading, not after."""
     lines = []
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise ValueError(f"cannot read --input {str(path)!r}: {e.strerror or e}") from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             try:  # a BOM (as Windows editors write one) is not part of the first line's JSON
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -173,7 +177,9 @@ def run_rollout(args: argparse.Namespace) -> int:
         task = get_task(args.task, **parse_knobs(args.task, args.knob))
     else:
         path = Path(args.input)
-        if not path.is_file():
+        if path.is_dir():
+            raise ValueError(f"--input {str(path)!r} is a directory")
+        if not path.exists():  # a regular file or a stream (/dev/stdin, a named pipe)
             raise ValueError(f"input file {str(path)!r} not found")
     out_path = Path(args.output)  # checked now: a rollout is not run to be lost at the end
     check_output(out_path, f"--output {args.output!r}")
