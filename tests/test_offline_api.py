@@ -44,3 +44,12 @@ def test_prompts_of_the_wrong_kind_are_refused_not_read_as_something_else(llm):
     with pytest.raises(ValueError, match="prompt_token_ids must be a list of token ids, got 'abc'"):
         llm.generate({"prompt_token_ids": "abc"}, params)
     assert [o.prompt_token_ids for o in llm.generate({"prompt_token_ids": (5, 6)}, params)] == [[5, 6]]
+
+
+def test_generate_waits_for_its_own_requests_not_for_as_many_of_any(llm):
+    """A request already in the engine (added through ``llm.engine``) finishing first counted
+    as one of the call's: it returned early with a KeyError and left its own request running."""
+    llm.engine.add_request("elsewhere", "hi", SamplingParams(max_tokens=1))
+    outs = llm.generate(["a longer one"], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12]
+    assert not llm.engine.has_unfinished_requests()

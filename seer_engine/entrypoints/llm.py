@@ -115,11 +115,13 @@ class LLM:
                         raise
                     raise InvalidRequestError(f"prompts[{i}]: {e}", e.param) from e
                 ids.append(rid)
+            pending = set(ids)
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
                 while len(done) < len(ids):
                     for out in self.engine.step():
-                        done[out.request_id] = out
-                        bar.update(1)
+                        if out.request_id in pending:  # not a request added to the engine elsewhere
+                            done[out.request_id] = out
+                            bar.update(1)
         except BaseException:
             self.engine.abort_request([rid for rid in ids if rid not in done])
             raise
