@@ -358,3 +358,24 @@ def test_rollout_input_from_a_pipe_is_read(tiny_model, tmp_path, capsys):
     assert json.loads(out.read_text())["prompt"] == "a"
     refused = ["rollout", "--model", "/nonexistent-model", "--input", str(tmp_path), "--output", str(out)]
     assert f"--input {str(tmp_path)!r} is a directory" in _error(refused, capsys)
+
+
+def test_rollout_seed_picks_the_samples_of_lines_without_their_own(tiny_model, tmp_path):
+    """Lines without a seed were seeded by their position only: ``--seed 1`` and ``--seed 2``
+    gave the same responses, so rollouts of one file (an epoch each) repeated themselves.
+    ``--seed`` now seeds them, as it does ``--task``'s groups; a line's own seed still wins."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Once upon a time"}\n{"prompt": "Once upon a time", "seed": 5}\n')
+
+    def tokens(seed: int) -> list:
+        out = tmp_path / f"out{seed}.jsonl"
+        args = ["rollout", "--model", str(tiny_model()), "--input", str(src), "--output", str(out),
+                "--n", "2", "--max-tokens", "6", "--seed", str(seed), "--num-threads", "1"]  # fmt: skip
+        assert main(args) == 0
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        return [[o["token_ids"] for o in line["outputs"]] for line in lines]
+
+    first, second, again = tokens(1), tokens(2), tokens(1)
+    assert first == again
+    assert first[0] != second[0]
+    assert first[1] == second[1]

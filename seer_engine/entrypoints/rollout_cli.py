@@ -1,7 +1,8 @@
 """``seer_engine rollout``: a real (non-replay) rollout of a JSON-lines file of prompts
 (``--input``) or of a verifiable task's problems (``--task``), graded.
 
-Input lines: ``{"prompt": text or token ids, optional sampling fields}``. Output lines,
+Input lines: ``{"prompt": text or token ids, optional n and sampling fields}``; prompt k
+without a seed samples with ``child_seed(--seed, k)``. Output lines,
 in input order: ``{"prompt", "prompt_token_ids", "outputs": [{"token_ids", "text",
 "logprobs", "finish_reason"}, ...n]}``. With ``--task`` each line also carries the
 problem (``id``, ``task``, ``messages``, ``answer``, ``data``: what grading reads) and
@@ -154,10 +155,13 @@ def read_lines(path: Path, n: int, defaults: dict) -> list[tuple[int, object, Sa
     return lines
 
 
-def read_groups(path: Path, lines: list, processor: InputProcessor) -> list[Group]:
-    """The groups of ``read_lines``' prompts, tokenized and checked against the model."""
+def read_groups(path: Path, lines: list, processor: InputProcessor, seed: int) -> list[Group]:
+    """The groups of ``read_lines``' prompts, tokenized and checked against the model; group
+    k without a seed of its own samples with ``child_seed(seed, k)``, as ``--task``'s do."""
     groups = []
     for lineno, prompt, params, samples in lines:
+        if params.seed is None:
+            params = params.clone(seed=child_seed(seed, len(groups)))
         try:
             checked = processor.process(prompt, params)
         except InvalidRequestError as e:
@@ -199,7 +203,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             params = SamplingParams(**defaults)
             prompts, groups = task_groups(task, args.prompts, args.seed, args.n, params, processor)
         else:
-            groups = read_groups(path, lines, processor)
+            groups = read_groups(path, lines, processor, args.seed)
         name = rollout_config.policy
         total = sum(g.n for g in groups)
         pool.reset_clocks()  # the rollout's time starts now, not when the instances were up
