@@ -337,3 +337,29 @@ def test_a_store_saved_with_four_bounds_loads_with_the_default_total(tmp_path):
     data["bounds"] = data["bounds"][:4]
     path.write_text(json.dumps(data))
     assert HistoryStore.load(path).max_total_sequence_tokens == HistoryStore().max_total_sequence_tokens
+
+
+def test_a_save_landing_while_a_store_loads_is_merged_not_overwritten(tmp_path, monkeypatch):
+    """A server starting on a shared directory reads the file and then parses it (seconds
+    for a large store). Another server's save in that time was taken for the version read,
+    so the starting server's first save replaced it unmerged and the other's records were
+    lost; the version read is the one opened."""
+    path = tmp_path / "history.json"
+    running = HistoryStore()
+    running.record([1], 10)
+    running.save(path)
+    parse = json.loads
+
+    def parse_then_the_other_saves(text, *args, **kwargs):
+        monkeypatch.setattr(json, "loads", parse)
+        running.record([2], 20)
+        running.save(path)
+        return parse(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", parse_then_the_other_saves)
+    starting = HistoryStore.load(path)
+    assert [1] in starting and [2] not in starting
+    starting.record([3], 30)
+    starting.save(path)
+    saved = HistoryStore.load(path)
+    assert [saved.lengths([k], before=1) for k in (1, 2, 3)] == [[(10, 1.0)], [(20, 1.0)], [(30, 1.0)]]

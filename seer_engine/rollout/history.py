@@ -332,7 +332,9 @@ class HistoryStore:
         and what it holds is cut to its bounds."""
         p = Path(path)
         try:
-            data = json.loads(p.read_text())
+            with open(p, "rb") as f:  # the state of the version read, whatever replaces it meanwhile
+                state = _state(os.fstat(f.fileno()))
+                data = json.loads(f.read())
             if data.get("version") != 1:
                 raise ValueError(f"version {data.get('version')!r}, expected 1")
             store = cls(*data["bounds"], half_life_iterations=data.get("half_life_iterations"))
@@ -349,7 +351,7 @@ class HistoryStore:
                         raise ValueError(f"a sequence is {type(seq).__name__}, not a list of token ids")
                     item.sequences.append(array("i", [_count(t) for t in seq[: store.max_sequence_tokens]]))
                 store._extend(store._prompts, str(key), item)
-            store._file_state, store._file_iteration = _file_state(p), store.iteration
+            store._file_state, store._file_iteration = state, store.iteration
         except FileNotFoundError:
             raise ValueError(f"history store {str(p)!r} not found") from None
         except OSError as e:
@@ -364,9 +366,12 @@ def _file_state(p: Path) -> tuple[int, int, int] | None:
     """Which version of the file is there (every save replaces it with a new inode);
     None if there is no file."""
     try:
-        st = p.stat()
+        return _state(p.stat())
     except FileNotFoundError:
         return None
+
+
+def _state(st: os.stat_result) -> tuple[int, int, int] | None:
     if not stat.S_ISREG(st.st_mode):
         return None  # a directory in the way: writing names it
     return (st.st_ino, st.st_mtime_ns, st.st_size)
