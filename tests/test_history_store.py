@@ -363,3 +363,22 @@ def test_a_save_landing_while_a_store_loads_is_merged_not_overwritten(tmp_path, 
     starting.save(path)
     saved = HistoryStore.load(path)
     assert [saved.lengths([k], before=1) for k in (1, 2, 3)] == [[(10, 1.0)], [(20, 1.0)], [(30, 1.0)]]
+
+
+def test_what_is_recorded_after_a_save_is_counted_afresh(tmp_path):
+    """A save emptied the records it merges from but kept their token count and the keys
+    holding sequences: a server crashed with a KeyError recording a response once its
+    sequence tokens since startup passed the total (a few weight updates), and before that
+    dropped new sequences the next merge needed. After a save the count starts over."""
+    path = tmp_path / "history.json"
+    mine, theirs = HistoryStore(max_total_sequence_tokens=10), HistoryStore(max_total_sequence_tokens=10)
+    mine.record([1], 8, token_ids=[5] * 8)
+    mine.save(path)
+    mine.record([2], 4, token_ids=[6] * 4)
+    mine.record([1], 3, token_ids=[7] * 3)
+    theirs.record([3], 1)
+    theirs.save(path)
+    mine.save(path)
+    saved = HistoryStore.load(path)
+    assert saved.sequences([2]) == [[6] * 4] and saved.sequences([1]) == [[7] * 3]
+    assert saved.sequence_tokens == mine.sequence_tokens == 7 and [3] in saved

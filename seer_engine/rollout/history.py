@@ -81,6 +81,12 @@ class _Records(OrderedDict):
         self.sequence_tokens = 0
         self.holding: OrderedDict[str, None] = OrderedDict()
 
+    def clear(self) -> None:
+        """No records: no tokens and no keys holding any either."""
+        super().clear()
+        self.sequence_tokens = 0
+        self.holding.clear()
+
 
 class HistoryStore:
     """Per-prompt lengths and token sequences of earlier iterations, bounded (see module doc).
