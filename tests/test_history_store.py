@@ -250,7 +250,7 @@ def test_a_save_cut_off_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
     def stopped(*args, **kwargs) -> None:
         raise SystemExit(143)
 
-    monkeypatch.setattr(json, "dump", stopped)
+    monkeypatch.setattr(json, "dumps", stopped)
     with pytest.raises(SystemExit):
         store.save(path)
     monkeypatch.undo()
@@ -382,3 +382,25 @@ def test_what_is_recorded_after_a_save_is_counted_afresh(tmp_path):
     saved = HistoryStore.load(path)
     assert saved.sequences([2]) == [[6] * 4] and saved.sequences([1]) == [[7] * 3]
     assert saved.sequence_tokens == mine.sequence_tokens == 7 and [3] in saved
+
+
+def test_a_save_takes_memory_for_one_prompt_at_a_time(tmp_path):
+    """Saving (at every weight update and at shutdown) built the whole store as lists of
+    Python ints, about ten times the 4 bytes a token it keeps (GBs at the 2^26-token
+    total), and encoded it in pure Python; it writes a prompt at a time now."""
+    import tracemalloc
+
+    store = HistoryStore()
+    for k in range(64):
+        store.record([k], 4096, token_ids=range(1000, 5096))
+    held = 4 * store.sequence_tokens
+    tracemalloc.start()
+    try:
+        store.save(tmp_path / "history.json")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < held // 2, (peak, held)
+    again = HistoryStore.load(tmp_path / "history.json")
+    assert again.sequences([63]) == [list(range(1000, 5096))]
+    assert again.lengths([0], before=1) == [(4096, 1.0)]

@@ -296,7 +296,7 @@ class HistoryStore:
         self._prompts = merged
 
     def _write(self, p: Path, iteration: int) -> None:
-        data = {
+        head = {
             "version": 1,
             "iteration": iteration,
             "bounds": [
@@ -308,10 +308,6 @@ class HistoryStore:
             ],  # fmt: skip
             "half_life_iterations": self.half_life,
             "tokenizer": self.tokenizer,
-            "prompts": {
-                k: {"lengths": list(map(list, e.lengths)), "sequences": [s.tolist() for s in e.sequences]}
-                for k, e in self._prompts.items()
-            },
         }
         # Called under the directory's lock, so no other writer is mid-save: a temporary
         # file there was left by a save that was killed (SIGKILL, a daemon thread cut off).
@@ -322,7 +318,7 @@ class HistoryStore:
             # A temporary file of its own: writers sharing a directory never touch each other's.
             fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
             with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
+                self._dump(f, head)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the rename: a power cut leaves old or new
             os.replace(tmp, p)
@@ -331,6 +327,15 @@ class HistoryStore:
                 Path(tmp).unlink(missing_ok=True)
             raise
         self._file_state, self._file_iteration = _file_state(p), iteration
+
+    def _dump(self, f, head: dict) -> None:
+        """``head`` with the prompts' records, as one JSON object written a prompt at a
+        time: the whole store as Python ints would take about ten times its 4 bytes a token."""
+        f.write(json.dumps(head)[:-1] + ', "prompts": {')
+        for n, (key, e) in enumerate(self._prompts.items()):
+            entry = {"lengths": list(map(list, e.lengths)), "sequences": [s.tolist() for s in e.sequences]}
+            f.write(f"{', ' if n else ''}{json.dumps(key)}: {json.dumps(entry)}")
+        f.write("}}")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HistoryStore:
