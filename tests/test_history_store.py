@@ -404,3 +404,29 @@ def test_a_save_takes_memory_for_one_prompt_at_a_time(tmp_path):
     again = HistoryStore.load(tmp_path / "history.json")
     assert again.sequences([63]) == [list(range(1000, 5096))]
     assert again.lengths([0], before=1) == [(4096, 1.0)]
+
+
+def test_a_save_does_not_wait_for_good_on_another_processs_lock(tmp_path, monkeypatch):
+    """A process stopped mid-save (SIGSTOP) holds the directory's lock: another server's
+    save gives up after LOCK_TIMEOUT_S with an error naming the lock (its weight update
+    then goes on, the store kept in memory) instead of waiting for good; once the lock is
+    free, the same store saves."""
+    import fcntl
+    import os
+
+    from seer_engine.rollout import history
+
+    monkeypatch.setattr(history, "LOCK_TIMEOUT_S", 0.2)
+    store = HistoryStore()
+    store.record([1, 2, 3], 2, token_ids=[7, 8])
+    path = tmp_path / "history.json"
+    held = os.open(tmp_path, os.O_RDONLY)  # another open file description: flock conflicts
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match="held the lock on .* for 0.2 s"):
+            store.save(path)
+        assert not path.exists()
+    finally:
+        os.close(held)
+    store.save(path)
+    assert HistoryStore.load(path).sequences([1, 2, 3]) == [[7, 8]]

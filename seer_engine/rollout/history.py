@@ -30,6 +30,7 @@ import logging
 import os
 import stat
 import tempfile
+import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -62,6 +63,9 @@ def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
 # Sequence tokens the whole store holds at most: 256 MiB of token ids. Without it the
 # per-prompt caps allow 100,000 prompts x 16 x 4,096 tokens, 26 GB.
 DEFAULT_MAX_TOTAL_SEQUENCE_TOKENS = 1 << 26
+# How long a save waits for another process's save in the same directory: a process
+# stopped mid-save (SIGSTOP, a debugger) must not hold up this one's weight updates.
+LOCK_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -394,7 +398,17 @@ def _locked(p: Path) -> Iterator[None]:
     behind; ``flock`` holds between processes on one host)."""
     fd = os.open(p.parent, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise OSError(
+                        f"another process has held the lock on {str(p.parent)!r} for {LOCK_TIMEOUT_S:g} s"
+                    ) from None
+                time.sleep(0.05)
         yield
     finally:
         os.close(fd)  # releases the lock
