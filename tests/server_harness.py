@@ -29,10 +29,13 @@ _ADDRESS = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
 class ServerProcess:
     """Start, stop and restart one server; ``url`` changes on every start."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict[str, str] | None = None, own_group: bool = False
+    ) -> None:
         self.args = args
         self.log_path = log_path
         self.env = env or {}
+        self.own_group = own_group  # a process group of its own, as a shell gives a foreground job
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
@@ -41,7 +44,9 @@ class ServerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
         offset = self.log_path.stat().st_size
         cmd = [sys.executable, "-m", "seer_engine.entrypoints.cli", "serve", "--port", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=self.own_group
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -196,12 +201,12 @@ def start_server(tmp_path):
     end), for tests that need other flags or break the server on purpose."""
     started: list[ServerProcess] = []
 
-    def start(*args: str) -> ServerProcess:
+    def start(*args: str, own_group: bool = False) -> ServerProcess:
         root = tmp_path / f"server{len(started)}"
         root.mkdir()
         common = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--data-dir", str(root / "data"),
                   "--log-level", "warning"]  # fmt: skip
-        proc = ServerProcess([*common, *args], root / "server.log")
+        proc = ServerProcess([*common, *args], root / "server.log", own_group=own_group)
         started.append(proc)
         return proc.start(timeout=240)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections import deque
@@ -37,6 +38,8 @@ def worker_threads(num_instances: int) -> int:
 
 
 def _worker_main(conn: Connection, config: EngineConfig, token_source, kv_spec, replica_spec) -> None:
+    # Ctrl-C reaches the whole process group: the server drains, then closes its instances.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if config.num_threads:
             import torch
