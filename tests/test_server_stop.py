@@ -47,3 +47,49 @@ def test_ctrl_c_leaves_the_instance_processes_to_the_servers_shutdown(model, sta
     assert server.proc.returncode == 128 + signal.SIGINT, server.log_tail()
     log = server.log_tail(20000)
     assert "KeyboardInterrupt" not in log and "died" not in log, log
+
+
+def test_a_second_ctrl_c_ends_the_requests_still_running_with_a_clear_error(model, start_server):
+    """A second SIGINT makes uvicorn quit without waiting for the drain; it then cancelled
+    the requests still running (a plain-text 500, a stream cut off mid-message, an
+    "Exception in ASGI application" traceback each). The engine now stops first, so each
+    ends with a 503 ``engine_dead`` error object, in-band on a stream."""
+    import json
+
+    import httpx
+
+    server = start_server("--model", str(model), "--max-model-len", "512", "--num-threads", "1")
+    body = {"model": server.model, "prompt": [3, 7, 11, 5], "max_tokens": 4}
+
+    def plain() -> httpx.Response:
+        with server.http() as http:
+            return http.post("/v1/completions", json=body)
+
+    def streamed() -> list[str]:
+        with (
+            server.http() as http,
+            http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
+        ):
+            return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    def refused() -> bool:  # the first signal is handled: the server stopped listening
+        try:
+            httpx.get(f"{server.url}/health", timeout=1)
+        except httpx.ConnectError:
+            return True
+        return False
+
+    with server.http() as http:
+        assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
+    with ThreadPoolExecutor(2) as pool:
+        answers = pool.submit(plain), pool.submit(streamed)
+        server.wait_until(lambda: server.metrics()["num_requests_held"] == 2, what="the held requests")
+        server.proc.send_signal(signal.SIGINT)
+        server.wait_until(refused, what="the server to stop listening")
+        server.proc.send_signal(signal.SIGINT)
+        resp, events = answers[0].result(timeout=60), answers[1].result(timeout=60)
+        server.proc.wait(60)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead", resp.text
+    assert json.loads(events[0].removeprefix("data: "))["error"]["code"] == "engine_dead", events
+    assert server.proc.returncode == 128 + signal.SIGINT, server.log_tail()
+    assert "Exception in ASGI application" not in server.log_tail(20000), server.log_tail()

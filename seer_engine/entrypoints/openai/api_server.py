@@ -333,6 +333,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
 # A stop signal lets the requests in flight finish for this long; then the engine stops,
 # which ends each one still running with a 503 ``engine_dead`` (in-band on a stream).
 DRAIN_S = 5.0
+FORCED_END_S = 5.0  # after a forced exit, how long the handlers have to send the engine's error
 
 
 class _Server(uvicorn.Server):
@@ -346,6 +347,7 @@ class _Server(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, engine: EngineClient) -> None:
         super().__init__(config)
+        self._engine = engine
         self._stop_engine = threading.Timer(DRAIN_S, engine.shutdown)
         self._stop_engine.daemon = True
 
@@ -353,6 +355,21 @@ class _Server(uvicorn.Server):
         if not self.should_exit:
             self._stop_engine.start()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """A second Ctrl-C (uvicorn's force exit) skips the drain and the lifespan's end,
+        and the requests still running would be cancelled mid-response: the engine stops
+        at once instead, their handlers send its error, then the app shuts down."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            await asyncio.to_thread(self._engine.shutdown)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._handlers_done(), FORCED_END_S)
+            await self.lifespan.shutdown()
+
+    async def _handlers_done(self) -> None:
+        while self.server_state.tasks:
+            await asyncio.sleep(0.05)
 
 
 def run_server(args: argparse.Namespace) -> int:
