@@ -201,12 +201,12 @@ def start_server(tmp_path):
     end), for tests that need other flags or break the server on purpose."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, own_group: bool = False) -> ServerProcess:
+    def start(*args: str, own_group: bool = False, env: dict[str, str] | None = None) -> ServerProcess:
         root = tmp_path / f"server{len(started)}"
         root.mkdir()
         common = ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--data-dir", str(root / "data"),
                   "--log-level", "warning"]  # fmt: skip
-        proc = ServerProcess([*common, *args], root / "server.log", own_group=own_group)
+        proc = ServerProcess([*common, *args], root / "server.log", env, own_group=own_group)
         started.append(proc)
         return proc.start(timeout=240)
 

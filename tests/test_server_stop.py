@@ -93,3 +93,35 @@ def test_a_second_ctrl_c_ends_the_requests_still_running_with_a_clear_error(mode
     assert json.loads(events[0].removeprefix("data: "))["error"]["code"] == "engine_dead", events
     assert server.proc.returncode == 128 + signal.SIGINT, server.log_tail()
     assert "Exception in ASGI application" not in server.log_tail(20000), server.log_tail()
+
+
+def test_a_signal_while_the_engine_shuts_down_lets_it_finish(model, start_server, tmp_path):
+    """Another Ctrl-C while the engine was shutting down (after the drain) ended the
+    process there and then: the engine thread was cut off, so the history store was not
+    saved and the instances and KV pool were left to multiprocessing's exit handlers. The
+    shutdown now finishes first (it is bounded), then the process exits."""
+    from seer_engine.rollout.backend import TEST_PAUSE_CLOSING_ENV
+    from seer_engine.rollout.history import HistoryStore
+
+    marker, history = tmp_path / "closing", tmp_path / "history"
+    args = ["--instances", "2", "--distributed-backend", "mp", "--rollout-policy", "seer+history"]
+    server = start_server("--model", str(model), *args, "--history", str(history), *COMMON,
+                          env={TEST_PAUSE_CLOSING_ENV: str(marker)})  # fmt: skip
+    prompt = [3, 7, 11, 5]
+    with server.http() as http:
+        body = {"model": server.model, "prompt": prompt, "n": 2, "max_tokens": 8, "ignore_eos": True}
+        resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    server.proc.send_signal(signal.SIGINT)
+    server.wait_until(marker.exists, what="the engine's shutdown")
+    server.proc.send_signal(signal.SIGINT)
+    server.wait_until(
+        lambda: server.proc.poll() is not None or "finishing the shutdown first" in server.log_tail(),
+        what="the second signal to be handled",
+    )
+    marker.unlink()
+    server.proc.wait(60)
+    assert server.proc.returncode == 128 + signal.SIGINT, server.log_tail()
+    assert len(HistoryStore.load(history / "history.json").sequences(prompt)) == 2, server.log_tail()
+    assert not list(history.glob("*.tmp"))
+    assert "leaked shared_memory" not in server.log_tail(20000), server.log_tail()

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,19 @@ SERVER_LOG_LIMIT = 10_000  # dispatches and steps per instance kept for inspecti
 
 
 logger = logging.getLogger(__name__)
+
+# Tests only: "<path>" makes close() create <path> and wait until it is removed, so a test
+# can signal a server at a known point of its shutdown instead of racing it.
+TEST_PAUSE_CLOSING_ENV = "SEER_ENGINE_TEST_PAUSE_CLOSING"
+
+
+def _pause_for_test() -> None:
+    marker = os.environ.get(TEST_PAUSE_CLOSING_ENV)
+    if marker:
+        logger.warning("shutdown paused for a test (%s)", TEST_PAUSE_CLOSING_ENV)
+        Path(marker).touch()
+        while Path(marker).exists():
+            time.sleep(0.05)
 
 
 @dataclass(eq=False)
@@ -333,6 +348,7 @@ class RolloutBackend:
 
     def close(self) -> None:
         """Stop the instances (processes) and release the KV pool; save the history store."""
+        _pause_for_test()
         try:
             self._save_history()
         finally:

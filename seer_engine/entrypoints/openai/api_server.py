@@ -450,5 +450,31 @@ def run_server(args: argparse.Namespace) -> int:
         )
         server.run(sockets=[sock])
     finally:
-        engine.shutdown()
+        _shutdown_engine(engine)
     return 0
+
+
+def _shutdown_engine(engine: EngineClient) -> None:
+    """Another stop signal here would cut the engine thread off mid-shutdown (the history
+    store unsaved, instances and the KV pool left to exit handlers): the shutdown, which
+    is bounded, finishes first, then the signal takes effect. It runs on a thread of its
+    own: a signal that interrupts ``Thread.join`` can leave the joined thread marked as
+    stopped while it still runs."""
+    done = threading.Event()
+
+    def stop() -> None:
+        try:
+            engine.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=stop, name="seer-shutdown", daemon=True).start()
+    interrupted: BaseException | None = None
+    while not done.is_set():
+        try:
+            done.wait()
+        except (KeyboardInterrupt, SystemExit) as e:
+            logger.warning("stop signal during the engine's shutdown: finishing the shutdown first")
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
