@@ -52,7 +52,6 @@ import os
 import secrets
 import tempfile
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +61,7 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 import torch
 
+from seer_engine.core.file_lock import flock_within
 from seer_engine.kv_connector.base import BlockStore, KVPoolError, KVPoolFull
 from seer_engine.kv_connector.shm import (
     SHM_DIR,
@@ -169,21 +169,12 @@ def _abandoned(m: _Mapping) -> np.ndarray:
 
 def _lock_within(m: _Mapping, fd: int, timeout_s: float) -> None:
     """``flock`` exclusive, polled, for at most ``timeout_s``; ``KVPoolError`` past it."""
-    deadline = time.monotonic() + timeout_s
-    pause = 5e-5
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                m.lock_stuck = True
-                raise KVPoolError(
-                    f"the local KV pool's lock has been held for over {LOCK_TIMEOUT_S:g} s "
-                    "(a stopped or hung process?)"
-                ) from None
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+    if not flock_within(fd, timeout_s, max_pause_s=1e-3):
+        m.lock_stuck = True
+        raise KVPoolError(
+            f"the local KV pool's lock has been held for over {LOCK_TIMEOUT_S:g} s "
+            "(a stopped or hung process?)"
+        )
 
 
 def _release(m: _Mapping) -> None:

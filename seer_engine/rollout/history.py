@@ -22,7 +22,6 @@ saved meanwhile, under a lock, so no server's records are lost.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -30,7 +29,6 @@ import logging
 import os
 import stat
 import tempfile
-import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from seer_engine.core.file_lock import flock_within
 from seer_engine.core.numbers import is_int
 
 logger = logging.getLogger(__name__)
@@ -398,17 +397,8 @@ def _locked(p: Path) -> Iterator[None]:
     behind; ``flock`` holds between processes on one host)."""
     fd = os.open(p.parent, os.O_RDONLY)
     try:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise OSError(
-                        f"another process has held the lock on {str(p.parent)!r} for {LOCK_TIMEOUT_S:g} s"
-                    ) from None
-                time.sleep(0.05)
+        if not flock_within(fd, LOCK_TIMEOUT_S, max_pause_s=0.05):
+            raise OSError(f"another process has held the lock on {str(p.parent)!r} for {LOCK_TIMEOUT_S:g} s")
         yield
     finally:
         os.close(fd)  # releases the lock
