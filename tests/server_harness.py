@@ -131,6 +131,16 @@ class ServerProcess:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
+    def complete(self, body: dict) -> httpx.Response:
+        """POST /v1/completions on a client of its own (callable from a worker thread)."""
+        with self.http() as http:
+            return http.post("/v1/completions", json=body)
+
+    def stream_events(self, body: dict) -> list[str]:
+        """The ``data:`` lines of /v1/completions streamed, until the server ends the stream."""
+        with self.http() as http, http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            return [line for line in r.iter_lines() if line.startswith("data: ")]
+
 
 @pytest.fixture(scope="session")
 def server_models(tiny_model) -> tuple[Path, Path]:

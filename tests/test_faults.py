@@ -342,8 +342,6 @@ def test_a_stop_signal_ends_the_requests_still_running_with_a_clear_error(model,
     runs it to the end."""
     import json
 
-    import httpx
-
     server = start_server("--model", str(model), "--instances", "2", *COMMON)
     body = {"model": server.model, "prompt": [3, 7, 11, 5], "max_tokens": 4}
     with server.http() as http:
@@ -358,19 +356,8 @@ def test_a_stop_signal_ends_the_requests_still_running_with_a_clear_error(model,
         }
         batch_id = http.post("/v1/batches", json=batch_body).json()["id"]
 
-    def plain() -> httpx.Response:
-        with server.http() as http:
-            return http.post("/v1/completions", json=body)
-
-    def streamed() -> list[str]:
-        with (
-            server.http() as http,
-            http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
-        ):
-            return [line for line in r.iter_lines() if line.startswith("data: ")]
-
     with ThreadPoolExecutor(2) as pool:
-        answers = pool.submit(plain), pool.submit(streamed)
+        answers = pool.submit(server.complete, body), pool.submit(server.stream_events, body)
         server.wait_until(lambda: server.metrics()["num_requests_held"] == 3, what="the held requests")
         server.stop(timeout=60)
         resp, events = answers[0].result(timeout=60), answers[1].result(timeout=60)

@@ -61,17 +61,6 @@ def test_a_second_ctrl_c_ends_the_requests_still_running_with_a_clear_error(mode
     server = start_server("--model", str(model), "--max-model-len", "512", "--num-threads", "1")
     body = {"model": server.model, "prompt": [3, 7, 11, 5], "max_tokens": 4}
 
-    def plain() -> httpx.Response:
-        with server.http() as http:
-            return http.post("/v1/completions", json=body)
-
-    def streamed() -> list[str]:
-        with (
-            server.http() as http,
-            http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
-        ):
-            return [line for line in r.iter_lines() if line.startswith("data: ")]
-
     def refused() -> bool:  # the first signal is handled: the server stopped listening
         try:
             httpx.get(f"{server.url}/health", timeout=1)
@@ -82,7 +71,7 @@ def test_a_second_ctrl_c_ends_the_requests_still_running_with_a_clear_error(mode
     with server.http() as http:
         assert http.post("/pause_generation", json={"mode": "keep"}).status_code == 200
     with ThreadPoolExecutor(2) as pool:
-        answers = pool.submit(plain), pool.submit(streamed)
+        answers = pool.submit(server.complete, body), pool.submit(server.stream_events, body)
         server.wait_until(lambda: server.metrics()["num_requests_held"] == 2, what="the held requests")
         server.proc.send_signal(signal.SIGINT)
         server.wait_until(refused, what="the server to stop listening")
