@@ -531,3 +531,17 @@ def test_rollout_cli_times_the_rollout_not_its_setup(model, tmp_path, capsys, mo
     assert main(args) == 0
     seconds = float(re.search(r"12 tokens in ([0-9.]+)s", capsys.readouterr().err).group(1))
     assert 0 < seconds < setup_s
+
+
+def test_seeded_group_samples_what_the_plain_engine_samples(model):
+    """A seeded group in an offline rollout (divided into chunks, on two instances) takes
+    the tokens the plain engine gives the same request with the same seed and n."""
+    from seer_engine.entrypoints.llm import LLM
+
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=-3)
+    prompt = list(range(10, 27))
+    _, result = _run(model, "divided", 2, 8, groups=[Group("g0", prompt, params, 4, 24)])
+    plain = LLM(str(model)).generate([{"prompt_token_ids": prompt}], params.clone(n=4))[0]
+    rolled = [s.output_token_ids for s in result.samples["g0"]]
+    assert rolled == [o.token_ids for o in plain.outputs]
+    assert len({tuple(t) for t in rolled}) == 4  # the samples differ: the seeds did their work

@@ -12,9 +12,10 @@ from seer_engine.core.seeds import SEED_MASK, child_seed, position_seed, sample_
     "base,index,want",
     [
         (0, 0, 0),
-        (0, 1, 2177342782468422677),
-        (12345, 3, 6532028347405280376),
-        (SEED_MASK, 2, 4354685564936845353),
+        (0, 1, -7046029254386353131),
+        (12345, 3, -2691343689449495432),
+        (SEED_MASK, 2, -4868686471917930455),
+        (-1, 1, -7046029254386353132),
     ],
 )
 def test_child_seed_pinned(base: int, index: int, want: int) -> None:
@@ -24,10 +25,10 @@ def test_child_seed_pinned(base: int, index: int, want: int) -> None:
 @pytest.mark.parametrize(
     "group_seed,order,index,want",
     [
-        (7, 3, 0, 7000021),
-        (7, 3, 2, 4354685564943845375),
-        (None, 3, 0, 3000009),  # no seed: the group's submission order stands in
-        (None, 3, 1, 2177342782471422686),
+        (7, 3, 0, 7),
+        (7, 3, 2, 4354685564936845361),
+        (None, 3, 0, 3),  # no seed: the group's submission order stands in
+        (None, 3, 1, -7046029254386353128),
     ],
 )
 def test_sample_seed_pinned(group_seed: int | None, order: int, index: int, want: int) -> None:
@@ -39,7 +40,8 @@ def test_sample_seed_pinned(group_seed: int | None, order: int, index: int, want
     [
         (0, 0, 6238072747940578789),
         (1, 7, 2186024489510581814),
-        (child_seed(42, 1), 100, 5177493636192384784),
+        (child_seed(42, 1), 100, 2915661842384456482),
+        (-1, 5, 5539363832064604964),
         (SEED_MASK, 4095, 7420444713869386369),
     ],
 )
@@ -47,8 +49,22 @@ def test_position_seed_pinned(seed: int, position: int, want: int) -> None:
     assert position_seed(seed, position) == want
 
 
-def test_seeds_fit_a_torch_generator() -> None:
-    """Every derived seed is a non-negative int64, whatever the inputs."""
+def test_seeds_fit_their_uses() -> None:
+    """A sample's seed is a signed int64 (what a request's seed may be) and a position's
+    seed a non-negative one (what torch.Generator takes), whatever the inputs."""
     huge = (1 << 70) + 5
-    for value in (child_seed(huge, 9), sample_seed(huge, 0, 9), position_seed(huge, huge)):
-        assert 0 <= value <= SEED_MASK == (1 << 63) - 1
+    for value in (child_seed(huge, 9), sample_seed(huge, 0, 9), child_seed(-huge, 3)):
+        assert -(1 << 63) <= value < 1 << 63
+    assert 0 <= position_seed(huge, huge) <= SEED_MASK == (1 << 63) - 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, -1, SEED_MASK, -(1 << 63), 12345])
+def test_sample_zero_keeps_the_request_seed(seed: int) -> None:
+    """Distinct request seeds never share sample 0's seed (-1 and 2**63-1 once did)."""
+    assert child_seed(seed, 0) == seed
+    assert sample_seed(seed, 99, 0) == seed
+
+
+def test_offline_rollout_seeds_are_the_servers() -> None:
+    """A seeded group's responses take the seeds the server gives a request's samples."""
+    assert [sample_seed(7, 5, i) for i in range(8)] == [child_seed(7, i) for i in range(8)]

@@ -10,21 +10,25 @@ agrees on them.
 
 from __future__ import annotations
 
-SEED_MASK = (1 << 63) - 1  # seeds are non-negative int64 (what torch.Generator takes)
+SEED_MASK = (1 << 63) - 1  # torch.Generator takes a non-negative int64
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive indices apart
 
 
 def child_seed(base_seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a request seeded with ``base_seed``."""
-    return (base_seed + index * _GOLDEN) & SEED_MASK
+    """The seed of sample ``index`` of a request seeded with ``base_seed``: a signed
+    int64, as a request's seed is. Sample 0 takes the request's own seed, so no two
+    request seeds give sample 0 the same tokens."""
+    value = (base_seed + index * _GOLDEN) & _MASK64
+    return value - (1 << 64) if value >> 63 else value
 
 
 def sample_seed(group_seed: int | None, group_order: int, index: int) -> int:
-    """Per-response seed of an offline rollout: from the group's own seed, else its
-    submission order, so it is the same whatever policy, chunking or instance runs it."""
-    base = group_seed if group_seed is not None else group_order
-    return (base * 1_000_003 + index * _GOLDEN) & SEED_MASK
+    """Per-response seed of an offline rollout: the server's rule (``child_seed``) on the
+    group's own seed, so a seeded group samples what the same request sent to the server
+    does; a group without one takes its submission order, which keeps it the same
+    whatever policy, chunking or instance runs it."""
+    return child_seed(group_seed if group_seed is not None else group_order, index)
 
 
 def position_seed(seed: int, position: int) -> int:
