@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from seer_engine.rollout import history_file
 from seer_engine.rollout.history import HistoryStore, prompt_key, vocab_fingerprint
 
 
@@ -86,7 +87,7 @@ def _saved(tmp_path, entry: dict | None = None, **changes) -> dict:
 @pytest.mark.parametrize(
     "changes,message",
     [
-        ({"prompts": []}, "'list' object has no attribute 'items'"),
+        ({"prompts": []}, '"prompts" is not an object'),
         ({"entry": {"sequences": "abc"}}, "a sequence is str, not a list of token ids"),
         ({"entry": {"sequences": [[1, 2.5]]}}, "2.5 is not a non-negative integer"),
         ({"entry": {"sequences": [[-1]]}}, "-1 is not a non-negative integer"),
@@ -348,15 +349,15 @@ def test_a_save_landing_while_a_store_loads_is_merged_not_overwritten(tmp_path, 
     running = HistoryStore()
     running.record([1], 10)
     running.save(path)
-    parse = json.loads
+    parse = history_file.fields
 
-    def parse_then_the_other_saves(text, *args, **kwargs):
-        monkeypatch.setattr(json, "loads", parse)
+    def parse_then_the_other_saves(text):
+        monkeypatch.setattr(history_file, "fields", parse)
         running.record([2], 20)
         running.save(path)
-        return parse(text, *args, **kwargs)
+        return parse(text)
 
-    monkeypatch.setattr(json, "loads", parse_then_the_other_saves)
+    monkeypatch.setattr(history_file, "fields", parse_then_the_other_saves)
     starting = HistoryStore.load(path)
     assert [1] in starting and [2] not in starting
     starting.record([3], 30)
@@ -430,3 +431,94 @@ def test_a_save_does_not_wait_for_good_on_another_processs_lock(tmp_path, monkey
         os.close(held)
     store.save(path)
     assert HistoryStore.load(path).sequences([1, 2, 3]) == [[7, 8]]
+
+
+def _several(tmp_path) -> tuple[HistoryStore, object]:
+    """A store of several prompts over iterations, saved: lengths, sequences, a tokenizer."""
+    store = HistoryStore(max_prompts=50, max_lengths=4, max_sequences=3, max_sequence_tokens=6)
+    store.bind_tokenizer("9:abcd", 1 << 20)
+    for it in range(3):
+        for k in range(5):
+            store.record([k, it % 2], 10 * k + it, token_ids=[1000 * k + it + j for j in range(k + 3)])
+        store.add_sequence([4, 0], [7] * 9)
+        store.next_iteration()
+    path = tmp_path / "history.json"
+    store.save(path)
+    return store, path
+
+
+def _same(a: HistoryStore, b: HistoryStore) -> None:
+    assert (a.iteration, a.tokenizer, a.half_life, a.sequence_tokens) == (
+        b.iteration,
+        b.tokenizer,
+        b.half_life,
+        b.sequence_tokens,
+    )
+    assert list(a._prompts) == list(b._prompts) and list(a._prompts.holding) == list(b._prompts.holding)
+    for key, entry in a._prompts.items():
+        other = b._prompts[key]
+        assert list(entry.lengths) == list(other.lengths)
+        assert [s.tolist() for s in entry.sequences] == [s.tolist() for s in other.sequences]
+
+
+def test_a_store_of_several_prompts_loads_as_it_was_saved(tmp_path):
+    store, path = _several(tmp_path)
+    again = HistoryStore.load(path)
+    _same(again, store)
+    assert len(again) == 10 and again.sequences([4, 0])[-1] == [7] * 6
+
+
+def test_a_store_whose_fields_come_in_another_order_loads(tmp_path):
+    """The file is JSON: one written by hand or another tool may put "prompts" first, or
+    space it out; it holds the same store."""
+    store, path = _several(tmp_path)
+    data = json.loads(path.read_text())
+    prompts = data.pop("prompts")
+    path.write_text(json.dumps({"prompts": prompts, **dict(reversed(data.items()))}, indent=2))
+    _same(HistoryStore.load(path), store)
+    path.write_text(json.dumps({"tokenizer": data["tokenizer"], "prompts": prompts, **data}) + "\n ")
+    _same(HistoryStore.load(path), store)
+    path.write_text(json.dumps({"prompts": prompts, **data, "version": 2}))
+    with pytest.raises(ValueError, match=f"history store '{path}' is not valid: version 2, expected 1"):
+        HistoryStore.load(path)
+    del data["bounds"]
+    path.write_text(json.dumps({"prompts": prompts, **data}))
+    with pytest.raises(ValueError, match=f"history store '{path}' is not valid: no 'bounds' field"):
+        HistoryStore.load(path)
+
+
+def test_a_cut_off_or_foreign_file_is_a_clear_error(tmp_path):
+    """Wherever a save was cut off, or whatever follows or replaces the store's JSON, the
+    load says the file is not valid, naming it."""
+    _, path = _several(tmp_path)
+    text = path.read_text()
+    damaged = [text[:n] for n in range(0, len(text), 7)]
+    damaged += [text + "x", text + "{}", text[:-1] + ", }}", text.replace(": {", " {", 1), "\x00", "null"]
+    damaged += [text.replace('"prompts": {', '"prompts": {"k": 1, ', 1), "{" + text]
+    for bad in damaged:
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=f"history store '{path}' is not valid"):
+            HistoryStore.load(path)
+
+
+def test_loading_takes_memory_for_one_prompt_at_a_time(tmp_path):
+    """Loading (each server start on a --history directory) parsed the whole file into
+    Python ints, about ten times the 4 bytes a token the store keeps (GBs at the 2^26-token
+    total); it parses a prompt at a time now: about the file's text and the store."""
+    import tracemalloc
+
+    store = HistoryStore()
+    for k in range(50):
+        for s in range(4):
+            store.record([k], 1000, token_ids=range(10_000 + s, 11_000 + s))
+    path = tmp_path / "history.json"
+    store.save(path)
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        again = HistoryStore.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert again.sequence_tokens == 200_000 and again.sequences([49]) == store.sequences([49])
+    assert peak < 4 * size, f"peak {peak} bytes, {peak / size:.1f} times the file's {size}"

@@ -31,14 +31,16 @@ import stat
 import tempfile
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from seer_engine.core.file_lock import flock_within
 from seer_engine.core.numbers import is_int
+from seer_engine.rollout import history_file
 
 logger = logging.getLogger(__name__)
 
@@ -348,23 +350,8 @@ class HistoryStore:
         try:
             with open(p, "rb") as f:  # the state of the version read, whatever replaces it meanwhile
                 state = _state(os.fstat(f.fileno()))
-                data = json.loads(f.read())
-            if data.get("version") != 1:
-                raise ValueError(f"version {data.get('version')!r}, expected 1")
-            store = cls(*data["bounds"], half_life_iterations=data.get("half_life_iterations"))
-            store.iteration = int(data["iteration"])
-            store.tokenizer = data.get("tokenizer")
-            if store.tokenizer is not None and not isinstance(store.tokenizer, str):
-                raise ValueError(f"tokenizer {store.tokenizer!r} is not a string")
-            for key, entry in list(data["prompts"].items())[-store.max_prompts :]:
-                item = PromptHistory()
-                for it, n in entry["lengths"][-store.max_lengths :]:
-                    item.lengths.append((_count(it), _count(n)))
-                for seq in entry["sequences"][-store.max_sequences :] if store.max_sequences else []:
-                    if not isinstance(seq, list):
-                        raise ValueError(f"a sequence is {type(seq).__name__}, not a list of token ids")
-                    item.sequences.append(array("i", [_count(t) for t in seq[: store.max_sequence_tokens]]))
-                store._extend(store._prompts, str(key), item)
+                text = history_file.read_text(f)
+            store = cls._parse(text)
             store._file_state, store._file_iteration = state, store.iteration
         except FileNotFoundError:
             raise ValueError(f"history store {str(p)!r} not found") from None
@@ -374,6 +361,51 @@ class HistoryStore:
             detail = f"no {e} field" if isinstance(e, KeyError) else str(e)
             raise ValueError(f"history store {str(p)!r} is not valid: {detail}") from None
         return store
+
+    @classmethod
+    def _parse(cls, text: str) -> HistoryStore:
+        """The store ``text`` holds, its records made compact one prompt at a time as they
+        are read (read twice if "prompts" comes before the fields the store is made of)."""
+        head: dict[str, Any] = {}
+        store = prompts = None
+        for name, value in history_file.fields(text):
+            if name != "prompts":
+                head[name] = value
+                continue
+            prompts = value
+            if {"version", "bounds", "half_life_iterations"} <= head.keys():
+                store = cls._made_of(head)
+                store._take(prompts)
+        if store is None:
+            store = cls._made_of(head)
+            if prompts is None:
+                raise KeyError("prompts")
+            store._take(prompts)
+        store.iteration = int(head["iteration"])
+        store.tokenizer = head.get("tokenizer")
+        if store.tokenizer is not None and not isinstance(store.tokenizer, str):
+            raise ValueError(f"tokenizer {store.tokenizer!r} is not a string")
+        return store
+
+    @classmethod
+    def _made_of(cls, head: dict[str, Any]) -> HistoryStore:
+        """An empty store of the file's version, bounds and half-life."""
+        if head.get("version") != 1:
+            raise ValueError(f"version {head.get('version')!r}, expected 1")
+        return cls(*head["bounds"], half_life_iterations=head.get("half_life_iterations"))
+
+    def _take(self, prompts: Iterable[tuple[str, Any]]) -> None:
+        """The file's records in its order, each cut to the bounds: the store drops the
+        least recently used past ``max_prompts``, so the file's last ones stay."""
+        for key, entry in prompts:
+            item = PromptHistory()
+            for it, n in entry["lengths"][-self.max_lengths :]:
+                item.lengths.append((_count(it), _count(n)))
+            for seq in entry["sequences"][-self.max_sequences :] if self.max_sequences else []:
+                if not isinstance(seq, list):
+                    raise ValueError(f"a sequence is {type(seq).__name__}, not a list of token ids")
+                item.sequences.append(array("i", [_count(t) for t in seq[: self.max_sequence_tokens]]))
+            self._extend(self._prompts, str(key), item)
 
 
 def _file_state(p: Path) -> tuple[int, int, int] | None:
