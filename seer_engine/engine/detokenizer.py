@@ -18,6 +18,10 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._piece_cache: dict[int, str] = {}
+        self._byte_pieces: dict[int, bool] = {}
+        # Whether streamed text may be decoded a few tokens at a step (``StreamText``):
+        # cleaning up spaces before punctuation joins text across any split.
+        self.decodes_in_pieces = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Detokenizer:
@@ -53,6 +57,23 @@ class Detokenizer:
         if text is None:
             text = self._piece_cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.all_special_ids)
+
+    def ends_in_byte_piece(self, ids: Sequence[int], skip_special_tokens: bool) -> bool:
+        """Whether the last token that shows is a byte-fallback piece (``<0xNN>``): a
+        decoder joins a run of them into characters, or, if the run's bytes are not
+        UTF-8, turns each into U+FFFD, so a later byte may change the run's text."""
+        for tid in reversed(ids):
+            if skip_special_tokens and tid in self._special_ids:
+                continue
+            byte = self._byte_pieces.get(tid)
+            if byte is None:
+                byte = self._byte_pieces[tid] = bool(_BYTE_PIECE.fullmatch(self.token_strings([tid])[0]))
+            return byte
+        return False
 
     def text_lead(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt's last tokens that may hold the start of a character its output

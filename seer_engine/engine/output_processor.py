@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from seer_engine.core.request import Request, RequestStatus
 from seer_engine.engine.detokenizer import Detokenizer, new_stop_match
+from seer_engine.engine.stream_text import StreamText
 from seer_engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from seer_engine.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class OutputProcessor:
         # Streaming samples' logprobs converted so far (the engine's entries beside the
         # output ones): each step converts only the new entries, not the whole output again.
         self._shown_logprobs: dict[str, tuple[list, SampleLogprobs]] = {}
+        self._stream_texts: dict[str, StreamText] = {}  # unfinished streaming samples' text
 
     def add(self, request: UserRequest) -> None:
         self.requests[request.request_id] = request
@@ -84,6 +86,7 @@ class OutputProcessor:
                 parent.outputs[req.sample_index] = self.completion(req)
                 del self._of_child[req.request_id]
                 self._shown_logprobs.pop(req.request_id, None)
+                self._stream_texts.pop(req.request_id, None)
         outputs = []
         for parent in touched.values():
             if not (parent.finished or parent.stream):
@@ -112,7 +115,10 @@ class OutputProcessor:
         ):
             text_ids = text_ids[:-1]  # the stop token (EOS or a stop token id) is not text, as in vLLM
         lead = self.detokenizer.text_lead(req.prompt_token_ids)
-        text = self.detokenizer.output_text(lead, text_ids, params.skip_special_tokens)
+        if not req.is_finished and req.request_id in self._of_child:  # a streaming sample's progress
+            text = self._stream_text(req, lead).text(text_ids)
+        else:  # decoded whole, once
+            text = self.detokenizer.output_text(lead, text_ids, params.skip_special_tokens)
         if isinstance(req.stop_reason, str):
             # Cut at the match the last token completed, not at an earlier occurrence.
             before = self.detokenizer.output_text(lead, text_ids[:-1], params.skip_special_tokens)
@@ -128,6 +134,13 @@ class OutputProcessor:
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
         )
+
+    def _stream_text(self, req: Request, lead: list[int]) -> StreamText:
+        stream = self._stream_texts.get(req.request_id)
+        if stream is None:
+            skip = req.sampling_params.skip_special_tokens
+            stream = self._stream_texts[req.request_id] = StreamText(self.detokenizer, lead, skip)
+        return stream
 
     def _logprobs(self, req: Request) -> SampleLogprobs | None:
         """The sample's logprobs as output, converting only entries not converted at an
