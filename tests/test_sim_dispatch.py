@@ -479,3 +479,31 @@ def test_rows_hold_whole_kv_blocks_as_the_engine_allocates_them(block_size, pree
     assert (inst._stats.preemptions > 0) is preempts
     assert inst.peak_kv_tokens <= 288
     assert sorted(len(o.outputs[0].token_ids) for o in done) == [15] * 10
+
+
+def test_a_preempted_row_finds_its_prompt_in_the_blocks_its_running_siblings_hold():
+    """The engine never evicts blocks a running row uses: a preempted response of a group
+    whose siblings still run recomputes its own tokens, not the prompt they share."""
+    lengths = {"g/0": 700, "g/1": 900, "g/2": 900}
+    world = SimWorld(lengths, 900, {"g": 3})
+
+    class _Readmissions(_Recording):
+        readmitted: list = []
+
+        def _next_segment(self):
+            seg = super()._next_segment()
+            for req in seg.admit if seg is not None else []:
+                if req in self.victims:
+                    self.readmitted.append((req.hit, req.group_id in self.groups))
+            return seg
+
+    inst = _Readmissions(0, _profile(kv_tokens=1600), world, make_policy("fcfs"), max_model_len=1600)
+    for key in lengths:
+        inst.submit(_chunk(key, 300, 900))
+    done = []
+    while inst.decoding or inst.prefilling or inst.waiting:
+        done += inst.step().outputs
+    assert inst.victims, "the scenario must preempt"
+    assert any(running for _, running in inst.readmitted), inst.readmitted
+    assert all(hit >= 300 for hit, running in inst.readmitted if running), inst.readmitted
+    assert sorted(len(o.outputs[0].token_ids) for o in done) == [700, 900, 900]

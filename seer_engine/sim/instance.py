@@ -326,9 +326,11 @@ class SimInstance(InstanceHandle):
         return admit
 
     def _hit(self, req: SimRequest) -> int:
-        """Context tokens a waiting chunk finds in place: what it arrived with, or what
-        the prefix cache kept of it since it was preempted."""
-        cached = min(self.cache.get(req.key, 0), int(req.context) - 1)
+        """Context tokens a waiting chunk finds in place: what it arrived with, what the
+        prefix cache kept of it since it was preempted, or at least its group's prompt
+        while rows of the group run here (their blocks hold it)."""
+        prompt = req.prompt_len if req.group_id in self.groups else 0
+        cached = min(max(self.cache.get(req.key, 0), prompt), int(req.context) - 1)
         return max(req.hit, cached)
 
     def _preempt_until_growth_fits(self) -> bool:
