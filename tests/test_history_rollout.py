@@ -227,3 +227,51 @@ def test_rollout_cli_keeps_history_in_its_directory(model, tmp_path):
         for line in lines:
             seqs = store.sequences(line["prompt_token_ids"])
             assert seqs[-3:] == [o["token_ids"] for o in line["outputs"]] and len(seqs) == 3 * run
+
+
+def test_a_shutdown_waits_for_a_held_history_save_and_says_what_for(model, tmp_path, monkeypatch, caplog):
+    """The engine's shutdown gave up after 30 s: a save slower than that (a large store, a
+    slow disk) was cut off when the process exited, so the run's history was lost without a
+    word. It now waits, saying what for; a caller's own bound is kept, with a warning."""
+    import asyncio
+    import logging
+    import threading
+    import time
+
+    import seer_engine.engine.engine_shutdown as engine_shutdown
+    from seer_engine.engine.async_engine import AsyncEngine
+    from seer_engine.rollout.backend import TEST_PAUSE_CLOSING_ENV
+
+    def wait_until(predicate, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    marker, path = tmp_path / "closing", tmp_path / "history" / HISTORY_FILE
+    monkeypatch.setenv(TEST_PAUSE_CLOSING_ENV, str(marker))
+    monkeypatch.setattr(engine_shutdown, "LOG_EVERY_S", 0.05)
+    caplog.set_level(logging.WARNING)
+    engine = AsyncEngine(lambda: _serve(model, tmp_path), "m", tokenizer_path=str(model)).start(timeout=120)
+
+    async def serve() -> list[list[int]]:
+        params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=5, n=3)
+        outputs = [out async for out in await engine.generate("a", PROMPTS[1], params)]
+        return [c.token_ids for c in outputs[-1].outputs]
+
+    served = asyncio.run(serve())
+    stopping = threading.Thread(target=engine.shutdown, daemon=True)
+    stopping.start()
+    try:
+        wait_until(marker.exists, "the engine's close")
+        waiting = "waiting for the engine thread to finish shutting down: saving the history store"
+        wait_until(lambda: waiting in caplog.text or not stopping.is_alive(), "the shutdown's log")
+        assert stopping.is_alive(), "the shutdown returned while the history store's save was held"
+        assert f"an exit now loses the history store's records since its last save ({path}" in caplog.text
+        assert engine.shutdown(timeout=0.1) is False, "a caller's bound ends its own wait"
+        assert "not waiting longer for the engine thread to shut down: saving the history" in caplog.text
+    finally:
+        marker.unlink(missing_ok=True)
+    stopping.join(60)
+    assert not stopping.is_alive()
+    assert HistoryStore.load(path).sequences(PROMPTS[1]) == served

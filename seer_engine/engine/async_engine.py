@@ -20,8 +20,8 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from seer_engine.engine.client import (
@@ -34,7 +34,11 @@ from seer_engine.engine.client import (
     ServingBackend,
 )
 from seer_engine.engine.detokenizer import Detokenizer
-from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
+from seer_engine.engine.engine_commands import STOP as _STOP
+from seer_engine.engine.engine_commands import Add as _Add
+from seer_engine.engine.engine_commands import Call as _Call
+from seer_engine.engine.engine_shutdown import describe, join_engine_thread
+from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.engine.streams import RequestStream, Sink, TokenRate, deliver, resolve
 from seer_engine.outputs import RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
@@ -42,25 +46,6 @@ from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Add:
-    request_id: str
-    checked: CheckedRequest
-    stream: bool
-    group_id: str | None
-    sink: Sink
-    future: concurrent.futures.Future
-
-
-@dataclass
-class _Call:
-    """Run ``fn(future)`` on the engine thread; ``fn`` resolves the future itself."""
-
-    fn: Callable[[concurrent.futures.Future], None]
-    future: concurrent.futures.Future
-
-
-_STOP = object()
 IDLE_CHECK_S = 1.0  # how often an idle engine thread refreshes stats and health
 
 
@@ -105,6 +90,8 @@ class AsyncEngine:
         self._held: list[_Add] = []
         self._paused: str | None = None
         self._drain_waiters: list[concurrent.futures.Future] = []
+        self._doing: str | None = None  # a long call under way, for shutdown's log
+        self._stop_at: float | None = None  # when a stop was first asked for
         # Read-only after start().
         self._processor: InputProcessor | None = None  # used by the intake thread only
         self._client_detokenizer: Detokenizer | None = None
@@ -128,12 +115,26 @@ class AsyncEngine:
             raise self._fatal
         return self
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the thread; waiting callers get ``EngineDeadError``."""
+    def stop(self) -> None:
+        """Ask the thread to stop, without waiting: callers get ``EngineDeadError``, then
+        the backend closes (``shutdown`` waits for that)."""
+        self._stop_at = self._stop_at or time.monotonic()
         if self._thread.is_alive():
             self._commands.put(_STOP)
-            self._thread.join(timeout)
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Stop the thread and wait until its backend has closed (the history store saved, the
+        instances stopped; an exit before loses them), logging the wait every 10 s. ``timeout``
+        bounds it, with a warning naming what is left undone. Whether the thread ended."""
+        self.stop()
+        ended = not self._thread.is_alive() or join_engine_thread(self._thread, self.shutdown_status, timeout)
         self._intake.shutdown(wait=False, cancel_futures=True)
+        return ended
+
+    def shutdown_status(self) -> str:
+        """What the engine thread is busy with since the stop, and what exiting now would lose."""
+        doing = getattr(self._engine, "closing", None) or self._doing or "finishing an engine step"
+        return describe(doing, self._stop_at, getattr(self._engine, "lost_on_exit", None))
 
     def check_health(self) -> Health:
         if self._fatal is not None:
@@ -218,7 +219,7 @@ class AsyncEngine:
             self._weight_version = weight_version if weight_version is not None else self._bump_version()
             resolve(f, self._weight_version)
 
-        return await self._call(do)
+        return await self._call(do, "running a weight update")
 
     async def sleep(self) -> None:
         def do(f: concurrent.futures.Future) -> None:
@@ -264,9 +265,9 @@ class AsyncEngine:
 
     # -- handing work to the thread --------------------------------------------------------
 
-    async def _call(self, fn: Callable[[concurrent.futures.Future], None]) -> Any:
+    async def _call(self, fn: Callable[[concurrent.futures.Future], None], what: str | None = None) -> Any:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(_Call(fn, fut))
+        self._post(_Call(fn, fut, what))
         return await asyncio.wrap_future(fut)
 
     def _post(self, cmd: _Add | _Call) -> None:
@@ -332,7 +333,7 @@ class AsyncEngine:
         finally:
             self._closed = True
             self._fail_everyone(reason)
-            close = getattr(self._engine, "close", None)  # instance processes, KV pool
+            close = getattr(self._engine, "close", None)  # history store, instance processes, KV pool
             if close is not None:
                 close()
 
@@ -375,6 +376,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 self._do_add(cmd)
             else:
+                self._doing = cmd.what
                 cmd.fn(cmd.future)
         except (InvalidRequestError, EngineBusyError, ValueError, EngineDeadError) as e:
             resolve(cmd.future, error=e)
@@ -383,6 +385,8 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the caller learns why; the engine is unharmed
             logger.exception("engine command failed")
             resolve(cmd.future, error=e)
+        finally:
+            self._doing = None
 
     def _do_add(self, cmd: _Add) -> None:
         if cmd.request_id in self._sinks:

@@ -115,7 +115,17 @@ class EngineClient(Protocol):
         it can no longer serve."""
         ...
 
-    def shutdown(self) -> None: ...
+    def stop(self) -> None:
+        """Stop serving at once (callers get ``EngineDeadError``); the backend closes after."""
+        ...
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Stop and wait for the backend's close (at most ``timeout``); whether it ended."""
+        ...
+
+    def shutdown_status(self) -> str:
+        """What the shutdown is still doing, and what exiting now would lose."""
+        ...
 
 
 class ServingBackend(Protocol):

@@ -34,7 +34,7 @@ from seer_engine.engine.input_processor import CheckedRequest, InputProcessor
 from seer_engine.engine.llm_engine import resolve_model_path
 from seer_engine.engine.stats import EngineStats, total
 from seer_engine.outputs import CompletionOutput, RequestOutput
-from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
+from seer_engine.rollout.config import HISTORY_FILE, RolloutConfig, bind_history, save_history
 from seer_engine.rollout.dispatcher import Dispatcher
 from seer_engine.rollout.types import Group, InstanceDied, RolloutSample
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
@@ -44,8 +44,9 @@ SERVER_LOG_LIMIT = 10_000  # dispatches and steps per instance kept for inspecti
 
 logger = logging.getLogger(__name__)
 
-# Tests only: "<path>" makes close() create <path> and wait until it is removed, so a test
-# can signal a server at a known point of its shutdown instead of racing it.
+# Tests only: "<path>" makes close() create <path> and wait until it is removed, before it
+# saves the history store, so a test can signal a server at a known point of its shutdown
+# (or hold the save as a slow disk would) instead of racing it.
 TEST_PAUSE_CLOSING_ENV = "SEER_ENGINE_TEST_PAUSE_CLOSING"
 
 
@@ -117,6 +118,8 @@ class RolloutBackend:
             self.pool.close()
             raise
         self._history_error: str | None = None  # why the last save failed (None: it did not)
+        self._saved_at_close = False
+        self.closing: str | None = None  # what close() is doing, for the server's shutdown log
         self._sleeping = False
         self._config = config
         self._weights: str | None = None  # the folder of the last weight update (None: the model's)
@@ -347,12 +350,24 @@ class RolloutBackend:
         self._call_all("reset_prefix_cache")
 
     def close(self) -> None:
-        """Stop the instances (processes) and release the KV pool; save the history store."""
-        _pause_for_test()
+        """Save the history store, then stop the instances (processes) and release the KV
+        pool; ``closing`` says which step runs, for a shutdown that waits on it."""
+        self.closing = "saving the history store" if self.lost_on_exit() else "closing the rollout"
         try:
+            _pause_for_test()
             self._save_history()
+            self._saved_at_close = self._history_error is None
         finally:
+            self.closing = "stopping the engine instances"
             self.pool.close()
+            self.closing = None
+
+    def lost_on_exit(self) -> str | None:
+        """What a process that exits before ``close`` has saved the store loses."""
+        if self.history is None or self.history_spec in ("off", "memory") or self._saved_at_close:
+            return None
+        path = Path(self.history_spec).expanduser() / HISTORY_FILE
+        return f"the history store's records since its last save ({path} keeps that save)"
 
     def stats(self) -> EngineStats:
         """The sum over instances, as of their last replies (asking them would wait on

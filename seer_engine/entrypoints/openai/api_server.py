@@ -348,7 +348,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: EngineClient) -> None:
         super().__init__(config)
         self._engine = engine
-        self._stop_engine = threading.Timer(DRAIN_S, engine.shutdown)
+        self._stop_engine = threading.Timer(DRAIN_S, engine.stop)
         self._stop_engine.daemon = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -359,10 +359,11 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """A second Ctrl-C (uvicorn's force exit) skips the drain and the lifespan's end,
         and the requests still running would be cancelled mid-response: the engine stops
-        at once instead, their handlers send its error, then the app shuts down."""
+        at once instead, their handlers send its error, then the app shuts down (the
+        engine's own shutdown, which saves the history store, is waited for after)."""
         await super().shutdown(sockets)
         if self.force_exit:
-            await asyncio.to_thread(self._engine.shutdown)
+            self._engine.stop()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._handlers_done(), FORCED_END_S)
             await self.lifespan.shutdown()
@@ -455,11 +456,13 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def _shutdown_engine(engine: EngineClient) -> None:
-    """Another stop signal here would cut the engine thread off mid-shutdown (the history
-    store unsaved, instances and the KV pool left to exit handlers): the shutdown, which
-    is bounded, finishes first, then the signal takes effect. It runs on a thread of its
-    own: a signal that interrupts ``Thread.join`` can leave the joined thread marked as
-    stopped while it still runs."""
+    """Wait for the engine's shutdown, which saves the history store and stops the
+    instances and has no fixed end (a large store on a slow disk, a weight update still
+    running), logging what it waits for. Another stop signal meanwhile ends the process
+    at once, with a warning naming what is lost: an operator who asks twice, or a grace
+    period's end, is not held up, and SIGKILL would lose the same without a word. The
+    shutdown runs on a thread of its own: a signal that interrupts ``Thread.join`` can
+    leave the joined thread marked as stopped while it still runs."""
     done = threading.Event()
 
     def stop() -> None:
@@ -469,12 +472,9 @@ def _shutdown_engine(engine: EngineClient) -> None:
             done.set()
 
     threading.Thread(target=stop, name="seer-shutdown", daemon=True).start()
-    interrupted: BaseException | None = None
-    while not done.is_set():
-        try:
-            done.wait()
-        except (KeyboardInterrupt, SystemExit) as e:
-            logger.warning("stop signal during the engine's shutdown: finishing the shutdown first")
-            interrupted = e
-    if interrupted is not None:
-        raise interrupted
+    try:
+        done.wait()
+    except (KeyboardInterrupt, SystemExit):
+        status = engine.shutdown_status()
+        logger.warning("stop signal during the engine's shutdown: exiting before it is done (%s)", status)
+        raise
