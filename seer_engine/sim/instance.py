@@ -6,9 +6,9 @@ engine below that line is modeled after the real scheduler: each step runs the d
 rows, then prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in
 the scheduling policy's order while sequences and KV allow. When KV runs out the
 policy's victim is preempted and recomputed later (a ``cuttable`` chunk with new tokens
-is cut instead); a step that preempted admits nobody new. A returning chunk finds what
-is left of its context in the prefix cache (freed blocks go least recently freed
-first) or pulls it from the KV pool, paying the transfer.
+is cut instead); a step that preempted admits nobody new. A returning chunk finds what is
+left of its context in the prefix cache (freed blocks go least recently freed first) or
+pulls it from the KV pool, paying the transfer.
 
 Between two events (a chunk ends or arrives, KV runs out, the rows' drafting changes)
 every decoding row of a band (``DecodeBand``: rows whose drafts weigh alike in the draft
@@ -66,7 +66,7 @@ class SimInstance(InstanceHandle):
         self.prefilling: list[SimRequest] = []
         self.waiting: list[SimRequest] = []
         self.cache: OrderedDict[str, int] = OrderedDict()  # response key -> context tokens, LRU first
-        self.cached_tokens = 0
+        self.cached_tokens, self._arrivals = 0, 0
         self.prompt_groups: set[str] = set()  # groups whose prompt is in the prefix cache
         self.groups = RunningGroups(BANDS)
         self._stats = SchedulerStats()
@@ -74,7 +74,6 @@ class SimInstance(InstanceHandle):
         self._loads: list[tuple[str, int, LoadResult]] = []
         self._carried_s = 0.0  # pool transfer time charged to the next step
         self._segment: Segment | None = None
-        self._arrivals = 0
         self._undelivered: list[RequestOutput] = []  # chunks that ended while catching up to an arrival
         self._elapsed = 0.0  # step time since the last reply
         self.peak_kv_tokens = 0.0  # the most KV its running rows ever held (tests check the capacity)
@@ -326,12 +325,11 @@ class SimInstance(InstanceHandle):
         return admit
 
     def _hit(self, req: SimRequest) -> int:
-        """Context tokens a waiting chunk finds in place: what it arrived with, what the
-        prefix cache kept of it since it was preempted, or at least its group's prompt
-        while rows of the group run here (their blocks hold it)."""
+        """Context tokens a waiting chunk finds in place: what it arrived with, what the prefix
+        cache kept of it since it was preempted, or its group's prompt while the group's rows
+        here hold it."""
         prompt = req.prompt_len if req.group_id in self.groups else 0
-        cached = min(max(self.cache.get(req.key, 0), prompt), int(req.context) - 1)
-        return max(req.hit, cached)
+        return max(req.hit, min(max(self.cache.get(req.key, 0), prompt), int(req.context) - 1))
 
     def _preempt_until_growth_fits(self) -> bool:
         """The engine preempts its policy's victim when the next step's tokens (decoded or

@@ -2,13 +2,17 @@
 and each policy's gain over the baseline (ratio of mean makespans, and the geometric mean
 of the per-seed ratios). Run from the repository root:
 
-    python benchmarks/results/simulator/qwen2vl-seeds/seed_means.py
+    python benchmarks/results/simulator/qwen2vl-seeds/seed_means.py [DIR]
+
+DIR: a folder of ``seed<N>/qwen2vl-72b/report.json`` (every seed there); without it, the
+eight reports this file's README section names.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -19,7 +23,10 @@ POLICIES = ("divided", "context", "oracle")
 
 
 def main() -> None:
-    first = [json.loads((d / "report.json").read_text())["iterations"][0]["policies"] for d in REPORTS]
+    reports = REPORTS
+    if len(sys.argv) > 1:
+        reports = sorted(Path(sys.argv[1]).glob("seed*/qwen2vl-72b"), key=lambda d: int(d.parent.name[4:]))
+    first = [json.loads((d / "report.json").read_text())["iterations"][0]["policies"] for d in reports]
     base = [p["baseline"]["makespan_s"] for p in first]
     idle = [p["baseline"]["idle_fraction"] for p in first]
     print(f"{len(first)} seeds; baseline: mean makespan {sum(base) / len(base):,.0f} s, "
