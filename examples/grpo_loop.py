@@ -448,6 +448,21 @@ def _strip(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n.removeprefix("model."): p for n, p in params.items()}
 
 
+def _check_out_dir(out_dir: Path, done: int, source: Path) -> None:
+    """Refuse to run where another run's later checkpoints lie: this run's ``iter-K``
+    would overwrite them, and its cleanup remove them."""
+    later = sorted(
+        (p for p in out_dir.glob("iter-*") if p.is_dir() and p.resolve() != source.resolve()),
+        key=lambda p: p.name,
+    )
+    later = [p.name for p in later if iterations_done(p) > done]
+    if later:
+        raise GRPOError(
+            f"--out-dir {str(out_dir)!r} holds checkpoints of another run ({', '.join(later)}) that this "
+            "run would overwrite: pass another --out-dir, or --resume from the latest of them"
+        )
+
+
 def iterations_done(path: Path) -> int:
     """The iteration a checkpoint of this loop ends (its PROGRESS_FILE); 0 for other weights."""
     file = path / PROGRESS_FILE
@@ -524,6 +539,7 @@ def run_grpo(
                 f"--model {cfg.model} ends iteration {done}: --iterations {cfg.iterations} (the total, "
                 "counted from the first run) leaves nothing to run"
             )
+        _check_out_dir(cfg.out_dir, done, path)
         trainer = Trainer(path, cfg)
         log(
             f"GRPO: {served} at {cfg.server} (weight version {version}), trainer copy {path}, "

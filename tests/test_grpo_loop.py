@@ -354,6 +354,9 @@ def test_a_loop_resumed_from_its_checkpoint_goes_on_with_the_next_iteration(grpo
     out = tmp_path / "out"
     first = grpo.run_grpo(_config(grpo, server, model, out, iterations=1), log=lambda line: None)
     assert [r["iteration"] for r in first] == [1] and grpo.iterations_done(out / "iter-1") == 1
+    with pytest.raises(grpo.GRPOError, match=r"holds checkpoints of another run \(iter-1\) that this run"):
+        grpo.run_grpo(_config(grpo, server, model, out, iterations=1), log=lambda line: None)
+    assert grpo.iterations_done(out / "iter-1") == 1  # refused before it wrote anything
     cfg = _config(grpo, server, out / "iter-1", out, iterations=3, resume=True)
     resumed = grpo.run_grpo(cfg, log=lambda line: None)
     assert [r["iteration"] for r in resumed] == [2, 3]
