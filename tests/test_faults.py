@@ -82,11 +82,16 @@ def test_killed_instance_processes_lose_no_sample(model, start_server):
     instances = _health(server)["instances"]
     assert [i["alive"] for i in instances] == [True] * 3 and all(i["pid"] > 0 for i in instances)
     reference = _rollout(server)
+    counters = ("generation_tokens_total", "engine_steps_total", "num_preemptions_total")
+    before = {k: server.metrics()[k] for k in counters}
+    assert before["generation_tokens_total"] > 0
 
     os.kill(instances[2]["pid"], signal.SIGKILL)  # dies while the server is idle
     health = server.wait_until(lambda: (h := _health(server))["status"] == "degraded" and h, what="degraded")
     assert "[2]" in health["reason"] and [i["alive"] for i in health["instances"]] == [True, True, False]
     assert server.metrics()["instance_failures_total"] == 1
+    # Counters keep what the lost instance counted: Prometheus reads a drop as a reset.
+    assert {k: server.metrics()[k] for k in counters} == before
 
     kill = {}
     outputs = _rollout(server, during=lambda: kill.update(_kill_mid_rollout(server, instances[1]["pid"])))
@@ -94,6 +99,8 @@ def test_killed_instance_processes_lose_no_sample(model, start_server):
     _assert_complete(outputs, reference)
     metrics = server.metrics()
     assert metrics["instance_failures_total"] == 2 and metrics["instances_alive"] == 1
+    assert all(metrics[k] >= before[k] for k in counters)
+    assert metrics["generation_tokens_total"] >= before["generation_tokens_total"] + kill["total"]
     assert metrics["num_requests_running"] == 0 and metrics["kv_cache_usage_perc"] == 0.0
     assert _health(server)["status"] == "degraded"
     assert _rollout(server) == reference, "the last instance keeps serving"

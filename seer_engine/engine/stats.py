@@ -8,7 +8,7 @@ rollout reports total it per policy. The scheduler keeps the counters it owns in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,6 +34,11 @@ class EngineStats:
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def counters(self) -> EngineStats:
+        """The counts since start, without the figures of the moment (running, waiting,
+        KV): what a lost instance still adds to a sum of counters that must never drop."""
+        return replace(self, running=0, waiting=0, kv_used_blocks=0, kv_total_blocks=0)
 
     @property
     def kv_usage(self) -> float:

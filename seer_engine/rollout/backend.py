@@ -381,6 +381,7 @@ class RolloutBackend:
         if not self.has_unfinished_requests():
             self.pool.kv_connector.free_left()  # idle: no finishing response would retry them
         stats = total([inst.books.current_stats() for inst in self.pool.alive])
+        stats += total([inst.books.stats.counters() for inst in self.pool.instances if not inst.alive])
         stats.waiting += len(self.dispatcher.buffer)
         return stats
 
