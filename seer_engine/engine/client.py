@@ -55,13 +55,14 @@ class ServerStats:
 
     def stopped(self, backend: ServingBackend) -> ServerStats:
         """The figures once the engine thread has stopped and failed every request: nothing
-        runs, waits or is held, the counters keep their last values, and the health is the
-        backend's last word (every instance lost), not that of the last snapshot."""
+        runs, waits, is held or holds KV, the counters keep their last values, and the health
+        is the backend's last word (every instance lost), not that of the last snapshot."""
         try:
             health = backend.health()
         except Exception:  # noqa: BLE001 - a crashed backend: the last snapshot's
             health = self.health
-        return replace(self, engine=self.engine.counters(), num_requests_held=0, health=health)
+        idle = replace(self.engine, running=0, waiting=0, kv_used_blocks=0)
+        return replace(self, engine=idle, num_requests_held=0, health=health)
 
 
 @runtime_checkable
