@@ -23,7 +23,7 @@ import pytest
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-test"
-_ADDRESS = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
+_ADDRESS = re.compile(r"serving .+? on (http://[\d.]+:\d+)", re.S)  # any served name
 
 
 class ServerProcess:

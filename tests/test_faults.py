@@ -305,6 +305,18 @@ def _wait_engine_dead(server) -> None:
     _assert_engine_dead(server.wait_until(dead, timeout=60, what="/health to say 503"))
 
 
+def _assert_metrics_say_every_instance_lost(server, lost: int = 2) -> None:
+    """/metrics keeps answering once every instance is gone, and says so (not the figures
+    of the last snapshot before): none alive, each loss counted, nothing running or
+    waiting any more (every request has failed)."""
+    alive = lambda: (m := server.metrics())["instances_alive"] == 0 and m  # noqa: E731
+    metrics = server.wait_until(alive, what="/metrics to say no instance is alive")
+    assert metrics["instance_failures_total"] == lost, metrics
+    assert metrics["num_requests_running"] == metrics["num_requests_waiting"] == 0, metrics
+    assert metrics["num_requests_held"] == metrics["kv_cache_usage_perc"] == 0, metrics
+    assert metrics["generation_tokens_total"] > 0, "counters keep their values"
+
+
 def test_losing_every_instance_in_a_serving_call_while_paused_fails_requests_clearly(model, start_server):
     """Every instance hangs (SIGSTOP) while generation is paused with ``keep``, and a cache
     reset takes each as hung and kills it: the reset applied nowhere, so it answers 503
@@ -328,6 +340,7 @@ def test_losing_every_instance_in_a_serving_call_while_paused_fails_requests_cle
         _assert_engine_dead(in_flight.result(timeout=60))
     _wait_engine_dead(server)
     _assert_engine_dead(_post_completion(server, 1))
+    _assert_metrics_say_every_instance_lost(server)
 
 
 def test_losing_every_instance_while_idle_refuses_requests_clearly(model, start_server):

@@ -251,3 +251,26 @@ def test_an_abort_that_finds_its_instance_dead_does_not_run_the_response_again(m
         _assert_idle(engine)
     finally:
         engine.close()
+
+
+def test_kv_figures_return_to_zero_after_an_abort_that_a_held_reply_predates(model):
+    """In-process instances step ahead in modeled time and hold the reply until its end
+    comes. An instance whose last response is aborted while it holds a reply answers the
+    abort with its KV freed; the held reply, computed before, must not bring the KV it
+    saw back into the stats: with no more work there it would stay in /metrics for good."""
+    engine = _backend(model, chunk=256)
+    p = SamplingParams(max_tokens=200, ignore_eos=True, temperature=1.0, seed=1)
+    (x,) = engine.add_request("x", [5, 6, 7, 8], p)
+    engine.add_request("y", [9, 9, 9], p)
+    clock = engine.pool.clock
+    while not (x.instance is not None and clock.holds(engine.pool.instances[x.instance])):
+        engine.step()
+    held = engine.pool.instances[x.instance]
+    engine.abort_request(["x"])
+    assert held.books.stats.kv_used_blocks == 0, "the abort's answer: x's KV freed"
+    while clock.holds(held):
+        engine.step()  # the held reply is handed out
+    assert not held.books.in_flight and held.books.current_stats().kv_used_blocks == 0
+    _drain(engine)
+    assert engine.stats().kv_used_blocks == 0 and engine.stats().running == 0
+    engine.close()

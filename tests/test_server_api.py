@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 
 import httpx
 import openai
@@ -869,6 +870,26 @@ def test_a_response_names_the_model_the_request_named(server_models, start_serve
             assert resp.status_code == 200 and resp.json()["model"] == "main", resp.text
             resp = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1, **unnamed})
             assert resp.status_code == 200 and resp.json()["model"] == "main", resp.text
+
+
+def test_metrics_escape_the_model_name_as_the_text_format_asks(server_models, start_server):
+    """Prometheus' text format escapes a label value's backslashes, double quotes and line
+    feeds: a served name holding each still gives one parseable line per sample."""
+    name = 'my "model"\\v1\nnext'
+    server = start_server("--model", str(server_models[0]), "--served-model-name", name,
+                          "--max-model-len", "256", "--num-threads", "1")  # fmt: skip
+    with server.http() as http:
+        text = http.get("/metrics").text
+    sample = re.compile(r'seer_engine_\w+\{model_name="((?:[^"\\\n]|\\[\\"n])*)"\} \S+')
+    unescape = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+    comment = re.compile(r"# (HELP seer_engine_\w+ .+|TYPE seer_engine_\w+ (counter|gauge))")
+    for line in text.removesuffix("\n").split("\n"):
+        if line.startswith("#"):
+            assert comment.fullmatch(line), line
+        else:
+            match = sample.fullmatch(line)
+            assert match, line
+            assert re.sub(r"\\.", lambda e: unescape[e.group()], match.group(1)) == name
 
 
 def test_text_prompts_take_the_tokenizers_bos_and_chat_prompts_do_not(tiny_model, start_server):

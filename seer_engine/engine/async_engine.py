@@ -45,7 +45,6 @@ from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
 IDLE_CHECK_S = 1.0  # how often an idle engine thread refreshes stats and health
 
 
@@ -474,6 +473,7 @@ class AsyncEngine:
     def _fail_everyone(self, error: BaseException) -> None:
         sinks, self._sinks = self._sinks, {}
         self._held = []
+        self._stats = self._stats.stopped(self._engine)  # /metrics: none run, every instance lost
         deliver([(s, error) for s in sinks.values()])
         waiters, self._drain_waiters = self._drain_waiters, []
         for f in waiters:

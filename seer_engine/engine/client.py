@@ -8,7 +8,7 @@ its own.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from seer_engine.engine.detokenizer import Detokenizer
@@ -52,6 +52,17 @@ class ServerStats:
     sleeping: bool = False
     weight_version: str = "default"
     health: Health = field(default_factory=Health)
+
+    def stopped(self, backend: ServingBackend) -> ServerStats:
+        """The figures once the engine thread has stopped and failed every request: nothing
+        runs, waits, is held or holds KV, the counters keep their last values, and the health
+        is the backend's last word (every instance lost), not that of the last snapshot."""
+        try:
+            health = backend.health()
+        except Exception:  # noqa: BLE001 - a crashed backend: the last snapshot's
+            health = self.health
+        idle = replace(self.engine, running=0, waiting=0, kv_used_blocks=0)
+        return replace(self, engine=idle, num_requests_held=0, health=health)
 
 
 @runtime_checkable

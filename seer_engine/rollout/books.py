@@ -116,9 +116,13 @@ class InstanceBooks:
 
     def current_stats(self) -> EngineStats:
         """The last reply's figures, its samples counted as the books hold them now: a
-        chunk sent since that reply waits at the instance, one released since is gone."""
-        running = min(self.stats.running, len(self.in_flight))
-        return replace(self.stats, running=running, waiting=len(self.in_flight) - running)
+        chunk sent since that reply waits at the instance, one released since is gone, and
+        with none in flight the instance holds no KV (a reply computed before an abort,
+        recorded after its answer, saw the KV the abort freed)."""
+        chunks = len(self.in_flight)
+        running = min(self.stats.running, chunks)
+        used = self.stats.kv_used_blocks if chunks else 0
+        return replace(self.stats, running=running, waiting=chunks - running, kv_used_blocks=used)
 
     def record(self, reply: StepReply, clock: float) -> None:
         self.clock = clock

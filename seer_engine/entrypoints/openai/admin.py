@@ -98,7 +98,8 @@ _METRICS: list[tuple[str, str, str, Callable[[ServerStats], float]]] = [
 
 def render_metrics(stats: ServerStats, model_name: str, prefix: str = "seer_engine") -> str:
     """Prometheus text exposition format (version 0.0.4)."""
-    label = '{model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    label = '{model_name="' + escaped + '"}'
     lines = []
     for name, kind, help_text, value in _METRICS:
         full = f"{prefix}_{name}"
