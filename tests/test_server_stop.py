@@ -116,3 +116,54 @@ def test_a_second_signal_while_the_engine_shuts_down_exits_at_once_saying_what_i
     assert exiting in log, log
     assert f"an exit now loses the history store's records since its last save ({history}" in log, log
     assert HistoryStore.load(history / "history.json").sequences(prompt) == [], "the startup's save is kept"
+
+
+def _process_tree(pid: int) -> dict[int, str]:
+    """The processes below ``pid`` (children, theirs, ...) and their command lines."""
+    parents: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            commands[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = {}, [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            tree[child] = commands[child]
+            todo.append(child)
+    return tree
+
+
+def _still_running(tree: dict[int, str]) -> dict[int, str]:
+    running = {}
+    for pid, command in tree.items():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            same = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() == command
+        except OSError:
+            continue
+        if same and state != "Z":
+            running[pid] = command
+    return running
+
+
+def test_a_stopped_ray_server_leaves_no_ray_process_behind(model, start_server):
+    """The local Ray cluster a server starts ends with it, at once. Ray ties the GCS and
+    raylet it starts to the thread that ran ``ray.init`` (Linux's parent-death signal
+    follows the thread), the engine thread here: they were SIGKILLed as that thread
+    ended, before Ray's own shutdown at exit could stop them, and the raylet's agents
+    were left running for a minute."""
+    pytest.importorskip("ray")
+    server = start_server("--model", str(model), "--instances", "1", "--distributed-backend", "ray", *COMMON)
+    with server.http() as http:
+        body = {"model": server.model, "prompt": [3, 7, 11, 5], "max_tokens": 4}
+        assert http.post("/v1/completions", json=body).status_code == 200
+    tree = _process_tree(server.proc.pid)
+    assert any("raylet" in command for command in tree.values()), tree
+    server.stop(timeout=60)
+    assert server.proc.returncode == 128 + signal.SIGTERM, server.log_tail()
+    ended = lambda: not _still_running(tree)  # noqa: E731
+    server.wait_until(ended, timeout=10, interval=0.2, what=f"Ray's processes to end: {_still_running(tree)}")

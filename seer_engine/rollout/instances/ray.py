@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -61,14 +62,41 @@ def ensure_ray() -> Any:
             ray.init(address=address, log_to_driver=False, ignore_reinit_error=True)
         else:
             # "local": never attach to a cluster left over from an earlier `ray start`.
-            ray.init(
-                address="local",
-                num_cpus=os.cpu_count(),
-                include_dashboard=False,
-                log_to_driver=False,
-                ignore_reinit_error=True,
+            _on_a_lasting_thread(
+                lambda: ray.init(
+                    address="local",
+                    num_cpus=os.cpu_count(),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    ignore_reinit_error=True,
+                )
             )
     return ray
+
+
+def _on_a_lasting_thread(start_cluster: Any) -> None:
+    """Run ``start_cluster`` on a thread kept until the process exits. Ray ties the GCS
+    and raylet it starts to the thread that ran ``ray.init`` (Linux's parent-death signal
+    follows the thread): started on an engine thread, they were SIGKILLed as that thread
+    ended, before Ray's shutdown at exit could stop them, and the raylet's agents were
+    left running for a minute."""
+    started = threading.Event()
+    error: list[BaseException] = []
+
+    def own() -> None:
+        try:
+            start_cluster()
+        except BaseException as e:
+            error.append(e)
+        finally:
+            started.set()
+        if not error:
+            threading.Event().wait()  # the cluster lives as long as this thread
+
+    threading.Thread(target=own, name="seer-ray-cluster", daemon=True).start()
+    started.wait()
+    if error:
+        raise error[0]
 
 
 def actor_threads(num_instances: int) -> int:
