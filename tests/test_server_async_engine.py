@@ -12,6 +12,7 @@ from seer_engine.engine.client import EngineClient, EngineDeadError
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.engine.streams import RequestStream, Sink
+from seer_engine.entrypoints.openai.admin import render_metrics
 from seer_engine.entrypoints.openai.serving_base import merge_outputs
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
@@ -77,6 +78,7 @@ def test_engine_failure_reaches_waiting_callers(tiny_model, monkeypatch):
         with pytest.raises(EngineDeadError):
             await engine.pause("keep")
         assert (await engine.stats()).engine.kv_total_blocks == 16  # last snapshot still readable
+        assert 'instances_alive{model_name="m"} 0.0' in render_metrics(await engine.stats(), "m")
 
     asyncio.run(asyncio.wait_for(run(), 30))
     engine.shutdown()

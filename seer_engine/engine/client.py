@@ -52,6 +52,7 @@ class ServerStats:
     sleeping: bool = False
     weight_version: str = "default"
     health: Health = field(default_factory=Health)
+    engine_stopped: bool = False  # the engine thread ended (failed, or shut down)
 
     def stopped(self, backend: ServingBackend) -> ServerStats:
         """The figures once the engine thread has stopped and failed every request: nothing
@@ -62,7 +63,7 @@ class ServerStats:
         except Exception:  # noqa: BLE001 - a crashed backend: the last snapshot's
             health = self.health
         idle = replace(self.engine, running=0, waiting=0, kv_used_blocks=0)
-        return replace(self, engine=idle, num_requests_held=0, health=health)
+        return replace(self, engine=idle, num_requests_held=0, health=health, engine_stopped=True)
 
 
 @runtime_checkable

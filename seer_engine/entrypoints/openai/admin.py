@@ -82,8 +82,8 @@ _METRICS: list[tuple[str, str, str, Callable[[ServerStats], float]]] = [
     (
         "instances_alive",
         "gauge",
-        "Engine instances serving (rollout mode; 1 otherwise).",
-        lambda s: sum(i["alive"] for i in s.health.instances) if s.health.instances else 1,
+        "Engine instances serving (rollout mode; otherwise 1, 0 once the engine stopped).",
+        lambda s: sum(i["alive"] for i in s.health.instances) if s.health.instances else 1 - s.engine_stopped,
     ),
     (
         "kv_pool_failures_total",
