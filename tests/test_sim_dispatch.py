@@ -410,6 +410,16 @@ def _chunk(key: str, prompt: int, max_tokens: int):
     return ChunkRequest(key, SimPrompt(prompt, key), params, key.split("/")[0], key, [])
 
 
+def _run_all(inst: SimInstance, keys, prompt: int, max_tokens: int) -> list:
+    """Submit a chunk per key and step the instance until none is left; the outputs."""
+    for key in keys:
+        inst.submit(_chunk(key, prompt, max_tokens))
+    done = []
+    while inst.decoding or inst.prefilling or inst.waiting:
+        done += inst.step().outputs
+    return done
+
+
 class _Recording(SimInstance):
     """Records, per planned step, whether it preempted and what it admitted."""
 
@@ -443,11 +453,7 @@ def test_a_preempted_response_keeps_the_start_of_its_context_as_the_engine_does(
     lengths = {"a/0": 600, "b/0": 900, "c/0": 900}  # c is preempted; a ends while c waits
     world = SimWorld(lengths, 900, {g: 1 for g in "abc"})
     inst = _Recording(0, _profile(kv_tokens=1600), world, make_policy("fcfs"), max_model_len=1600)
-    for key in lengths:
-        inst.submit(_chunk(key, 100, 900))
-    done = []
-    while inst.decoding or inst.prefilling or inst.waiting:
-        done += inst.step().outputs
+    done = _run_all(inst, lengths, 100, 900)
     stats = inst._stats
     assert stats.preemptions >= 1
     assert all(not admitted for stopped, admitted in inst.plans if stopped), inst.plans
@@ -471,11 +477,7 @@ def test_rows_hold_whole_kv_blocks_as_the_engine_allocates_them(block_size, pree
         pool_bytes_per_s=1e10, kv_bytes_per_token=1000, block_size=block_size,
     )  # fmt: skip
     inst = SimInstance(0, profile, world, make_policy("fcfs"), max_model_len=288)
-    for key in lengths:
-        inst.submit(_chunk(key, 10, 15))
-    done = []
-    while inst.decoding or inst.prefilling or inst.waiting:
-        done += inst.step().outputs
+    done = _run_all(inst, lengths, 10, 15)
     assert (inst._stats.preemptions > 0) is preempts
     assert inst.peak_kv_tokens <= 288
     assert sorted(len(o.outputs[0].token_ids) for o in done) == [15] * 10
@@ -488,7 +490,9 @@ def test_a_preempted_row_finds_its_prompt_in_the_blocks_its_running_siblings_hol
     world = SimWorld(lengths, 900, {"g": 3})
 
     class _Readmissions(_Recording):
-        readmitted: list = []
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.readmitted: list[tuple[int, bool]] = []
 
         def _next_segment(self):
             seg = super()._next_segment()
@@ -498,11 +502,7 @@ def test_a_preempted_row_finds_its_prompt_in_the_blocks_its_running_siblings_hol
             return seg
 
     inst = _Readmissions(0, _profile(kv_tokens=1600), world, make_policy("fcfs"), max_model_len=1600)
-    for key in lengths:
-        inst.submit(_chunk(key, 300, 900))
-    done = []
-    while inst.decoding or inst.prefilling or inst.waiting:
-        done += inst.step().outputs
+    done = _run_all(inst, lengths, 300, 900)
     assert inst.victims, "the scenario must preempt"
     assert any(running for _, running in inst.readmitted), inst.readmitted
     assert all(hit >= 300 for hit, running in inst.readmitted if running), inst.readmitted
