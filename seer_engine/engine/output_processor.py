@@ -114,17 +114,10 @@ class OutputProcessor:
             and not params.include_stop_str_in_output
         ):
             text_ids = text_ids[:-1]  # the stop token (EOS or a stop token id) is not text, as in vLLM
-        lead = self.detokenizer.text_lead(req.prompt_token_ids)
         if not req.is_finished and req.request_id in self._of_child:  # a streaming sample's progress
-            text = self._stream_text(req, lead).text(text_ids)
-        else:  # decoded whole, once
-            text = self.detokenizer.output_text(lead, text_ids, params.skip_special_tokens)
-        if isinstance(req.stop_reason, str):
-            # Cut at the match the last token completed, not at an earlier occurrence.
-            before = self.detokenizer.output_text(lead, text_ids[:-1], params.skip_special_tokens)
-            hit = new_stop_match(before, text, [req.stop_reason])
-            if hit is not None:
-                text = text[: hit[0] + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]
+            text = self._stream_text(req).text(text_ids)
+        else:
+            text = self._final_text(req, text_ids)
         return CompletionOutput(
             index=req.sample_index,
             text=text,
@@ -135,9 +128,23 @@ class OutputProcessor:
             stop_reason=req.stop_reason,
         )
 
-    def _stream_text(self, req: Request, lead: list[int]) -> StreamText:
+    def _final_text(self, req: Request, text_ids: list[int]) -> str:
+        """A finished sample's text, decoded whole, once, and cut at its stop string."""
+        params = req.sampling_params
+        lead = self.detokenizer.text_lead(req.prompt_token_ids)
+        text = self.detokenizer.output_text(lead, text_ids, params.skip_special_tokens)
+        if isinstance(req.stop_reason, str):
+            # Cut at the match the last token completed, not at an earlier occurrence.
+            before = self.detokenizer.output_text(lead, text_ids[:-1], params.skip_special_tokens)
+            hit = new_stop_match(before, text, [req.stop_reason])
+            if hit is not None:
+                text = text[: hit[0] + (len(req.stop_reason) if params.include_stop_str_in_output else 0)]
+        return text
+
+    def _stream_text(self, req: Request) -> StreamText:
         stream = self._stream_texts.get(req.request_id)
         if stream is None:
+            lead = self.detokenizer.text_lead(req.prompt_token_ids)
             skip = req.sampling_params.skip_special_tokens
             stream = self._stream_texts[req.request_id] = StreamText(self.detokenizer, lead, skip)
         return stream
