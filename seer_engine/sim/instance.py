@@ -6,9 +6,9 @@ engine below that line is modeled after the real scheduler: each step runs the d
 rows, then prefill spans within ``max_num_batched_tokens``, then admits waiting chunks in
 the scheduling policy's order while sequences and KV allow. When KV runs out the
 policy's victim is preempted and recomputed later (a ``cuttable`` chunk with new tokens
-is cut instead); a step that preempted admits nobody new. A returning chunk finds what is
-left of its context in the prefix cache (freed blocks go least recently freed first) or
-pulls it from the KV pool, paying the transfer.
+is cut instead); a step that preempted admits nobody new. A returning chunk finds what
+is left of its context in the prefix cache (freed blocks go least recently freed
+first) or pulls it from the KV pool, paying the transfer.
 
 Between two events (a chunk ends or arrives, KV runs out, the rows' drafting changes)
 every decoding row of a band (``DecodeBand``: rows whose drafts weigh alike in the draft
