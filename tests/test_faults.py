@@ -91,7 +91,9 @@ def test_killed_instance_processes_lose_no_sample(model, start_server):
     assert "[2]" in health["reason"] and [i["alive"] for i in health["instances"]] == [True, True, False]
     assert server.metrics()["instance_failures_total"] == 1
     # Counters keep what the lost instance counted: Prometheus reads a drop as a reset.
-    assert {k: server.metrics()[k] for k in counters} == before
+    # (A live instance's idle reply may still add a step meanwhile.)
+    after_kill = server.metrics()
+    assert all(after_kill[k] >= before[k] for k in counters), (after_kill, before)
 
     kill = {}
     outputs = _rollout(server, during=lambda: kill.update(_kill_mid_rollout(server, instances[1]["pid"])))
