@@ -62,6 +62,9 @@ def test_an_empty_prompts_file_is_an_error_not_the_demo_prompts(tmp_path, capsys
         (["--port", "70000"], "--port must be in 0..65535 (0: a free one), got 70000"),
         (["--port", "-1"], "--port must be in 0..65535 (0: a free one), got -1"),
         (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be >= 0, got -1"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds >= 0, got -1.0"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be a number of seconds >= 0, got nan"),
+        (["--drain-timeout", "inf"], "--drain-timeout must be a number of seconds >= 0, got inf"),
         (["--served-model-name", "m", " "], "--served-model-name must not be blank, got ['m', ' ']"),
         # `--api-key "$KEY"` with KEY unset served every route without a key
         (["--api-key", ""], "--api-key must not be blank"),

@@ -49,16 +49,21 @@ def test_ctrl_c_leaves_the_instance_processes_to_the_servers_shutdown(model, sta
     assert "KeyboardInterrupt" not in log and "died" not in log, log
 
 
-def test_a_second_ctrl_c_ends_the_requests_still_running_with_a_clear_error(model, start_server):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_stop_signal_ends_the_requests_still_running_with_a_clear_error(model, start_server, sig):
     """A second SIGINT makes uvicorn quit without waiting for the drain; it then cancelled
     the requests still running (a plain-text 500, a stream cut off mid-message, an
     "Exception in ASGI application" traceback each). The engine now stops first, so each
-    ends with a 503 ``engine_dead`` error object, in-band on a stream."""
+    ends with a 503 ``engine_dead`` error object, in-band on a stream. A second SIGTERM
+    (uvicorn ignores it) does the same. The drain is longer than the test may wait, so
+    the server ends only if the second signal skips it."""
     import json
 
     import httpx
 
-    server = start_server("--model", str(model), "--max-model-len", "512", "--num-threads", "1")
+    server = start_server(
+        "--model", str(model), "--max-model-len", "512", "--num-threads", "1", "--drain-timeout", "3600"
+    )
     body = {"model": server.model, "prompt": [3, 7, 11, 5], "max_tokens": 4}
 
     def refused() -> bool:  # the first signal is handled: the server stopped listening
@@ -73,14 +78,15 @@ def test_a_second_ctrl_c_ends_the_requests_still_running_with_a_clear_error(mode
     with ThreadPoolExecutor(2) as pool:
         answers = pool.submit(server.complete, body), pool.submit(server.stream_events, body)
         server.wait_until(lambda: server.metrics()["num_requests_held"] == 2, what="the held requests")
-        server.proc.send_signal(signal.SIGINT)
+        server.proc.send_signal(sig)
         server.wait_until(refused, what="the server to stop listening")
-        server.proc.send_signal(signal.SIGINT)
+        server.proc.send_signal(sig)
         resp, events = answers[0].result(timeout=60), answers[1].result(timeout=60)
         server.proc.wait(60)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead", resp.text
     assert json.loads(events[0].removeprefix("data: "))["error"]["code"] == "engine_dead", events
-    assert server.proc.returncode == 128 + signal.SIGINT, server.log_tail()
+    assert server.proc.returncode == 128 + sig, server.log_tail()
+    assert "a second stop signal: not waiting" in server.log_tail(20000), server.log_tail()
     assert "Exception in ASGI application" not in server.log_tail(20000), server.log_tail()
 
 

@@ -12,9 +12,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import sys
-import threading
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,12 @@ from seer_engine.entrypoints.openai.json_body import JSONRequest, JSONRoute
 from seer_engine.entrypoints.openai.limits import DEFAULT_MAX_UPLOAD_BYTES, BodyLimits, RequestBounds
 from seer_engine.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from seer_engine.entrypoints.openai.server_stop import (
+    DEFAULT_DRAIN_S,
+    UVICORN_MARGIN_S,
+    StoppingServer,
+    shutdown_engine,
+)
 from seer_engine.entrypoints.openai.serving_base import EventStream, RequestRegistry
 from seer_engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from seer_engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -307,6 +313,13 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "(httpx: 5 s) so that the client, not the server, closes idle connections",
     )
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_S,
+        help="seconds the requests in flight get to finish after a stop signal (SIGINT, SIGTERM); "
+        "then each still running ends with a 503 engine_dead error. A second signal ends them at once",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="read tool calls back from chat responses to requests with tools (tool_choice 'auto'); "
@@ -330,49 +343,6 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-# A stop signal lets the requests in flight finish for this long; then the engine stops,
-# which ends each one still running with a 503 ``engine_dead`` (in-band on a stream).
-DRAIN_S = 5.0
-FORCED_END_S = 5.0  # after a forced exit, how long the handlers have to send the engine's error
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, with what is still running at the end of the drain ended by the engine.
-
-    uvicorn itself cancels the requests left when its graceful period ends: a plain-text
-    500 and a stream cut off mid-message, with a traceback in the log. Here the engine
-    stops ``DRAIN_S`` after the signal, before that period ends, so their handlers send a
-    clear error in time (and the Batch API leaves its batches to the next start).
-    """
-
-    def __init__(self, config: uvicorn.Config, engine: EngineClient) -> None:
-        super().__init__(config)
-        self._engine = engine
-        self._stop_engine = threading.Timer(DRAIN_S, engine.stop)
-        self._stop_engine.daemon = True
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit:
-            self._stop_engine.start()
-        super().handle_exit(sig, frame)
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """A second Ctrl-C (uvicorn's force exit) skips the drain and the lifespan's end,
-        and the requests still running would be cancelled mid-response: the engine stops
-        at once instead, their handlers send its error, then the app shuts down (the
-        engine's own shutdown, which saves the history store, is waited for after)."""
-        await super().shutdown(sockets)
-        if self.force_exit:
-            self._engine.stop()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._handlers_done(), FORCED_END_S)
-            await self.lifespan.shutdown()
-
-    async def _handlers_done(self) -> None:
-        while self.server_state.tasks:
-            await asyncio.sleep(0.05)
-
-
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -387,6 +357,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
     if args.timeout_keep_alive < 0:
         raise ValueError(f"--timeout-keep-alive must be >= 0, got {args.timeout_keep_alive}")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     if any(not name.strip() for name in args.served_model_name or []):  # no client could name it
         raise ValueError(f"--served-model-name must not be blank, got {args.served_model_name!r}")
     if args.api_key is not None and not args.api_key.strip():  # "" turned the guard off, "  " matches nothing
@@ -439,42 +411,18 @@ def run_server(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        server = _Server(
+        server = StoppingServer(
             uvicorn.Config(
                 app,
                 log_level=args.log_level,
                 access_log=False,
                 timeout_keep_alive=args.timeout_keep_alive,
-                timeout_graceful_shutdown=int(DRAIN_S) + 10,  # the engine ends what is left first
+                timeout_graceful_shutdown=math.ceil(args.drain_timeout) + UVICORN_MARGIN_S,
             ),
             engine,
+            args.drain_timeout,
         )
         server.run(sockets=[sock])
     finally:
-        _shutdown_engine(engine)
+        shutdown_engine(engine)
     return 0
-
-
-def _shutdown_engine(engine: EngineClient) -> None:
-    """Wait for the engine's shutdown, which saves the history store and stops the
-    instances and has no fixed end (a large store on a slow disk, a weight update still
-    running), logging what it waits for. Another stop signal meanwhile ends the process
-    at once, with a warning naming what is lost: an operator who asks twice, or a grace
-    period's end, is not held up, and SIGKILL would lose the same without a word. The
-    shutdown runs on a thread of its own: a signal that interrupts ``Thread.join`` can
-    leave the joined thread marked as stopped while it still runs."""
-    done = threading.Event()
-
-    def stop() -> None:
-        try:
-            engine.shutdown()
-        finally:
-            done.set()
-
-    threading.Thread(target=stop, name="seer-shutdown", daemon=True).start()
-    try:
-        done.wait()
-    except (KeyboardInterrupt, SystemExit):
-        status = engine.shutdown_status()
-        logger.warning("stop signal during the engine's shutdown: exiting before it is done (%s)", status)
-        raise
