@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,13 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A test run started as a background job of a shell without job control (`cmd &` in a
+# script) inherits SIGINT ignored, and so would every server it starts: Python then
+# installs no KeyboardInterrupt handler, and the tests that send a server SIGINT (Ctrl-C
+# in a terminal) would test another process than a user's. Servers start with it handled.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
