@@ -382,3 +382,34 @@ def test_rollout_seed_picks_the_samples_of_lines_without_their_own(tiny_model, t
     assert first == again
     assert first[0] != second[0]
     assert first[1] == second[1]
+
+
+def _help(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--help"])
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines at any width
+
+
+def test_help_says_what_each_engine_flag_is_and_each_default(capsys):
+    """``serve --help`` lists every engine flag with what it means and its default, as
+    vLLM's does, and says no default that means nothing (None, an empty list)."""
+    import argparse
+    import dataclasses
+
+    from seer_engine.engine.config import FIELD_HELP
+
+    text = _help(["serve"], capsys)
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    for action in parser._actions[1:]:
+        assert action.help and action.help.strip() and not action.help.startswith("("), action.dest
+    assert set(FIELD_HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert "most sequences in one step (default: 256)" in text
+    assert "--chunk-tokens CHUNK_TOKENS divided rollout: most tokens per dispatch (default: 8192)" in text
+    assert "(default: 5.0)" in text  # --drain-timeout
+    assert "--enable-prefix-caching, --no-enable-prefix-caching reuse the KV blocks" in text
+    for command in ("serve", "rollout", "generate", "simulate", "bench rollout", "trace-stats"):
+        text = _help(command.split(), capsys)
+        assert "(default: None)" not in text and "(default: [])" not in text, command
+        assert "(default: True)" not in text and "(default: False)" not in text, command

@@ -137,7 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_stats(sub)
     add_simulate(sub)
     add_profile(sub)
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsHelpFormatter
     return parser
+
+
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` names each option's default, as vLLM's and SGLang's do, unless its help
+    already says it or there is none to say (None, an empty list, a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        unsaid = d is None or d is argparse.SUPPRESS or d == [] or action.nargs == 0  # a switch: in words
+        if "default" in text or unsaid or not action.option_strings:
+            return action.help
+        return f"{text} (default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:
