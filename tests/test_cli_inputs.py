@@ -409,7 +409,29 @@ def test_help_says_what_each_engine_flag_is_and_each_default(capsys):
     assert "--chunk-tokens CHUNK_TOKENS divided rollout: most tokens per dispatch (default: 8192)" in text
     assert "(default: 5.0)" in text  # --drain-timeout
     assert "--enable-prefix-caching, --no-enable-prefix-caching reuse the KV blocks" in text
+    assert "--chunk-tokens CHUNK_TOKENS divided rollout: most tokens per dispatch (default: 512)" in _help(
+        ["bench", "rollout"], capsys
+    )
     for command in ("serve", "rollout", "generate", "simulate", "bench rollout", "trace-stats"):
         text = _help(command.split(), capsys)
         assert "(default: None)" not in text and "(default: [])" not in text, command
         assert "(default: True)" not in text and "(default: False)" not in text, command
+
+
+def test_every_option_of_every_subcommand_has_help():
+    import argparse
+
+    from seer_engine.entrypoints.cli import build_parser
+
+    bare = []
+
+    def walk(name: str, parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, command in action.choices.items():
+                    walk(f"{name} {sub}".strip(), command)
+            elif action.option_strings and not (action.help or "").strip():
+                bare.append(f"{name} {action.option_strings[0]}")
+
+    walk("", build_parser())
+    assert not bare, bare

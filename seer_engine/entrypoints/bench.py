@@ -76,16 +76,16 @@ def add_cli(subparsers) -> None:
         help="comma-separated; a policy may add speculative decoding with 16 drafted tokens per step: "
         "context+ngram, context+suffix, context+group_path, context+group_tree (seer: adaptive budget)",
     )
-    p.add_argument("--instances", type=int, default=2)
+    p.add_argument("--instances", type=int, default=2, help="engine instances")
     p.add_argument(
         "--groups", default=None, help="--trace: a count (8, the default) or an index range (60:90) of groups"
     )
     p.add_argument("--samples", "--n", type=int, default=8, help="responses per group")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV blocks per instance")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="divided rollout: most tokens per dispatch")
+    p.add_argument("--max-tokens", type=int, default=2048, help="most tokens per response")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per instance step")
     p.add_argument("--starvation-s", type=float, default=None, help=f"default {DEFAULT_STARVATION_S:g}")
     add_context_order_arg(p)
     add_dispatch_args(p)
@@ -100,7 +100,7 @@ def add_cli(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--layers", type=int, default=None, help="--trace without --model: replay model's (2)")
     p.add_argument("--hidden", type=int, default=None, help="--trace without --model: replay model's (64)")
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per instance")
     p.add_argument("--report", default=None, help="write report.json and report.png here")
     p.add_argument(
         "--clock",

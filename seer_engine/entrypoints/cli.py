@@ -14,19 +14,21 @@ from seer_engine.sampling_params import InvalidRequestError
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--min-tokens", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=-1, help="-1: every token")
+    parser.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below this share of the top one"
+    )
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="as OpenAI's")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="as OpenAI's")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="as transformers'; 1: none")
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--logprobs", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    parser.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -137,9 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_stats(sub)
     add_simulate(sub)
     add_profile(sub)
-    for command in sub.choices.values():
-        command.formatter_class = _DefaultsHelpFormatter
+    _name_defaults(parser)
     return parser
+
+
+def _name_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's ``--help`` (``bench rollout``'s too) names the defaults."""
+    parser.formatter_class = _DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                _name_defaults(command)
 
 
 class _DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -46,7 +46,7 @@ def add_cli(subparsers) -> None:
     EngineConfig.add_cli_args(p)
     p.add_argument("--input", default=None, help="a JSON-lines file of prompts (or use --task)")
     add_task_args(p)
-    p.add_argument("--output", required=True)
+    p.add_argument("--output", required=True, help="JSON lines out: each prompt with its responses")
     p.add_argument("--n", type=int, default=16, help="responses per prompt (group size)")
     RolloutConfig.add_cli_args(p)
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens for lines without one")

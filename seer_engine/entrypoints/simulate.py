@@ -93,8 +93,18 @@ def add_cli(subparsers) -> None:
         "adaptive budget, 16 nodes), e.g. '{\"budget\": \"fixed\"}'",
     )  # fmt: skip
     p.add_argument("--no-kv-pool", action="store_true", help="moved responses recompute (no global KV pool)")
-    p.add_argument("--migration-spread", type=int, default=32)
-    p.add_argument("--pool-pull-tokens", type=int, default=512)
+    p.add_argument(
+        "--migration-spread",
+        type=int,
+        default=32,
+        help="place on the least-loaded instance once chunks in flight differ by more than this",
+    )
+    p.add_argument(
+        "--pool-pull-tokens",
+        type=int,
+        default=512,
+        help="a moved response loads its KV from the pool when it lacks more tokens than this",
+    )
     p.add_argument("--report", default=None, help="write <setup>/report.json and report.png here")
     p.set_defaults(func=run_simulate)
 

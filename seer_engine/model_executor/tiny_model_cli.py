@@ -39,7 +39,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "safetensors weights, tokenizer) for demos and tests.",
     )
     p.add_argument("out", metavar="OUT", help="output folder")
-    p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
+    p.add_argument(
+        "--arch",
+        choices=sorted(ARCHITECTURES),
+        default="qwen3",
+        help="the architecture written to config.json",
+    )
     p.add_argument(
         "--tokenizer",
         metavar="FILE",
@@ -47,8 +52,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="tokenizer.json to copy (default: built-in ~1K byte-level BPE)",
     )
-    p.add_argument("--layers", metavar="N", type=_positive_int, default=2)
-    p.add_argument("--hidden", metavar="N", type=_positive_int, default=64)
+    p.add_argument("--layers", metavar="N", type=_positive_int, default=2, help="decoder layers")
+    p.add_argument("--hidden", metavar="N", type=_positive_int, default=64, help="hidden size")
     p.add_argument(
         "--intermediate",
         metavar="N",
@@ -56,15 +61,23 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="MLP width (default: 3 * hidden)",
     )
-    p.add_argument("--heads", metavar="N", type=_positive_int, default=4)
-    p.add_argument("--kv-heads", metavar="N", type=_positive_int, default=2)
+    p.add_argument("--heads", metavar="N", type=_positive_int, default=4, help="attention heads")
+    p.add_argument("--kv-heads", metavar="N", type=_positive_int, default=2, help="key/value heads")
     p.add_argument(
         "--head-dim", metavar="N", type=_positive_int, default=None, help="default: hidden // heads"
     )
-    p.add_argument("--seed", metavar="N", type=int, default=0)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--tie-word-embeddings", action="store_true")
-    p.add_argument("--max-position-embeddings", metavar="N", type=_positive_int, default=4096)
+    p.add_argument("--seed", metavar="N", type=int, default=0, help="seeds the random weights")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the saved weights")
+    p.add_argument(
+        "--tie-word-embeddings", action="store_true", help="the output layer reuses the input embeddings"
+    )
+    p.add_argument(
+        "--max-position-embeddings",
+        metavar="N",
+        type=_positive_int,
+        default=4096,
+        help="the model's context length",
+    )
 
     def run(args: argparse.Namespace) -> int:
         try:

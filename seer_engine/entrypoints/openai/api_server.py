@@ -278,7 +278,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "/v1/batches, and trainer endpoints (/update_weights_from_disk, /pause_generation, ...).",
     )
     EngineConfig.add_cli_args(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at start)")
     p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health)")
     p.add_argument(
@@ -338,7 +338,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         help="return a chat response's <think> block as reasoning (and reasoning_content), apart from "
         "its content",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
+    )
     p.set_defaults(func=run_server)
     return p
 
