@@ -29,6 +29,7 @@ import datetime
 import json
 import math
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -653,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg: GRPOConfig | None = None
     records: list[dict] = []
     error: str | None = None
+    # SIGTERM (a scheduler's stop, `timeout`, `kill`) stops the loop as Ctrl-C does: its
+    # batch cancelled, --log-json written, where to resume said; by default it killed the
+    # process with none of that.
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         log_json = Path(args.log_json) if args.log_json else None
         if log_json is not None and (log_json.is_dir() or not log_json.parent.is_dir()):
@@ -660,19 +665,25 @@ def main(argv: list[str] | None = None) -> int:
         values = {k: v for k, v in vars(args).items() if k not in ("knob", "log_json")}
         cfg = GRPOConfig(**values, knobs=parse_knobs(args.task, args.knob))
         run_grpo(cfg, records=records)
-    except (GRPOError, ValueError) as e:
-        error = str(e)
-        print(f"grpo_loop: error: {e}", file=sys.stderr)
+    except (GRPOError, ValueError, KeyboardInterrupt) as e:
+        interrupted = isinstance(e, KeyboardInterrupt)
+        error = "interrupted" if interrupted else str(e)
+        print(f"grpo_loop: {error if interrupted else f'error: {e}'}", file=sys.stderr)
         if records:  # what the server last loaded: where a restarted loop goes on from
             last = records[-1]["checkpoint"]
             print(f"grpo_loop: the server took {last} last; resume with --model {last} --resume",
                   file=sys.stderr)  # fmt: skip
-        return 1
-    finally:  # a loop stopped part way (an error, Ctrl-C) keeps the iterations it did
+        return 130 if interrupted else 1
+    finally:  # a loop stopped part way (an error, Ctrl-C, SIGTERM) keeps the iterations it did
+        signal.signal(signal.SIGTERM, previous_term)
         if log_json is not None and cfg is not None:
             log = {"meta": meta, "config": asdict(cfg), "iterations": records, "error": error}
             log_json.write_text(json.dumps(_jsonable(log), indent=2) + "\n")
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _jsonable(value: Any) -> Any:

@@ -367,3 +367,32 @@ def test_a_loop_resumed_from_its_checkpoint_goes_on_with_the_next_iteration(grpo
         grpo.run_grpo(replace(cfg, model=str(out / "iter-3")), log=lambda line: None)
     with pytest.raises(grpo.GRPOError, match="it is not a checkpoint of this loop"):
         grpo.run_grpo(replace(cfg, model=str(model)), log=lambda line: None)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_a_loop_stopped_by_a_signal_keeps_its_log_and_says_where_to_resume(
+    grpo, stop, tmp_path, monkeypatch, capsys
+):
+    """SIGTERM (what a scheduler or `timeout` sends) killed the loop outright: no --log-json,
+    no word of where to resume, its batch left running. It now stops as Ctrl-C does, and
+    both say where to resume instead of a traceback."""
+    import json
+    import os
+    import signal
+    import time
+
+    def run_then_stop(cfg, records):
+        records.append({"iteration": 1, "checkpoint": str(tmp_path / "out" / "iter-1")})
+        os.kill(os.getpid(), getattr(signal, stop))
+        time.sleep(5)  # the signal lands here
+        raise AssertionError("the signal did not stop the loop")
+
+    monkeypatch.setattr(grpo, "run_grpo", run_then_stop)
+    log = tmp_path / "log.json"
+    assert grpo.main(["--log-json", str(log), "--out-dir", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err
+    assert "grpo_loop: interrupted" in err and "Traceback" not in err
+    assert f"resume with --model {tmp_path / 'out' / 'iter-1'} --resume" in err
+    saved = json.loads(log.read_text())
+    assert [r["iteration"] for r in saved["iterations"]] == [1] and saved["error"] == "interrupted"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back as it was
