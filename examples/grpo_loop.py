@@ -180,6 +180,14 @@ class ServerClient:
     def weight_version(self) -> str:
         return str(self.request("GET", "/get_weight_version", "reading the weight version")["weight_version"])
 
+    def took_since(self, version: str) -> bool:
+        """Whether the server says it loaded weights after ``version`` (False if it cannot say)."""
+        try:
+            got = self.request("GET", "/get_weight_version", "reading the weight version", timeout=10)
+        except GRPOError:
+            return False
+        return str(got.get("weight_version")) != version
+
     def update_weights(self, path: Path) -> str:
         """Load ``path`` on the server; the new version (refusals raise)."""
         body = {"model_path": str(path.resolve())}
@@ -453,7 +461,11 @@ def _check_out_dir(out_dir: Path, done: int, source: Path) -> None:
     """Refuse to run where another run's later checkpoints lie: this run's ``iter-K``
     would overwrite them, and its cleanup remove them."""
     later = sorted(
-        (p for p in out_dir.glob("iter-*") if p.is_dir() and p.resolve() != source.resolve()),
+        (
+            p
+            for p in out_dir.glob("iter-*")
+            if p.is_dir() and p.resolve() != source.resolve() and p.suffix != ".partial"
+        ),
         key=lambda p: p.name,
     )
     later = [p.name for p in later if iterations_done(p) > done]
@@ -573,8 +585,13 @@ def run_grpo(
             checkpoint = trainer.save(cfg.out_dir / f"iter-{it}", it)
             train_s = time.perf_counter() - start
             start = time.perf_counter()
-            new_version = client.update_weights(checkpoint)
-            check_version(version, new_version, client.weight_version())
+            try:
+                new_version = client.update_weights(checkpoint)
+                check_version(version, new_version, client.weight_version())
+            except BaseException:  # refused, server gone, Ctrl-C: the resume hint names the last one taken
+                if not client.took_since(version):  # left, it would block that resume (_check_out_dir)
+                    shutil.rmtree(checkpoint, ignore_errors=True)
+                raise
             update_s = time.perf_counter() - start
             if previous is not None and not cfg.keep_checkpoints:
                 shutil.rmtree(previous, ignore_errors=True)

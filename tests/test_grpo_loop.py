@@ -396,3 +396,33 @@ def test_a_loop_stopped_by_a_signal_keeps_its_log_and_says_where_to_resume(
     saved = json.loads(log.read_text())
     assert [r["iteration"] for r in saved["iterations"]] == [1] and saved["error"] == "interrupted"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back as it was
+
+
+def test_the_resume_a_refused_update_names_is_not_refused(grpo, served, tmp_path, monkeypatch, capsys):
+    """A refused weight update left its checkpoint (iter-2) in --out-dir; the loop said
+    resume from iter-1, the one the server took, and that resume was then refused as
+    "--out-dir holds checkpoints of another run (iter-2)". The checkpoint the server did
+    not take is removed, as is the .partial folder of a save that was stopped."""
+    server, model = served
+    real_update, calls = grpo.ServerClient.update_weights, []
+
+    def refuse_the_second(self, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise grpo.GRPOError("weight update refused: HTTP 400 from POST /update_weights_from_disk: no")
+        return real_update(self, path)
+
+    out = tmp_path / "out"
+    argv = ["--server", server.url, "--api-key", API_KEY, "--knob", "steps=1", "--prompts", "2",
+            "--batch-prompts", "2", "--n", "2", "--iterations", "3", "--max-tokens", "8",
+            "--out-dir", str(out), "--num-threads", "1"]  # fmt: skip
+    with monkeypatch.context() as patch:
+        patch.setattr(grpo.ServerClient, "update_weights", refuse_the_second)
+        assert grpo.main([*argv, "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert "weight update refused" in err and f"resume with --model {out / 'iter-1'} --resume" in err
+    assert sorted(p.name for p in out.iterdir()) == ["iter-1"]
+    (out / "iter-2.partial").mkdir()
+    (out / "iter-2.partial" / grpo.PROGRESS_FILE).write_text('{"iteration": 2}\n')
+    assert grpo.main([*argv, "--model", str(out / "iter-1"), "--resume"]) == 0, capsys.readouterr().err
+    assert grpo.iterations_done(out / "iter-3") == 3
