@@ -244,16 +244,27 @@ class ServerClient:
             return [outputs[line["custom_id"]]["response"]["body"] for line in lines]
         finally:
             if batch["status"] not in BATCH_TERMINAL:  # given up on (timeout, Ctrl-C): stop its work
-                try:
-                    self.http.post(f"/v1/batches/{batch['id']}/cancel")
-                except httpx.HTTPError:
-                    pass
+                batch = self._cancel(batch)
             for fid in (upload["id"], batch.get("output_file_id"), batch.get("error_file_id")):
                 if fid:  # best effort: keeps the server's data folder small
                     try:
                         self.http.delete(f"/v1/files/{fid}")
                     except httpx.HTTPError:
                         pass
+
+    def _cancel(self, batch: dict, wait_s: float = 10.0) -> dict:
+        """Cancel a batch and wait a little for it to end: until it has, the server refuses to
+        delete its input file (409), and its error file appears only then."""
+        deadline = time.monotonic() + wait_s
+        try:
+            self.http.post(f"/v1/batches/{batch['id']}/cancel", timeout=wait_s)
+            while batch["status"] not in BATCH_TERMINAL and time.monotonic() < deadline:
+                batch = self.http.get(f"/v1/batches/{batch['id']}", timeout=wait_s).json()
+                if batch["status"] not in BATCH_TERMINAL:
+                    time.sleep(0.1)
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        return batch
 
     def _records(self, file_id: str | None) -> dict[str, dict]:
         if not file_id:

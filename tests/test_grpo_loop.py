@@ -325,8 +325,13 @@ def test_an_interrupted_loop_stops_its_batch_and_resumes_from_its_checkpoint(
     body = {"model": SERVED, "prompt": list(range(10, 30)), "n": 8, "max_tokens": 400, "temperature": 1.0,
             "ignore_eos": True, "seed": 1}  # fmt: skip
 
-    def interrupt(seconds: float) -> None:
-        raise KeyboardInterrupt
+    real_sleep, slept = grpo.time.sleep, []
+
+    def interrupt(seconds: float) -> None:  # Ctrl-C in the first wait between polls
+        slept.append(seconds)
+        if len(slept) == 1:
+            raise KeyboardInterrupt
+        real_sleep(seconds)
 
     with monkeypatch.context() as patch:
         patch.setattr(grpo.time, "sleep", interrupt)
@@ -334,7 +339,11 @@ def test_an_interrupted_loop_stops_its_batch_and_resumes_from_its_checkpoint(
             client.batch([body, body])
     with server.http(API_KEY) as http:
         batches = http.get("/v1/batches").json()["data"]
-    assert len(batches) == 1 and batches[0]["status"] in ("cancelling", "cancelled")
+        files = http.get("/v1/files").json()["data"]
+    assert len(batches) == 1 and batches[0]["status"] == "cancelled"
+    # Its files are deleted too: the input file was left (the server refuses to delete it
+    # until the batch has ended, and the loop did not wait), and the error file the cancel writes.
+    assert files == []
     client.close()
 
     out = tmp_path / "out"
