@@ -32,6 +32,7 @@ import shutil
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -685,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a scheduler's stop, `timeout`, `kill`) stops the loop as Ctrl-C does: its
     # batch cancelled, --log-json written, where to resume said; by default it killed the
     # process with none of that.
-    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    on_main_thread = threading.current_thread() is threading.main_thread()  # where signals may be set
+    previous_term = signal.signal(signal.SIGTERM, _interrupt) if on_main_thread else None
     try:
         log_json = Path(args.log_json) if args.log_json else None
         if log_json is not None and (log_json.is_dir() or not log_json.parent.is_dir()):
@@ -703,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
         return 130 if interrupted else 1
     finally:  # a loop stopped part way (an error, Ctrl-C, SIGTERM) keeps the iterations it did
-        signal.signal(signal.SIGTERM, previous_term)
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
         if log_json is not None and cfg is not None:
             log = {"meta": meta, "config": asdict(cfg), "iterations": records, "error": error}
             log_json.write_text(json.dumps(_jsonable(log), indent=2) + "\n")
