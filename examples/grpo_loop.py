@@ -178,16 +178,16 @@ class ServerClient:
             raise GRPOError("the server serves no model")
         return models[0]["id"]
 
-    def weight_version(self) -> str:
-        return str(self.request("GET", "/get_weight_version", "reading the weight version")["weight_version"])
+    def weight_version(self, **kwargs: Any) -> str:
+        answer = self.request("GET", "/get_weight_version", "reading the weight version", **kwargs)
+        return str(answer["weight_version"])
 
     def took_since(self, version: str) -> bool:
         """Whether the server says it loaded weights after ``version`` (False if it cannot say)."""
         try:
-            got = self.request("GET", "/get_weight_version", "reading the weight version", timeout=10)
-        except GRPOError:
+            return self.weight_version(timeout=10) != version
+        except (GRPOError, KeyError):
             return False
-        return str(got.get("weight_version")) != version
 
     def update_weights(self, path: Path) -> str:
         """Load ``path`` on the server; the new version (refusals raise)."""

@@ -398,13 +398,14 @@ def test_a_loop_stopped_by_a_signal_keeps_its_log_and_says_where_to_resume(
 
     monkeypatch.setattr(grpo, "run_grpo", run_then_stop)
     log = tmp_path / "log.json"
+    before = signal.getsignal(signal.SIGTERM)
     assert grpo.main(["--log-json", str(log), "--out-dir", str(tmp_path / "out")]) == 130
     err = capsys.readouterr().err
     assert "grpo_loop: interrupted" in err and "Traceback" not in err
     assert f"resume with --model {tmp_path / 'out' / 'iter-1'} --resume" in err
     saved = json.loads(log.read_text())
     assert [r["iteration"] for r in saved["iterations"]] == [1] and saved["error"] == "interrupted"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back as it was
+    assert signal.getsignal(signal.SIGTERM) is before  # put back as it was
 
 
 def test_the_resume_a_refused_update_names_is_not_refused(grpo, served, tmp_path, monkeypatch, capsys):
