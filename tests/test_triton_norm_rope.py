@@ -95,6 +95,24 @@ def test_rope_reads_strided_positions() -> None:
         norm_rope.rope_(qk, positions[:4], rotary.cos, rotary.sin, 2, 16)
 
 
+def test_rope_checks_its_tables_and_reads_no_position_outside_them() -> None:
+    """Tables of the wrong shape are refused before launch; a position past the table
+    reads nothing outside it (its row comes out zero, the other rows as usual)."""
+    rotary = RotaryEmbedding(16, 64, 10000.0, None).to(DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    qk = torch.randn(3, 2 * 16, generator=gen).to(DEVICE)
+    positions = torch.tensor([5, 64, 9], device=DEVICE)
+    with pytest.raises(ValueError, match="cos and sin must both be"):
+        norm_rope.rope_(qk.clone(), positions, rotary.cos[:, :8], rotary.sin[:, :8], 2, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        norm_rope.rope_(qk.clone(), positions, rotary.cos.t().contiguous().t(), rotary.sin, 2, 16)
+    expected = qk.clone()
+    norm_rope.rope_(expected, torch.tensor([5, 0, 9], device=DEVICE), rotary.cos, rotary.sin, 2, 16)
+    norm_rope.rope_(qk, positions, rotary.cos, rotary.sin, 2, 16)
+    assert torch.equal(qk[[0, 2]], expected[[0, 2]])
+    assert not qk[1].any()
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import triton
@@ -110,7 +128,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
             consts = dict(ADD_RESIDUAL=add, BLOCK=4096)
             triton.compile(ASTSource(nr._rms_norm_kernel, sig, consts), target=target)
         sig = {"qk_ptr": "*" + dt, "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-               "stride_t": "i32", "heads": "i32"}
+               "stride_t": "i32", "heads": "i32", "max_pos": "i32"}
         consts = dict(HALF=64, HALF_PAD=64, HEADS_PAD=64)
         triton.compile(ASTSource(nr._rope_kernel, sig, consts), target=target)
     """

@@ -54,13 +54,17 @@ def _rope_kernel(
     sin_ptr,
     stride_t,
     heads,
+    max_pos,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HEADS_PAD: tl.constexpr,
 ):
-    """Rotate halves of each of the row's first ``heads`` heads by its position's angles."""
+    """Rotate halves of each of the row's first ``heads`` heads by its position's angles.
+    A position outside the table reads no memory: its row comes out zero rather than
+    rotated by whatever lies past the table (Triton's debug mode also asserts on it)."""
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + row).to(tl.int64)
+    tl.device_assert((pos >= 0) & (pos < max_pos), "rope_: position outside the cos/sin table")
     h = tl.arange(0, HEADS_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
     live = (h < heads) & (i < HALF)
@@ -70,10 +74,12 @@ def _rope_kernel(
     a = a.to(tl.float32)
     b = tl.load(base + HALF, mask=live, other=0.0).to(tl.float32)
     table = pos * 2 * HALF + i
-    c1 = tl.load(cos_ptr + table, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + table, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + HALF, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + HALF, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
+    at = pos + 0 * i  # the position as a block: Triton's interpreter refuses a scalar mask term
+    read = (i < HALF) & (at >= 0) & (at < max_pos)
+    c1 = tl.load(cos_ptr + table, mask=read, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=read, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + HALF, mask=read, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + HALF, mask=read, other=0.0).to(dtype).to(tl.float32)
     # Each product rounded to the tensor dtype before the sum, as torch's
     # q * cos + rotate_half(q) * sin rounds them (one rounding only would differ by an ulp).
     first = (a * c1).to(dtype).to(tl.float32) - (b * s1).to(dtype).to(tl.float32)
@@ -124,10 +130,14 @@ def rope_(
         raise ValueError("rope_: qk must be [T, >= heads * head_dim] with contiguous rows")
     if positions.shape != (qk.shape[0],):
         raise ValueError("rope_: one position per row of qk")
+    if head_dim % 2 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim:
+        raise ValueError(f"rope_: cos and sin must both be [max_pos, {head_dim}] (an even head_dim)")
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rope_: cos and sin must be contiguous")
     positions = positions.contiguous()  # the kernel reads it as a flat array
     if qk.shape[0]:
         half = head_dim // 2
         _rope_kernel[(qk.shape[0],)](
-            qk, positions, cos, sin, qk.stride(0), heads,
+            qk, positions, cos, sin, qk.stride(0), heads, cos.shape[0],
             HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(heads),
         )  # fmt: skip
