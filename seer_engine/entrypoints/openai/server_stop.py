@@ -44,8 +44,8 @@ class StoppingServer(uvicorn.Server):
         self._stop_engine.daemon = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        """A second stop signal of either kind skips the drain (uvicorn forces its exit on
-        a second SIGINT only, so a supervisor's second SIGTERM used to wait it out)."""
+        """A second stop signal of either kind skips the drain (uvicorn alone forces its
+        exit on a second SIGINT only, so a supervisor's second SIGTERM would wait it out)."""
         if not self.should_exit:
             self._stop_engine.start()
         elif not self.force_exit:

@@ -211,8 +211,8 @@ class MooncakeMaster:
     def _spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
         # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so the fork happens on
         # a thread that lives as long as the process, whichever thread asks (the server
-        # starts the pool on its engine thread, which used to leave the master without the
-        # signal: a SIGKILLed server left it running).
+        # starts the pool on its engine thread: forked from there, a SIGKILLed server
+        # would leave the master running).
         return _FORKER.call(lambda: _popen(argv, log_path))
 
     def _wait_ready(
