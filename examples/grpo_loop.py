@@ -172,11 +172,15 @@ class ServerClient:
         except ValueError:
             raise GRPOError(f"{what}: {method} {path} answered with no JSON: {resp.text[:200]!r}") from None
 
-    def served_model(self) -> str:
-        models = self.request("GET", "/v1/models", "listing the served models")["data"]
-        if not models:
+    def served_model(self, name: str | None = None) -> str:
+        """``name`` when the server serves it (else the first model it serves): a wrong
+        --served-model-name is refused before a batch is built, not in every request."""
+        ids = [m["id"] for m in self.request("GET", "/v1/models", "listing the served models")["data"]]
+        if not ids:
             raise GRPOError("the server serves no model")
-        return models[0]["id"]
+        if name is not None and name not in ids:
+            raise GRPOError(f"--served-model-name {name!r} is not served here; the server serves {ids}")
+        return name or ids[0]
 
     def weight_version(self, **kwargs: Any) -> str:
         answer = self.request("GET", "/get_weight_version", "reading the weight version", **kwargs)
@@ -542,7 +546,7 @@ def run_grpo(
     reward = reward or task_reward(task, cfg.format_bonus)
     client = ServerClient(cfg.server, cfg.api_key, cfg.timeout_s)
     try:
-        served = cfg.served_model or client.served_model()
+        served = client.served_model(cfg.served_model)
         version = client.weight_version()
         path = resolve_model_path(cfg.model)
         tokenizer = AutoTokenizer.from_pretrained(str(path))

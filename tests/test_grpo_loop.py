@@ -110,8 +110,7 @@ def test_server_errors_are_clear(grpo, served, tmp_path):
     cases = [
         ({"server": closed}, "cannot reach the seer_engine server at " + closed),
         ({"api_key": "wrong"}, "HTTP 401"),
-        ({"served_model": "nope"}, "4 of 4 batch requests failed, e.g. req-0: HTTP 404"),
-        ({"served_model": "nope", "via": "completions"}, "HTTP 404 from POST /v1/completions"),
+        ({"served_model": "nope"}, r"'nope' is not served here; the server serves \['tiny-test'\]"),
         ({"out_dir": in_the_way}, f"cannot make --out-dir '{in_the_way}'"),
     ]
     for changes, message in cases:
