@@ -26,12 +26,16 @@ SERVED = "tiny-test"
 
 @pytest.fixture(scope="module")
 def grpo():
+    """The script as `python examples/grpo_loop.py` runs it: its folder first on the path,
+    where it finds its parts (``examples/grpo/``)."""
+    sys.path.insert(0, str(EXAMPLE.parent))
     spec = importlib.util.spec_from_file_location("grpo_loop", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["grpo_loop"] = module  # dataclasses look their module up by name
+    sys.modules["grpo_loop"] = module
     spec.loader.exec_module(module)
     yield module
     sys.modules.pop("grpo_loop", None)
+    sys.path.remove(str(EXAMPLE.parent))
 
 
 @pytest.fixture
@@ -180,6 +184,7 @@ def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_mode
     a step whose gradient is not finite leaves the weights as they were (they would be
     written to a checkpoint and loaded by the server)."""
     import torch
+    from grpo.config import Sample
 
     for rewards in ([float("nan"), 1.0], [float("inf"), float("inf")], [1.0, -float("inf")]):
         with pytest.raises(grpo.GRPOError, match="rewards must be finite"):
@@ -190,7 +195,7 @@ def test_rewards_and_gradients_that_are_not_finite_stop_the_loop(grpo, tiny_mode
     cfg = grpo.GRPOConfig(model=str(tiny_model("qwen3")), lr=1e-3, num_threads=1, out_dir=tmp_path)
     trainer = grpo.Trainer(Path(cfg.model), cfg)
     before = {n: p.detach().clone() for n, p in trainer.trainable.items()}
-    sample = grpo.Sample([5, 6, 7], [8, 9], "", "length", [0.0, 0.0], advantage=float("inf"))
+    sample = Sample([5, 6, 7], [8, 9], "", "length", [0.0, 0.0], advantage=float("inf"))
     with pytest.raises(grpo.GRPOError, match="gradient is not finite"):
         trainer.step([sample])
     assert all(torch.equal(p, before[n]) for n, p in trainer.trainable.items())
@@ -201,6 +206,7 @@ def test_the_kl_term_pulls_every_sample_not_only_those_with_an_advantage(grpo, t
     the step's KL is the token mean of k3 over every sample (checked against a plain
     forward of the model and of its initial weights) and it moves the weights."""
     import torch
+    from grpo.config import Sample
     from transformers import AutoModelForCausalLM
 
     model = tiny_model("qwen3")
@@ -208,13 +214,13 @@ def test_the_kl_term_pulls_every_sample_not_only_those_with_an_advantage(grpo, t
                           out_dir=tmp_path)  # fmt: skip
     trainer = grpo.Trainer(model, cfg)
     mixed = [
-        grpo.Sample([5, 6, 7], [8, 9, 10], "", "length", [0.0] * 3, advantage=1.0),
-        grpo.Sample([5, 6], [11, 12], "", "length", [0.0] * 2, advantage=-1.0),
+        Sample([5, 6, 7], [8, 9, 10], "", "length", [0.0] * 3, advantage=1.0),
+        Sample([5, 6], [11, 12], "", "length", [0.0] * 2, advantage=-1.0),
     ]
     trainer.step(mixed)  # the policy leaves its reference
     equal = [
-        grpo.Sample([5, 6, 7], [8, 9], "", "length", [0.0] * 2),
-        grpo.Sample([9, 6], [11, 12, 13, 14], "", "length", [0.0] * 4),
+        Sample([5, 6, 7], [8, 9], "", "length", [0.0] * 2),
+        Sample([9, 6], [11, 12, 13, 14], "", "length", [0.0] * 4),
     ]
     initial = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     k3 = []
@@ -240,14 +246,16 @@ def test_a_resumed_trainer_trains_as_one_that_went_on(grpo, tiny_model, tmp_path
     run's reference, not the checkpoint's weights. A checkpoint without that state, or
     one trained on other layers, is refused by name."""
     import torch
+    from grpo.checkpoints import TRAINER_STATE_FILE
+    from grpo.config import Sample
 
     model = str(tiny_model("qwen3"))
     cfg = grpo.GRPOConfig(model=model, lr=1e-2, kl_coef=0.5, num_threads=1, out_dir=tmp_path)
     first = grpo.Trainer(Path(cfg.model), cfg)
     initial = {n: p.detach().clone() for n, p in first.trainable.items()}
     batch = [
-        grpo.Sample([5, 6, 7], [8, 9, 10], "", "length", [-2.0, -2.0, -2.0], advantage=1.0),
-        grpo.Sample([5, 6, 7], [11, 12], "", "length", [-2.5, -2.5], advantage=-1.0),
+        Sample([5, 6, 7], [8, 9, 10], "", "length", [-2.0, -2.0, -2.0], advantage=1.0),
+        Sample([5, 6, 7], [11, 12], "", "length", [-2.5, -2.5], advantage=-1.0),
     ]
     first.step(batch)
     checkpoint = first.save(tmp_path / "iter-1", 1)
@@ -266,16 +274,16 @@ def test_a_resumed_trainer_trains_as_one_that_went_on(grpo, tiny_model, tmp_path
     again = no_kl.save(tmp_path / "iter-2", 2)
     with_kl = grpo.Trainer(again, replace(cfg, model=str(again), resume=True))
     assert all(torch.equal(with_kl.reference[n], initial[n]) for n in initial)
-    state = torch.load(again / grpo.TRAINER_STATE_FILE, weights_only=True)
-    torch.save({**state, "reference": None}, again / grpo.TRAINER_STATE_FILE)  # as an older loop saved it
+    state = torch.load(again / TRAINER_STATE_FILE, weights_only=True)
+    torch.save({**state, "reference": None}, again / TRAINER_STATE_FILE)  # as an older loop saved it
     with pytest.raises(grpo.GRPOError, match="holds no KL reference"):
         grpo.Trainer(again, replace(cfg, model=str(again), resume=True))
     assert grpo.Trainer(again, replace(cfg, model=str(again), resume=True, kl_coef=0.0)).reference is None
 
-    (checkpoint / grpo.TRAINER_STATE_FILE).rename(tmp_path / "state.pt")
+    (checkpoint / TRAINER_STATE_FILE).rename(tmp_path / "state.pt")
     with pytest.raises(grpo.GRPOError, match="grpo_trainer_state.pt is missing"):
         grpo.Trainer(checkpoint, replace(cfg, resume=True))
-    (tmp_path / "state.pt").rename(checkpoint / grpo.TRAINER_STATE_FILE)
+    (tmp_path / "state.pt").rename(checkpoint / TRAINER_STATE_FILE)
     with pytest.raises(grpo.GRPOError, match="the same --train-layers"):
         grpo.Trainer(checkpoint, replace(cfg, resume=True, train_layers=1))
 
