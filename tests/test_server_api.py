@@ -461,6 +461,7 @@ def test_bad_chat_template_options_are_refused_by_name(http, body, param):
 
 BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "priority": 1}, 400, "priority"),  # fcfs and rollout policies: refused, as in vLLM
     ({"prompt": "x", "n": 1000}, 400, "n"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),

@@ -13,7 +13,7 @@ from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.llm_engine import LLMEngine
 from seer_engine.engine.streams import RequestStream, Sink
 from seer_engine.entrypoints.openai.admin import render_metrics
-from seer_engine.entrypoints.openai.serving_base import merge_outputs
+from seer_engine.entrypoints.openai.serving_base import final_output, merge_outputs
 from seer_engine.outputs import CompletionOutput, RequestOutput
 from seer_engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -48,6 +48,35 @@ def test_protocol_and_basic_generation(tiny_model):
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_priority_reaches_the_scheduler(tiny_model, monkeypatch):
+    """vLLM's request ``priority`` reaches the engine (``--scheduling-policy priority``
+    orders by it); under fcfs a non-zero one is refused, as vLLM refuses it."""
+    seen = {}
+    real_add = LLMEngine.add_checked
+
+    def spy(self, request_id, checked, priority=0, *args, **kw):
+        seen[request_id] = priority
+        return real_add(self, request_id, checked, priority, *args, **kw)
+
+    monkeypatch.setattr(LLMEngine, "add_checked", spy)
+    by_priority, fcfs = _start(tiny_model(), scheduling_policy="priority"), _start(tiny_model())
+    try:
+
+        async def run():
+            short = SamplingParams(max_tokens=2)
+            await final_output(await by_priority.generate("p", [1, 2], short, priority=-3))
+            assert seen["p"] == -3
+            with pytest.raises(InvalidRequestError, match="priority") as refused:
+                await fcfs.generate("q", [1, 2], short, priority=1)
+            assert refused.value.param == "priority"
+            await final_output(await fcfs.generate("r", [1, 2], short, priority=0))
+
+        asyncio.run(run())
+    finally:
+        by_priority.shutdown()
+        fcfs.shutdown()
 
 
 def test_engine_failure_reaches_waiting_callers(tiny_model, monkeypatch):

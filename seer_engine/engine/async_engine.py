@@ -115,8 +115,7 @@ class AsyncEngine:
         return self
 
     def stop(self) -> None:
-        """Ask the thread to stop, without waiting: callers get ``EngineDeadError``, then
-        the backend closes (``shutdown`` waits for that)."""
+        """Ask the thread to stop, not waiting: callers get ``EngineDeadError``, then the backend closes."""
         self._stop_at = self._stop_at or time.monotonic()
         if self._thread.is_alive():
             self._commands.put(_STOP)
@@ -176,13 +175,14 @@ class AsyncEngine:
         params: SamplingParams,
         stream: bool = False,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         loop = asyncio.get_running_loop()
         checked = await loop.run_in_executor(self._intake, self._processor.process, prompt, params)
         sink = Sink(loop)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(_Add(request_id, checked, stream, group_id, sink, fut))
+        self._post(_Add(request_id, checked, stream, group_id, sink, fut, priority))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -399,7 +399,7 @@ class AsyncEngine:
 
     def _admit(self, cmd: _Add) -> None:
         try:
-            self._engine.add_checked(cmd.request_id, cmd.checked, group_id=cmd.group_id, stream=cmd.stream)
+            self._engine.add_checked(cmd.request_id, cmd.checked, cmd.priority, cmd.group_id, cmd.stream)
         except Exception as e:
             del self._sinks[cmd.request_id]
             raise e

@@ -92,8 +92,10 @@ class EngineClient(Protocol):
         params: SamplingParams,
         stream: bool = False,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request; raises ``InvalidRequestError`` at once if refused.
+        ``priority``: lower runs first where the engine schedules by priority.
 
         The returned iterator yields progress outputs (``finished=False``) when
         ``stream`` and always ends with the finished output. Closing it early

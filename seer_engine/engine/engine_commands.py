@@ -18,6 +18,7 @@ class Add:
     group_id: str | None
     sink: Sink
     future: concurrent.futures.Future
+    priority: int = 0
 
 
 @dataclass

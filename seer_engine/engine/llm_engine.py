@@ -231,6 +231,8 @@ class LLMEngine:
             raise InvalidRequestError("the engine is asleep (KV cache freed): call wake_up() first")
         if request_id in self.outputs.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if priority and self.config.scheduling_policy != "priority":  # vLLM refuses it too, not ignores it
+            raise InvalidRequestError(f"priority {priority} needs --scheduling-policy priority", "priority")
         params, ids = checked.params, checked.prompt_token_ids
         # Sample ids ("id-i" when n > 1) may clash with another request's: refuse before
         # any state changes, or the clash would leave a request that never finishes.

@@ -161,8 +161,13 @@ class RolloutBackend:
         group_id: str | None = None,
         stream: bool = False,
     ) -> list[RolloutSample]:
-        """Queue a request's n responses in the Request Buffer (``priority`` is the
-        rollout policy's business here, so it is not used)."""
+        """Queue a request's n responses in the Request Buffer. The rollout policy orders
+        them, so a ``priority`` is refused (as vLLM's fcfs refuses one), not ignored."""
+        if priority:
+            raise InvalidRequestError(
+                f"priority {priority} is not supported in rollout mode: the rollout policy orders responses",
+                param="priority",
+            )
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = checked.params

@@ -116,6 +116,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     user: str | None = None
+    priority: int = 0  # vLLM's: lower first under --scheduling-policy priority
     # Extensions for RL rollouts and debugging.
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"

@@ -224,7 +224,7 @@ class ServingBase:
         groups = [f"{group_id}-{i}" if several else group_id for i in range(len(prompts))]
         results = await asyncio.gather(
             *(
-                self.engine.generate(rid, prompt, params, stream=stream, group_id=groups[i])
+                self.engine.generate(rid, prompt, params, stream, groups[i], req.priority)
                 for i, (rid, prompt) in enumerate(zip(ids, prompts))
             ),
             return_exceptions=True,
