@@ -275,3 +275,21 @@ def test_a_shutdown_waits_for_a_held_history_save_and_says_what_for(model, tmp_p
     stopping.join(60)
     assert not stopping.is_alive()
     assert HistoryStore.load(path).sequences(PROMPTS[1]) == served
+
+
+def test_bench_task_iterations_take_fresh_seeds():
+    """``bench rollout --task --iterations``: a later iteration's responses share no seed
+    with an earlier one's (iteration k's sample i once took iteration k-1's sample i+1
+    seed: the same prompt, the same tokens, drafts from history accepted for free)."""
+    from seer_engine.core.seeds import group_seed, sample_seed
+    from seer_engine.entrypoints.bench import _fresh_seeds
+
+    group = Group(
+        "g0", PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=8, seed=group_seed(5, 0)), 8, 8
+    )
+    seeds = []
+    for it in range(3):
+        fresh = _fresh_seeds(group, it)
+        seeds += [sample_seed(fresh.sampling_params.seed, fresh.order, i) for i in range(fresh.n)]
+    assert _fresh_seeds(group, 0).sampling_params.seed == group.sampling_params.seed
+    assert len(set(seeds)) == len(seeds) == 24

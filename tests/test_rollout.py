@@ -545,3 +545,22 @@ def test_seeded_group_samples_what_the_plain_engine_samples(model):
     rolled = [s.output_token_ids for s in result.samples["g0"]]
     assert rolled == [o.token_ids for o in plain.outputs]
     assert len({tuple(t) for t in rolled}) == 4  # the samples differ: the seeds did their work
+
+
+def test_rollout_cli_groups_of_one_prompt_share_no_response(model, tmp_path):
+    """Lines without a seed take seeds derived from --seed: a prompt on three lines draws
+    3n different responses (group k's sample i once took group k+1's sample i-1 seed,
+    and with it the same tokens)."""
+    import json
+
+    from seer_engine.entrypoints.cli import main
+
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": [5, 6, 7]}\n' * 3)
+    args = ["rollout", "--model", str(model), "--input", str(src), "--output", str(out), "--n", "3",
+            "--max-tokens", "8", "--temperature", "1.0", "--num-threads", "1"]  # fmt: skip
+    assert main(args) == 0
+    responses = [
+        tuple(o["token_ids"]) for line in out.read_text().splitlines() for o in json.loads(line)["outputs"]
+    ]
+    assert len(set(responses)) == 9

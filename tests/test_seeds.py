@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from seer_engine.core.seeds import SEED_MASK, child_seed, position_seed, sample_seed
+from seer_engine.core.seeds import SEED_MASK, child_seed, group_seed, position_seed, sample_seed
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,27 @@ def test_sample_seed_pinned(group_seed: int | None, order: int, index: int, want
 
 
 @pytest.mark.parametrize(
+    "seed,index,want",
+    [
+        (0, 0, 132297946315314195),
+        (5, 2, -4294776846441306174),
+        (-1, 1, -4811710646387659195),
+        (SEED_MASK, 3, 1191370250360723344),
+    ],
+)
+def test_group_seed_pinned(seed: int, index: int, want: int) -> None:
+    assert group_seed(seed, index) == want
+
+
+def test_groups_of_one_seed_share_no_sample_seed() -> None:
+    """Every sample of every group seeded from one --seed has a seed of its own: a
+    prompt on two lines (or run again in a later iteration) draws other responses."""
+    for seed in (0, 5, -1):
+        seeds = [child_seed(group_seed(seed, k), i) for k in range(64) for i in range(16)]
+        assert len(set(seeds)) == len(seeds)
+
+
+@pytest.mark.parametrize(
     "seed,position,want",
     [
         (0, 0, 6238072747940578789),
@@ -53,7 +74,12 @@ def test_seeds_fit_their_uses() -> None:
     """A sample's seed is a signed int64 (what a request's seed may be) and a position's
     seed a non-negative one (what torch.Generator takes), whatever the inputs."""
     huge = (1 << 70) + 5
-    for value in (child_seed(huge, 9), sample_seed(huge, 0, 9), child_seed(-huge, 3)):
+    for value in (
+        child_seed(huge, 9),
+        sample_seed(huge, 0, 9),
+        child_seed(-huge, 3),
+        group_seed(-huge, huge),
+    ):
         assert -(1 << 63) <= value < 1 << 63
     assert 0 <= position_seed(huge, huge) <= SEED_MASK == (1 << 63) - 1
 

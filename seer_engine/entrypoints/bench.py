@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
-from seer_engine.core.seeds import child_seed
+from seer_engine.core.seeds import group_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.detokenizer import Detokenizer
 from seer_engine.engine.input_processor import InputProcessor
@@ -286,10 +286,11 @@ def _check_vocab(args: argparse.Namespace, workloads: list[ReplayWorkload], voca
 
 def _fresh_seeds(group: Group, iteration: int) -> Group:
     """The group as iteration ``iteration`` samples it: the same prompt, fresh seeds
-    (iteration 0: the group's own)."""
+    (iteration 0: the group's own). Mixed by ``group_seed``: ``child_seed`` would give
+    iteration k the seeds of iteration k-1's next samples, so the same responses."""
     if iteration == 0:
         return replace(group)
-    seed = child_seed(group.sampling_params.seed or 0, iteration)
+    seed = group_seed(group.sampling_params.seed or 0, iteration)
     return replace(group, sampling_params=group.sampling_params.clone(seed=seed))
 
 

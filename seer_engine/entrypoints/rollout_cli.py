@@ -2,7 +2,7 @@
 (``--input``) or of a verifiable task's problems (``--task``), graded.
 
 Input lines: ``{"prompt": text or token ids, optional n and sampling fields}``; prompt k
-without a seed samples with ``child_seed(--seed, k)``. Output lines,
+without a seed samples with ``group_seed(--seed, k)``. Output lines,
 in input order: ``{"prompt", "prompt_token_ids", "outputs": [{"token_ids", "text",
 "logprobs", "finish_reason"}, ...n]}``. With ``--task`` each line also carries the
 problem (``id``, ``task``, ``messages``, ``answer``, ``data``: what grading reads) and
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from seer_engine.core.seeds import child_seed
+from seer_engine.core.seeds import group_seed
 from seer_engine.engine.config import EngineConfig
 from seer_engine.engine.input_processor import InputProcessor
 from seer_engine.rollout.config import RolloutConfig, bind_history, save_history
@@ -82,14 +82,14 @@ def task_groups(
     task: Task, count: int, seed: int, n: int, params: SamplingParams, processor: InputProcessor
 ) -> tuple[list[TaskPrompt], list[Group]]:
     """The first ``count`` problems of ``seed`` through the model's chat template, as groups
-    of ``n`` responses; group k samples with seed ``child_seed(seed, k)``."""
+    of ``n`` responses; group k samples with seed ``group_seed(seed, k)``."""
     if not getattr(processor.tokenizer.tokenizer, "chat_template", None):
         raise ValueError("--task needs a chat model: the model's tokenizer has no chat template")
     prompts = task_prompts(task, count, seed, chat_template=processor.tokenizer.apply_chat_template)
     groups = []
     for k, p in enumerate(prompts):
         # The chat template writes the special tokens itself.
-        group_params = params.clone(seed=child_seed(seed, k), add_special_tokens=False)
+        group_params = params.clone(seed=group_seed(seed, k), add_special_tokens=False)
         checked = processor.process(p.text or "", group_params)
         groups.append(Group(p.id, checked.prompt_token_ids, checked.params, n, checked.max_tokens,
                             prompt=checked.prompt, order=k))  # fmt: skip
@@ -157,11 +157,11 @@ def read_lines(path: Path, n: int, defaults: dict) -> list[tuple[int, object, Sa
 
 def read_groups(path: Path, lines: list, processor: InputProcessor, seed: int) -> list[Group]:
     """The groups of ``read_lines``' prompts, tokenized and checked against the model; group
-    k without a seed of its own samples with ``child_seed(seed, k)``, as ``--task``'s do."""
+    k without a seed of its own samples with ``group_seed(seed, k)``, as ``--task``'s do."""
     groups = []
     for lineno, prompt, params, samples in lines:
         if params.seed is None:
-            params = params.clone(seed=child_seed(seed, len(groups)))
+            params = params.clone(seed=group_seed(seed, len(groups)))
         try:
             checked = processor.process(prompt, params)
         except InvalidRequestError as e:
