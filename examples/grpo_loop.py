@@ -48,6 +48,7 @@ from grpo.client import ServerClient, check_version, parse_choices
 from grpo.config import GRPOConfig, GRPOError, Reward
 from grpo.trainer import Trainer, group_advantages
 
+from seer_engine.core.seeds import group_seed
 from seer_engine.rollout.machine import machine_info
 from seer_engine.tasks import TASKS, TaskPrompt, get_task, parse_knobs, task_prompts
 
@@ -116,7 +117,7 @@ def run_grpo(
             chosen = [((it - 1) * cfg.batch_prompts + j) % cfg.prompts for j in range(cfg.batch_prompts)]
             bodies = [{
                 "model": served, "prompt": prompt_ids[k], "n": cfg.n, "max_tokens": cfg.max_tokens,
-                "temperature": cfg.temperature, "seed": (cfg.seed * 1_000_003 + it * 1009 + k) % 2**31,
+                "temperature": cfg.temperature, "seed": group_seed(cfg.seed, (it - 1) * cfg.prompts + k),
                 "logprobs": 0, "return_token_ids": True,
             } for k in chosen]  # fmt: skip
             start = time.perf_counter()
