@@ -8,6 +8,7 @@ exists whole after a crash or restart, or not at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Literal
 
@@ -45,6 +46,17 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def storing(what: str) -> Iterator[None]:
+    """A disk error (full, read-only) while keeping ``what`` under the data folder, as a
+    500 that names it, not an anonymous internal error."""
+    try:
+        yield
+    except OSError as e:
+        message = f"could not save {what} under --data-dir: {e.strerror or e}"
+        raise APIError(500, message, code="storage_error") from None
 
 
 def ordered_hex() -> str:
@@ -146,7 +158,11 @@ class FileStore:
             "expires_at": None,
             "status_details": None,
         }
-        atomic_write(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        try:
+            atomic_write(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        except BaseException:  # a full disk: no bytes are left that no file object names
+            data.unlink(missing_ok=True)
+            raise
         self._files[file_id] = meta
         return meta
 
@@ -232,7 +248,8 @@ def files_router(store: FileStore, reader_of: Callable[[str], str | None] = lamb
 
     @router.post("/v1/files")
     async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)) -> dict:  # noqa: B008
-        return await store.upload(file.file, file.filename or "upload.jsonl", purpose)
+        with storing("the file"):
+            return await store.upload(file.file, file.filename or "upload.jsonl", purpose)
 
     @router.get("/v1/files")
     async def list_files(
