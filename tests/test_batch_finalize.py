@@ -240,7 +240,17 @@ def test_server_killed_while_finalizing_reports_each_batch_whole(batch_server, t
     assert not (data / "batches" / f"{batch_id}.plan").exists()
 
 
-@pytest.mark.parametrize("damaged", ["null", "[]", '"text"', "{}", '{"id": 5, "status": "in_progress"}'])
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        "null",
+        "[]",
+        '"text"',
+        "{}",
+        '{"id": 5, "status": "in_progress"}',
+        pytest.param("[" * 100_000, id="deep"),
+    ],
+)
 def test_a_record_that_is_json_but_not_a_record_is_skipped_at_start(tmp_path, damaged):
     """A batch or file record that parses but is not one this server wrote (damaged, or of
     another version) used to stop the server from starting (a TypeError or KeyError); it is
@@ -384,7 +394,15 @@ def test_a_batch_that_cannot_be_saved_is_not_created(tmp_path, monkeypatch):
     assert manager.list(None, 20)["data"] == [] and manager._runs == {}
 
 
-@pytest.mark.parametrize("plan", ["{}", "[]", '{"status": "completed", "fields": {}, "files": null}'])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        "{}",
+        "[]",
+        '{"status": "completed", "fields": {}, "files": null}',
+        pytest.param("[" * 100_000, id="deep"),
+    ],
+)
 def test_a_finalization_plan_that_is_not_a_plan_runs_the_batch_again(tmp_path, monkeypatch, plan):
     """A damaged or foreign plan that parses used to stop the server at start (a
     KeyError or TypeError); it is ignored with a warning and the batch runs again."""

@@ -124,7 +124,7 @@ class BatchStore:
             plan = json.loads(self._plan_path(batch_id).read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:  # written atomically, so only a damaged disk gets here
+        except (OSError, RecursionError, ValueError) as e:  # written atomically: a damaged disk
             logger.warning("ignoring unreadable finalization plan of %s: %s", batch_id, e)
             return None
         if not _is_plan(plan):

@@ -97,7 +97,7 @@ def read_record(path: Path, fields: tuple[str, ...]) -> dict | None:
     or foreign record is skipped rather than keeping the server from starting."""
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, RecursionError, ValueError) as e:  # RecursionError: nested too deep
         logger.warning("skipping unreadable record %s: %s", path, e)
         return None
     missing = [f for f in fields if not isinstance(record, dict) or f not in record]
