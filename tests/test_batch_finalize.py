@@ -488,3 +488,24 @@ def test_an_upload_on_a_full_disk_is_an_error_naming_it(tmp_path, monkeypatch):
     message = resp.json()["error"]["message"]
     assert "could not save the file under --data-dir: No space left on device" in message
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_with_a_field_of_another_type_is_skipped_not_breaking_listings(tmp_path):
+    """A foreign batch or file record whose created_at was not a number was loaded, and
+    every listing of batches or files was a 500 (sorting compared it with the others')."""
+    batch_id, _ = _stop_at(tmp_path, "files", pytest.MonkeyPatch(), _lines(1, bad=0))
+    foreign = {"status": "completed", "endpoint": ENDPOINT, "input_file_id": "file-x", "request_counts": {}}
+    foreign |= {"created_at": "yesterday", "filename": "f", "purpose": "batch", "bytes": 3}
+    (tmp_path / "batches" / "batch_foreign.json").write_text(json.dumps({**foreign, "id": "batch_foreign"}))
+    (tmp_path / "files" / "file-foreign.json").write_text(json.dumps({**foreign, "id": "file-foreign"}))
+    (tmp_path / "files" / "file-foreign.data").write_bytes(b"{}\n")
+
+    async def run() -> tuple[list, list]:
+        manager = _manager(tmp_path)
+        manager.start()
+        await _wait_for(lambda: manager.get(batch_id)["status"] == "completed", "the batch to complete")
+        await manager.stop()
+        return manager.list(None, 20)["data"], manager.files.list(None, None, 100, "asc")["data"]
+
+    batches, files = asyncio.run(run())
+    assert [b["id"] for b in batches] == [batch_id] and len(files) == 2

@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 # lets a test SIGKILL a server at a known point of finalization instead of racing it.
 TEST_PAUSE_ENV = "SEER_ENGINE_TEST_PAUSE_FINALIZING"
 # What resuming, listing and serving a batch read from its record.
-_BATCH_FIELDS = ("id", "status", "endpoint", "input_file_id", "created_at", "request_counts")
+_BATCH_FIELDS = {
+    "id": str, "status": str, "endpoint": str, "input_file_id": str,
+    "created_at": int, "request_counts": dict,
+}  # fmt: skip
 
 
 async def pause_for_test(stage: str) -> None:

@@ -31,7 +31,8 @@ from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES
 logger = logging.getLogger(__name__)
 
 UPLOAD_PURPOSES = ("batch",)
-_FILE_FIELDS = ("id", "created_at", "filename", "purpose", "bytes")  # what listing and serving read
+# What listing and serving read, of the types they read it as.
+_FILE_FIELDS = {"id": str, "created_at": int, "filename": str, "purpose": str, "bytes": int}
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -91,20 +92,22 @@ def remove_partial_writes(root: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def read_record(path: Path, fields: tuple[str, ...]) -> dict | None:
+def read_record(path: Path, fields: dict[str, type]) -> dict | None:
     """The JSON object saved at ``path``, or None (with a warning) when it cannot be used:
-    unreadable, not an object, or without one of ``fields`` or a string ``id``. One damaged
-    or foreign record is skipped rather than keeping the server from starting."""
+    unreadable, not an object, or without one of ``fields`` of its type. One damaged or
+    foreign record is skipped rather than keeping the server from starting, or (a
+    ``created_at`` of another type) every listing from being sorted."""
     try:
         record = json.loads(path.read_text())
     except (OSError, RecursionError, ValueError) as e:  # RecursionError: nested too deep
         logger.warning("skipping unreadable record %s: %s", path, e)
         return None
-    missing = [f for f in fields if not isinstance(record, dict) or f not in record]
-    if missing or not isinstance(record["id"], str):
-        logger.warning(
-            "skipping record %s: not one this server wrote (missing or invalid: %s)", path, missing or ["id"]
-        )
+    if not isinstance(record, dict):
+        record = {}
+    missing = [f for f, kind in fields.items() if not isinstance(record.get(f), kind)]
+    if missing:
+        why = f"not one this server wrote (missing or invalid: {missing})"
+        logger.warning("skipping record %s: %s", path, why)
         return None
     return record
 
