@@ -509,3 +509,22 @@ def test_a_record_with_a_field_of_another_type_is_skipped_not_breaking_listings(
 
     batches, files = asyncio.run(run())
     assert [b["id"] for b in batches] == [batch_id] and len(files) == 2
+
+
+def test_the_content_of_a_file_whose_bytes_were_removed_is_an_error_naming_it(tmp_path):
+    """Bytes removed from --data-dir behind the server's back were a 500 saying only
+    'internal server error: RuntimeError'."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from seer_engine.entrypoints.openai.errors import install_error_handlers
+
+    files = FileStore(tmp_path)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(files_module.files_router(files))
+    file_id = asyncio.run(files.create(b"{}\n", "in.jsonl", "batch"))["id"]
+    files.data_path(file_id).unlink()
+    resp = TestClient(app, raise_server_exceptions=False).get(f"/v1/files/{file_id}/content")
+    assert resp.status_code == 500 and resp.json()["error"]["code"] == "storage_error"
+    assert f"the content of file {file_id!r} is missing from --data-dir" in resp.json()["error"]["message"]

@@ -270,9 +270,11 @@ def files_router(store: FileStore, reader_of: Callable[[str], str | None] = lamb
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> FileResponse:
         meta = store.get(file_id)
-        return FileResponse(
-            store.data_path(file_id), media_type="application/jsonl", filename=meta["filename"]
-        )
+        data = store.data_path(file_id)
+        if not data.is_file():  # removed behind the server's back: say so, not an anonymous 500
+            message = f"the content of file {file_id!r} is missing from --data-dir ({data})"
+            raise APIError(500, message, code="storage_error")
+        return FileResponse(data, media_type="application/jsonl", filename=meta["filename"])
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict:
