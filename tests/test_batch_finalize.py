@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from seer_engine.entrypoints.openai import batch as batch_module
+from seer_engine.entrypoints.openai import files as files_module
 from seer_engine.entrypoints.openai.batch import TERMINAL, BatchManager
-from seer_engine.entrypoints.openai.batch_store import TEST_PAUSE_ENV, BatchStore
+from seer_engine.entrypoints.openai.batch_store import TEST_PAUSE_ENV, BatchAPIClaim, BatchStore
 from seer_engine.entrypoints.openai.errors import APIError
 from seer_engine.entrypoints.openai.files import FileStore
 from seer_engine.entrypoints.openai.protocol import BatchCreateRequest
@@ -238,7 +240,17 @@ def test_server_killed_while_finalizing_reports_each_batch_whole(batch_server, t
     assert not (data / "batches" / f"{batch_id}.plan").exists()
 
 
-@pytest.mark.parametrize("damaged", ["null", "[]", '"text"', "{}", '{"id": 5, "status": "in_progress"}'])
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        "null",
+        "[]",
+        '"text"',
+        "{}",
+        '{"id": 5, "status": "in_progress"}',
+        pytest.param("[" * 100_000, id="deep"),
+    ],
+)
 def test_a_record_that_is_json_but_not_a_record_is_skipped_at_start(tmp_path, damaged):
     """A batch or file record that parses but is not one this server wrote (damaged, or of
     another version) used to stop the server from starting (a TypeError or KeyError); it is
@@ -317,3 +329,202 @@ def test_a_disk_error_while_writing_results_fails_the_batch_without_orphans(tmp_
     assert not any(name.endswith(".plan") for name in _on_disk(tmp_path))
     restarted = BatchStore(tmp_path / "batches").load_all()[batch["id"]]
     assert restarted["status"] == "failed"
+
+
+def _full_disk_for(monkeypatch, refuse) -> None:
+    """``BatchStore.save`` raises ENOSPC for the batch states ``refuse(batch)`` picks."""
+    real_save = BatchStore.save
+
+    def save(self, batch):
+        if refuse(batch):
+            raise OSError(28, "No space left on device")
+        real_save(self, batch)
+
+    monkeypatch.setattr(BatchStore, "save", save)
+
+
+def _run_to_end(root: Path, content: bytes) -> tuple[dict, FileStore]:
+    async def run() -> tuple[dict, FileStore]:
+        manager = _manager(root)
+        manager.start()
+        batch_id = await _submit(manager, content)
+        await _wait_for(lambda: manager.get(batch_id)["status"] in TERMINAL, "the batch to end")
+        await manager.stop()
+        return manager.get(batch_id), manager.files
+
+    return asyncio.run(run())
+
+
+def test_a_record_that_cannot_be_saved_when_finalized_points_at_no_removed_file(tmp_path, monkeypatch):
+    """The record pointing at the result files could not be saved (a full disk): the files
+    were removed, but the batch had taken their ids before the save, so it failed (in
+    memory and on disk) with an output_file_id of a file that did not exist."""
+    _full_disk_for(monkeypatch, lambda b: b["status"] == "completed")
+    batch, files = _run_to_end(tmp_path, _lines(3, bad=1))
+    assert batch["status"] == "failed" and "No space left" in batch["errors"]["data"][0]["message"]
+    assert batch["output_file_id"] is None and batch["error_file_id"] is None
+    assert batch["completed_at"] is None
+    assert [m["id"] for m in files.list(None, None, 100, "asc")["data"]] == [batch["input_file_id"]]
+    on_disk = BatchStore(tmp_path / "batches").load_all()[batch["id"]]
+    assert on_disk["status"] == "failed" and on_disk["output_file_id"] is None
+
+
+def test_a_progress_save_that_fails_loses_no_line(tmp_path, monkeypatch):
+    """Saving the counts while lines finish failed (a full disk) inside the line's task,
+    so a line that had succeeded was reported as a batch_cancelled error."""
+    monkeypatch.setattr(batch_module, "PERSIST_INTERVAL_S", -1.0)  # a save after every line
+    _full_disk_for(monkeypatch, lambda b: b["status"] == "in_progress" and b["request_counts"]["completed"])
+    batch, files = _run_to_end(tmp_path, _lines(4, bad=0))
+    assert batch["status"] == "completed" and batch["error_file_id"] is None
+    assert set(_records(files, batch["output_file_id"])) == {"c0", "c1", "c2", "c3"}
+
+
+def test_a_batch_that_cannot_be_saved_is_not_created(tmp_path, monkeypatch):
+    """A batch whose first save failed (a full disk) got a 500 yet stayed listed,
+    validating for good, and ran nowhere."""
+    _full_disk_for(monkeypatch, lambda b: b["status"] == "validating")
+
+    async def run() -> BatchManager:
+        manager = _manager(tmp_path)
+        with pytest.raises(OSError, match="No space"):
+            await _submit(manager, _lines(1, bad=0))
+        return manager
+
+    manager = asyncio.run(run())
+    assert manager.list(None, 20)["data"] == [] and manager._runs == {}
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        "{}",
+        "[]",
+        '{"status": "completed", "fields": {}, "files": null}',
+        pytest.param("[" * 100_000, id="deep"),
+    ],
+)
+def test_a_finalization_plan_that_is_not_a_plan_runs_the_batch_again(tmp_path, monkeypatch, plan):
+    """A damaged or foreign plan that parses used to stop the server at start (a
+    KeyError or TypeError); it is ignored with a warning and the batch runs again."""
+    batch_id, _ = _stop_at(tmp_path, "files", monkeypatch, _lines(2, bad=0))
+    (tmp_path / "batches" / f"{batch_id}.plan").write_text(plan)
+    batch, files = _restart(tmp_path, batch_id)
+    assert set(_records(files, batch["output_file_id"])) == {"c0", "c1"}
+    assert not (tmp_path / "batches" / f"{batch_id}.plan").exists()
+
+
+def test_an_upload_whose_file_object_cannot_be_written_leaves_no_bytes(tmp_path, monkeypatch):
+    """The bytes were renamed into place before the file object was written: a full disk
+    then left an unlisted data file behind until the next start."""
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    files = FileStore(tmp_path)
+    monkeypatch.setattr(files_module, "atomic_write", full)
+    with pytest.raises(OSError, match="No space"):
+        asyncio.run(files.create(b"{}\n", "in.jsonl", "batch"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_file_that_cannot_be_opened_is_a_startup_error_naming_it(tmp_path):
+    """A directory where the data dir's lock file goes stopped the server with an
+    IsADirectoryError traceback."""
+    (tmp_path / BatchAPIClaim.LOCK_FILE).mkdir()
+    with pytest.raises(ValueError, match="cannot open the lock file .*batch_api.lock"):
+        BatchAPIClaim(tmp_path)
+
+
+def test_a_full_disk_at_start_still_settles_every_batch(tmp_path, monkeypatch):
+    """Saving a resumed or cancelled batch at start failed (a full disk) out of the
+    server's startup: 'Application startup failed', a traceback and exit 3. The start goes
+    on; each batch still ends in a status, its record settled again at the next start."""
+    batch_id, _ = _stop_at(tmp_path, "partial", monkeypatch, _lines(2, bad=1))  # to run again
+    store = BatchStore(tmp_path / "batches")
+    cancelling = {**store.load_all()[batch_id], "id": "batch_cancelling", "status": "cancelling"}
+    store.save(cancelling)
+    _full_disk_for(monkeypatch, lambda b: True)
+
+    async def run() -> BatchManager:
+        manager = _manager(tmp_path)
+        manager.start()
+        await _wait_for(lambda: manager.get(batch_id)["status"] in TERMINAL, "the batch to end")
+        await manager.stop()
+        return manager
+
+    manager = asyncio.run(run())
+    assert manager.get("batch_cancelling")["status"] == "cancelled"
+    assert manager.get(batch_id)["status"] == "failed" and manager.get(batch_id)["output_file_id"] is None
+
+
+def test_a_lock_file_whose_pid_cannot_be_written_still_claims_the_folder(tmp_path, monkeypatch):
+    """Writing the server's pid into the lock file on a full disk stopped the start."""
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.pwrite", full)
+    claim = BatchAPIClaim(tmp_path)
+    assert claim.refusal is None
+    claim.release()
+
+
+def test_an_upload_on_a_full_disk_is_an_error_naming_it(tmp_path, monkeypatch):
+    """A disk error while storing an upload was a 500 saying only 'internal server error: OSError'."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from seer_engine.entrypoints.openai.errors import install_error_handlers
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(files_module.files_router(FileStore(tmp_path)))
+    monkeypatch.setattr(files_module, "atomic_write", full)
+    resp = TestClient(app).post("/v1/files", files={"file": ("in.jsonl", b"{}\n")}, data={"purpose": "batch"})
+    assert resp.status_code == 500 and resp.json()["error"]["code"] == "storage_error"
+    message = resp.json()["error"]["message"]
+    assert "could not save the file under --data-dir: No space left on device" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_with_a_field_of_another_type_is_skipped_not_breaking_listings(tmp_path):
+    """A foreign batch or file record whose created_at was not a number was loaded, and
+    every listing of batches or files was a 500 (sorting compared it with the others')."""
+    batch_id, _ = _stop_at(tmp_path, "files", pytest.MonkeyPatch(), _lines(1, bad=0))
+    foreign = {"status": "completed", "endpoint": ENDPOINT, "input_file_id": "file-x", "request_counts": {}}
+    foreign |= {"created_at": "yesterday", "filename": "f", "purpose": "batch", "bytes": 3}
+    (tmp_path / "batches" / "batch_foreign.json").write_text(json.dumps({**foreign, "id": "batch_foreign"}))
+    (tmp_path / "files" / "file-foreign.json").write_text(json.dumps({**foreign, "id": "file-foreign"}))
+    (tmp_path / "files" / "file-foreign.data").write_bytes(b"{}\n")
+
+    async def run() -> tuple[list, list]:
+        manager = _manager(tmp_path)
+        manager.start()
+        await _wait_for(lambda: manager.get(batch_id)["status"] == "completed", "the batch to complete")
+        await manager.stop()
+        return manager.list(None, 20)["data"], manager.files.list(None, None, 100, "asc")["data"]
+
+    batches, files = asyncio.run(run())
+    assert [b["id"] for b in batches] == [batch_id] and len(files) == 2
+
+
+def test_the_content_of_a_file_whose_bytes_were_removed_is_an_error_naming_it(tmp_path):
+    """Bytes removed from --data-dir behind the server's back were a 500 saying only
+    'internal server error: RuntimeError'."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from seer_engine.entrypoints.openai.errors import install_error_handlers
+
+    files = FileStore(tmp_path)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(files_module.files_router(files))
+    file_id = asyncio.run(files.create(b"{}\n", "in.jsonl", "batch"))["id"]
+    files.data_path(file_id).unlink()
+    resp = TestClient(app, raise_server_exceptions=False).get(f"/v1/files/{file_id}/content")
+    assert resp.status_code == 500 and resp.json()["error"]["code"] == "storage_error"
+    assert f"the content of file {file_id!r} is missing from --data-dir" in resp.json()["error"]["message"]

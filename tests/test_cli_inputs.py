@@ -91,6 +91,16 @@ def test_a_data_dir_that_cannot_be_written_is_named_before_the_model_loads(tmp_p
     assert f"--data-dir {str(a_file)!r} is not a directory this run can write to" in err
 
 
+@pytest.mark.parametrize("store", ["files", "batches"])
+def test_a_file_in_the_way_of_a_data_dir_store_is_named_before_the_model_loads(store, tmp_path, capsys):
+    """A file where the Files or Batch store's folder goes used to pass the check of the
+    data dir and stop the server after the model had loaded, with a FileExistsError traceback."""
+    (tmp_path / store).write_text("")
+    args = ["serve", "--model", "/nonexistent-model", "--port", "0", "--data-dir", str(tmp_path)]
+    err = _error(args, capsys)
+    assert f"--data-dir {str(tmp_path / store)!r} is not a directory this run can write to" in err
+
+
 def test_the_default_data_dir_follows_seer_engine_cache(tmp_path, capsys, monkeypatch):
     """The server's files and batches go where the run's cache is (a file there is named)."""
     monkeypatch.setenv("SEER_ENGINE_CACHE", str(tmp_path))

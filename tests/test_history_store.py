@@ -495,6 +495,8 @@ def test_a_cut_off_or_foreign_file_is_a_clear_error(tmp_path):
     damaged = [text[:n] for n in range(0, len(text), 7)]
     damaged += [text + "x", text + "{}", text[:-1] + ", }}", text.replace(": {", " {", 1), "\x00", "null"]
     damaged += [text.replace('"prompts": {', '"prompts": {"k": 1, ', 1), "{" + text]
+    # nested past Python's recursion limit: was a RecursionError traceback at start
+    damaged += [text.replace('"prompts": {', '"prompts": {"k": ' + "[" * 100_000 + "]" * 100_000 + ", ", 1)]
     for bad in damaged:
         path.write_text(bad)
         with pytest.raises(ValueError, match=f"history store '{path}' is not valid"):

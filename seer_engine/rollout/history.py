@@ -357,7 +357,7 @@ class HistoryStore:
             raise ValueError(f"history store {str(p)!r} not found") from None
         except OSError as e:
             raise ValueError(f"cannot read the history store {str(p)!r}: {e}") from None
-        except (AttributeError, KeyError, OverflowError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, OverflowError, RecursionError, TypeError, ValueError) as e:
             detail = f"no {e} field" if isinstance(e, KeyError) else str(e)
             raise ValueError(f"history store {str(p)!r} is not valid: {detail}") from None
         return store

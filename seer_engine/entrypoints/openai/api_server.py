@@ -376,7 +376,8 @@ def run_server(args: argparse.Namespace) -> int:
             "this server, one engine, does not run: pass --rollout-mode (or --instances N > 1) too"
         )
     args.data_dir = args.data_dir or default_data_dir()
-    writable_dir(args.data_dir, "--data-dir")  # files and batches are kept there
+    for folder in ("", "files", "batches"):  # files and batches are kept there: checked before loading
+        writable_dir(Path(args.data_dir) / folder, "--data-dir")
     if (history := rollout.history_spec(args.data_dir)) not in ("off", "memory"):
         writable_dir(history, "--history")  # named now, not once every instance has loaded
     config = EngineConfig.from_cli_args(args)

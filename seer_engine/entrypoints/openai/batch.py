@@ -37,7 +37,7 @@ from seer_engine.entrypoints.openai.batch_input import (
 )
 from seer_engine.entrypoints.openai.batch_store import BatchStore, pause_for_test, plan_fields
 from seer_engine.entrypoints.openai.errors import APIError, as_api_error, error_body
-from seer_engine.entrypoints.openai.files import FileStore, new_file_id, ordered_hex, page
+from seer_engine.entrypoints.openai.files import FileStore, new_file_id, ordered_hex, page, storing
 from seer_engine.entrypoints.openai.json_body import JSONRoute
 from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES, BatchCreateRequest
 
@@ -79,11 +79,11 @@ class BatchManager:
             if self._settle_finalization(batch):
                 continue
             if batch["status"] == "cancelling":
-                self._set(batch, "cancelled", cancelled_at=int(time.time()))
+                self._update(batch, "cancelled", cancelled_at=int(time.time()))
             elif batch["status"] not in TERMINAL:
                 logger.info("resuming batch %s (was %s)", batch["id"], batch["status"])
                 batch["request_counts"] = {"total": 0, "completed": 0, "failed": 0}
-                self._set(batch, "validating")
+                self._update(batch, "validating")
                 self._launch(batch)
 
     def _settle_finalization(self, batch: dict) -> bool:
@@ -95,7 +95,12 @@ class BatchManager:
         file_ids = [file_id for file_id in plan["files"].values() if file_id is not None]
         if batch["status"] not in TERMINAL and all(self.files.exists(f) for f in file_ids):
             logger.info("finishing batch %s from its finalization plan", batch["id"])
-            self._set(batch, plan["status"], **plan_fields(plan))
+            try:
+                self._set(batch, plan["status"], **plan_fields(plan))
+            except OSError as e:  # a full disk: finished in memory, the plan kept for the next start
+                logger.error("could not save batch %s as finished: %s", batch["id"], e)
+                batch.update(status=plan["status"], **plan_fields(plan))
+                return True
         elif batch["status"] not in TERMINAL:
             logger.info("batch %s was killed while writing its results: running it again", batch["id"])
             for file_id in file_ids:
@@ -155,8 +160,8 @@ class BatchManager:
             "usage": None,
             "metadata": req.metadata,
         }
+        self.store.save(batch)  # first: a batch that could not be saved (a full disk) is not listed
         self._batches[batch["id"]] = batch
-        self.store.save(batch)
         self._launch(batch)
         return batch
 
@@ -203,10 +208,22 @@ class BatchManager:
         task.add_done_callback(lambda _: self._runs.pop(batch["id"], None))
 
     def _set(self, batch: dict, status: str, **fields: Any) -> None:
-        batch["status"] = status
-        batch.update(fields)
-        self.store.save(batch)
+        """Save the batch with these fields, then take them: a save that fails (a full
+        disk) leaves the batch as it was, not pointing at result files being undone."""
+        updated = {**batch, "status": status, **fields}
+        self.store.save(updated)
+        batch.update(updated)
         self._saved_at[batch["id"]] = time.monotonic()
+
+    def _update(self, batch: dict, status: str, **fields: Any) -> None:
+        """``_set``, or where the disk refuses the save (full), the change in memory alone:
+        the batch still ends in a status; its record keeps the old one, which the next
+        start settles again."""
+        try:
+            self._set(batch, status, **fields)
+        except OSError as e:
+            logger.error("could not save batch %s as %s: %s", batch["id"], status, e)
+            batch.update(status=status, **fields)
 
     async def _run(self, batch: dict) -> None:
         try:
@@ -216,7 +233,7 @@ class BatchManager:
         except Exception as e:  # noqa: BLE001 - a batch must end in a status, never vanish
             logger.exception("batch %s failed", batch["id"])
             record = {"code": "internal_error", "message": str(e), "param": None, "line": None}
-            self._set(batch, "failed", failed_at=int(time.time()), errors=_errors([record]))
+            self._update(batch, "failed", failed_at=int(time.time()), errors=_errors([record]))
         finally:
             self._lines.pop(batch["id"], None)
             self._saved_at.pop(batch["id"], None)
@@ -350,9 +367,17 @@ class BatchManager:
         counts = batch["request_counts"]
         counts["completed" if ok else "failed"] += 1
         if time.monotonic() - self._saved_at.get(batch["id"], 0.0) > PERSIST_INTERVAL_S:
-            self.store.save(batch)
-            self._saved_at[batch["id"]] = time.monotonic()
+            self._save_progress(batch)
         return record, ok, usage
+
+    def _save_progress(self, batch: dict) -> None:
+        """Save the counts so far; a failed save (a full disk) costs only the counts on disk,
+        never the line's result, which the batch's result files hold."""
+        self._saved_at[batch["id"]] = time.monotonic()
+        try:
+            self.store.save(batch)
+        except OSError as e:
+            logger.warning("could not save the progress of batch %s: %s", batch["id"], e)
 
 
 def _jsonl(records: list[dict]) -> bytes:
@@ -404,7 +429,8 @@ def batches_router(manager: BatchManager) -> APIRouter:
 
     @router.post("/v1/batches")
     async def create_batch(req: BatchCreateRequest) -> dict:
-        return manager.create(req)
+        with storing("the batch"):
+            return manager.create(req)
 
     @router.get("/v1/batches")
     async def list_batches(after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
@@ -416,6 +442,7 @@ def batches_router(manager: BatchManager) -> APIRouter:
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str) -> dict:
-        return manager.cancel(batch_id)
+        with storing("the batch"):
+            return manager.cancel(batch_id)
 
     return router

@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 # lets a test SIGKILL a server at a known point of finalization instead of racing it.
 TEST_PAUSE_ENV = "SEER_ENGINE_TEST_PAUSE_FINALIZING"
 # What resuming, listing and serving a batch read from its record.
-_BATCH_FIELDS = ("id", "status", "endpoint", "input_file_id", "created_at", "request_counts")
+_BATCH_FIELDS = {
+    "id": str, "status": str, "endpoint": str, "input_file_id": str,
+    "created_at": int, "request_counts": dict,
+}  # fmt: skip
 
 
 async def pause_for_test(stage: str) -> None:
@@ -58,9 +61,14 @@ class BatchAPIClaim:
     LOCK_FILE = ".batch_api.lock"
 
     def __init__(self, data_dir: Path) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
         self.refusal: str | None = None
-        self._lock: Any = open(data_dir / self.LOCK_FILE, "a+")  # noqa: SIM115 - held while serving
+        path = data_dir / self.LOCK_FILE
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self._lock: Any = open(path, "a+")  # noqa: SIM115 - held while serving
+        except OSError as e:  # a directory in the way, no permission: a startup error naming it
+            why = e.strerror or e
+            raise ValueError(f"cannot open the lock file {str(path)!r} of --data-dir: {why}") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -73,9 +81,11 @@ class BatchAPIClaim:
                 "Batch and Files APIs here"
             )
             return
-        self._lock.truncate(0)
-        self._lock.write(f"{os.getpid()}\n")
-        self._lock.flush()
+        try:  # whose the claim is, for another server's refusal: not worth failing a start over
+            os.ftruncate(self._lock.fileno(), 0)
+            os.pwrite(self._lock.fileno(), f"{os.getpid()}\n".encode(), 0)  # unbuffered: none left to flush
+        except OSError as e:  # a full disk
+            logger.warning("could not write this server's pid into %s: %s", path, e)
 
     def release(self) -> None:
         if self._lock is not None:
@@ -111,16 +121,33 @@ class BatchStore:
         atomic_write(self._plan_path(batch_id), json.dumps(plan).encode())
 
     def load_plan(self, batch_id: str) -> dict | None:
+        """The batch's plan, or None: none, or one that is unreadable or not a plan (a
+        damaged disk, a foreign file), which leaves the batch to run again."""
         try:
-            return json.loads(self._plan_path(batch_id).read_text())
+            plan = json.loads(self._plan_path(batch_id).read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:  # written atomically, so only a damaged disk gets here
+        except (OSError, RecursionError, ValueError) as e:  # written atomically: a damaged disk
             logger.warning("ignoring unreadable finalization plan of %s: %s", batch_id, e)
             return None
+        if not _is_plan(plan):
+            logger.warning("ignoring the finalization plan of %s: not one this server wrote", batch_id)
+            return None
+        return plan
 
     def drop_plan(self, batch_id: str) -> None:
         self._plan_path(batch_id).unlink(missing_ok=True)
+
+
+def _is_plan(plan: Any) -> bool:
+    """Whether ``plan`` has the shape ``BatchManager._finalize`` writes."""
+    return (
+        isinstance(plan, dict)
+        and isinstance(plan.get("status"), str)
+        and isinstance(plan.get("fields"), dict)
+        and isinstance(plan.get("files"), dict)
+        and all(f is None or isinstance(f, str) for f in plan["files"].values())
+    )
 
 
 def plan_fields(plan: dict) -> dict[str, Any]:

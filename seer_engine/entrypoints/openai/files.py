@@ -8,6 +8,7 @@ exists whole after a crash or restart, or not at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Literal
 
@@ -30,7 +31,8 @@ from seer_engine.entrypoints.openai.protocol import ERROR_RESPONSES
 logger = logging.getLogger(__name__)
 
 UPLOAD_PURPOSES = ("batch",)
-_FILE_FIELDS = ("id", "created_at", "filename", "purpose", "bytes")  # what listing and serving read
+# What listing and serving read, of the types they read it as.
+_FILE_FIELDS = {"id": str, "created_at": int, "filename": str, "purpose": str, "bytes": int}
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -45,6 +47,17 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def storing(what: str) -> Iterator[None]:
+    """A disk error (full, read-only) while keeping ``what`` under the data folder, as a
+    500 that names it, not an anonymous internal error."""
+    try:
+        yield
+    except OSError as e:
+        message = f"could not save {what} under --data-dir: {e.strerror or e}"
+        raise APIError(500, message, code="storage_error") from None
 
 
 def ordered_hex() -> str:
@@ -79,20 +92,22 @@ def remove_partial_writes(root: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def read_record(path: Path, fields: tuple[str, ...]) -> dict | None:
+def read_record(path: Path, fields: dict[str, type]) -> dict | None:
     """The JSON object saved at ``path``, or None (with a warning) when it cannot be used:
-    unreadable, not an object, or without one of ``fields`` or a string ``id``. One damaged
-    or foreign record is skipped rather than keeping the server from starting."""
+    unreadable, not an object, or without one of ``fields`` of its type. One damaged or
+    foreign record is skipped rather than keeping the server from starting, or (a
+    ``created_at`` of another type) every listing from being sorted."""
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, RecursionError, ValueError) as e:  # RecursionError: nested too deep
         logger.warning("skipping unreadable record %s: %s", path, e)
         return None
-    missing = [f for f in fields if not isinstance(record, dict) or f not in record]
-    if missing or not isinstance(record["id"], str):
-        logger.warning(
-            "skipping record %s: not one this server wrote (missing or invalid: %s)", path, missing or ["id"]
-        )
+    if not isinstance(record, dict):
+        record = {}
+    missing = [f for f, kind in fields.items() if not isinstance(record.get(f), kind)]
+    if missing:
+        why = f"not one this server wrote (missing or invalid: {missing})"
+        logger.warning("skipping record %s: %s", path, why)
         return None
     return record
 
@@ -146,7 +161,11 @@ class FileStore:
             "expires_at": None,
             "status_details": None,
         }
-        atomic_write(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        try:
+            atomic_write(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        except BaseException:  # a full disk: no bytes are left that no file object names
+            data.unlink(missing_ok=True)
+            raise
         self._files[file_id] = meta
         return meta
 
@@ -232,7 +251,8 @@ def files_router(store: FileStore, reader_of: Callable[[str], str | None] = lamb
 
     @router.post("/v1/files")
     async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)) -> dict:  # noqa: B008
-        return await store.upload(file.file, file.filename or "upload.jsonl", purpose)
+        with storing("the file"):
+            return await store.upload(file.file, file.filename or "upload.jsonl", purpose)
 
     @router.get("/v1/files")
     async def list_files(
@@ -250,9 +270,11 @@ def files_router(store: FileStore, reader_of: Callable[[str], str | None] = lamb
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> FileResponse:
         meta = store.get(file_id)
-        return FileResponse(
-            store.data_path(file_id), media_type="application/jsonl", filename=meta["filename"]
-        )
+        data = store.data_path(file_id)
+        if not data.is_file():  # removed behind the server's back: say so, not an anonymous 500
+            message = f"the content of file {file_id!r} is missing from --data-dir ({data})"
+            raise APIError(500, message, code="storage_error")
+        return FileResponse(data, media_type="application/jsonl", filename=meta["filename"])
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict:
