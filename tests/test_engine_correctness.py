@@ -457,3 +457,24 @@ def test_rotary_tables_are_transformers_bit_for_bit(scaling, tiny_model, hf_mode
     cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
     ours = RotaryEmbedding(32, 4096, model.config.rope_parameters["rope_theta"], scaling)
     assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
+
+
+def test_eos_ids_are_generation_configs_where_it_names_them(tiny_model, hf_model, tmp_path):
+    """transformers stops on generation_config.json's EOS ids and ignores a different
+    one in config.json; the engine stopped on both, ending outputs transformers continues."""
+    src, folder = tiny_model("llama"), tmp_path / "m"
+    shutil.copytree(src, folder)
+    prompts = _prompts(1024, seed=8)[:2]
+    greedy = [hf_greedy(hf_model(src), p, 10) for p in prompts]
+    gen_eos, cfg_eos = greedy[0][3], greedy[1][2]
+    assert gen_eos not in greedy[1][:3] and cfg_eos not in greedy[0][:4]
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "eos_token_id": cfg_eos}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [gen_eos], "pad_token_id": 0}))
+    model = hf_model(folder)
+    outs = LLM(str(folder)).generate(prompts, SamplingParams(temperature=0, max_tokens=10))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :]
+        assert out.outputs[0].token_ids == ref.tolist()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 10]

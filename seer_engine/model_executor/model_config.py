@@ -244,17 +244,17 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> int | None:
 
 
 def _eos_ids(path: Path, cfg: dict[str, Any], vocab_size: int) -> list[int]:
-    """EOS ids from generation_config.json (which may list several) and config.json.
+    """EOS ids as transformers' ``generate`` stops on them: generation_config.json's
+    (which may list several) where it names any, else config.json's; a config.json id
+    the generation config leaves out does not stop transformers, so it must not stop us.
     Ids outside the vocabulary are left out: the model never emits them, and banning
     them before min_tokens would index past (or, negative, wrap around) the logits."""
-    ids: list[int] = []
     gen_file = path / "generation_config.json"
-    sources = [cfg]
-    if gen_file.is_file():
-        sources.insert(0, _json_object(gen_file))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        for e in eos if isinstance(eos, list) else [eos]:
-            if is_int(e) and 0 <= e < vocab_size and e not in ids:
-                ids.append(e)
+    eos = _json_object(gen_file).get("eos_token_id") if gen_file.is_file() else None
+    if eos is None or eos == []:
+        eos = cfg.get("eos_token_id")
+    ids: list[int] = []
+    for e in eos if isinstance(eos, list) else [eos]:
+        if is_int(e) and 0 <= e < vocab_size and e not in ids:
+            ids.append(e)
     return ids
