@@ -226,7 +226,9 @@ def test_qwen3_without_head_dim_key_uses_its_default(tiny_model, hf_model, tmp_p
 def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path):
     """A switch the one decoder lacks fails at load, naming it, rather than running a
     different model: a non-SiLU activation, an unsupported RoPE scaling, and the 'cpu'
-    attention backend (float32 kernels) under a half-precision model."""
+    attention backend (float32 kernels) under a half-precision model. A partial rotary
+    factor beside a scaled RoPE (transformers' tables then cover part of a head, and its
+    attention fails) ran silently with whole heads rotated."""
     src = tiny_model("llama")
     cfg = json.loads((src / "config.json").read_text())
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
@@ -237,6 +239,16 @@ def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path
             ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ModelLoadError, "type 'dynamic'"),
             ({"rope_scaling": {"rope_type": "linear"}}, ModelLoadError, "linear rope scaling .* factor > 0"),
             ({"rope_scaling": {"rope_type": "llama3", "factor": 0}}, ModelLoadError, "factor > 0, got 0"),
+            (
+                {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+                ModelLoadError,
+                r"partial_rotary_factor 0.5 with linear rope scaling in .*config\.json",
+            ),
+            (
+                {"rope_scaling": {"type": "linear", "factor": 2.0}, "partial_rotary_factor": 0.25},
+                ModelLoadError,
+                "partial_rotary_factor 0.25 with linear",
+            ),
         ]
     ):
         folder = tmp_path / str(i)

@@ -217,6 +217,14 @@ def _rope(cfg: dict[str, Any], max_positions: int, config_file: Path) -> tuple[d
             f"unsupported rope scaling type {kind!r} in {config_file}; "
             f"seer_engine implements {', '.join(_ROPE_SCALINGS)}"
         )
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        # transformers' scaled rotary tables cover only that part of a head, which its
+        # Llama-family attention cannot apply; the decoder here would rotate whole heads.
+        raise ModelLoadError(
+            f"partial_rotary_factor {partial!r} with {kind} rope scaling in {config_file} is "
+            "unsupported; seer_engine rotates whole heads"
+        )
     factor = params.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ModelLoadError(f"{kind} rope scaling in {config_file} needs a factor > 0, got {factor!r}")
