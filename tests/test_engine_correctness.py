@@ -490,3 +490,19 @@ def test_eos_ids_are_generation_configs_where_it_names_them(tiny_model, hf_model
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :]
         assert out.outputs[0].token_ids == ref.tolist()
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 10]
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("bfloat16", "float32"), ("float32", "float16")])
+def test_the_dtype_key_wins_over_legacy_torch_dtype(dtype, torch_dtype, tiny_model, tmp_path):
+    """With both keys in config.json transformers 5 loads "auto" in "dtype"; the engine's
+    "auto" took "torch_dtype", running another precision than the reference."""
+    from transformers import AutoConfig
+
+    from seer_engine.model_executor.model_config import ModelConfig
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("llama"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "dtype": dtype, "torch_dtype": torch_dtype}))
+    assert AutoConfig.from_pretrained(folder).dtype == getattr(torch, dtype)
+    assert ModelConfig.from_pretrained(folder).dtype == getattr(torch, dtype)

@@ -182,7 +182,8 @@ class ModelConfig:
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=arch in _READS_MLP_BIAS and bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            # transformers 5 keeps "dtype" where the legacy "torch_dtype" is there too
+            dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             sliding_window=sliding,
             eos_token_ids=_eos_ids(path, cfg, need("vocab_size")),
             bos_token_id=cfg.get("bos_token_id"),
