@@ -161,6 +161,8 @@ class ModelConfig:
         rope_scaling, rope_theta = _rope(cfg, max_positions, config_file)
         layers = need("num_hidden_layers")
         sliding = _sliding_window(arch, cfg, layers)
+        if sliding is not None and not (is_int(sliding) and sliding > 0):  # transformers fails on it
+            raise ModelLoadError(f"sliding_window {sliding!r} in {config_file} is not a positive token count")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = arch in _READS_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         return cls(
