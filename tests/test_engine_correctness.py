@@ -228,8 +228,10 @@ def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path
     different model: a non-SiLU activation, an unsupported RoPE scaling, and the 'cpu'
     attention backend (float32 kernels) under a half-precision model. A partial rotary
     factor beside a scaled RoPE (transformers' tables then cover part of a head, and its
-    attention fails) ran silently with whole heads rotated, and a sliding window of 0
-    tokens (transformers fails on it) as full attention."""
+    attention fails) ran silently with whole heads rotated, a sliding window of 0
+    tokens (transformers fails on it) as full attention, and architectures naming
+    another model than model_type (transformers runs model_type's: here a window) as
+    the architecture's."""
     src = tiny_model("llama")
     cfg = json.loads((src / "config.json").read_text())
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
@@ -245,7 +247,16 @@ def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path
                 ModelLoadError,
                 r"partial_rotary_factor 0.5 with linear rope scaling in .*config\.json",
             ),
-            ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, ModelLoadError, "window 0 in"),
+            (
+                {"model_type": "mistral", "architectures": None, "sliding_window": 0},
+                ModelLoadError,
+                "sliding_window 0 in",
+            ),
+            (
+                {"model_type": "mistral", "sliding_window": 8},
+                ModelLoadError,
+                "architecture 'LlamaForCausalLM' but model_type 'mistral' .MistralForCausalLM",
+            ),
             (
                 {"rope_scaling": {"type": "linear", "factor": 2.0}, "partial_rotary_factor": 0.25},
                 ModelLoadError,

@@ -136,6 +136,13 @@ class ModelConfig:
                 f"seer_engine serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
+        typed = _MODEL_TYPES.get(cfg.get("model_type"))
+        if typed is not None and typed != arch:  # transformers' Auto classes run model_type's
+            raise ModelLoadError(
+                f"{config_file} names architecture {arch!r} but model_type {cfg['model_type']!r} "
+                f"({typed} in transformers); which model it is is unclear"
+            )
+
         def need(key: str) -> Any:
             if key not in cfg:
                 raise ModelLoadError(f"{config_file} lacks required key {key!r}")
