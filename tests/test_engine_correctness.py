@@ -226,7 +226,12 @@ def test_qwen3_without_head_dim_key_uses_its_default(tiny_model, hf_model, tmp_p
 def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path):
     """A switch the one decoder lacks fails at load, naming it, rather than running a
     different model: a non-SiLU activation, an unsupported RoPE scaling, and the 'cpu'
-    attention backend (float32 kernels) under a half-precision model."""
+    attention backend (float32 kernels) under a half-precision model. A partial rotary
+    factor beside a scaled RoPE (transformers' tables then cover part of a head, and its
+    attention fails) ran silently with whole heads rotated, a sliding window of 0
+    tokens (transformers fails on it) as full attention, and architectures naming
+    another model than model_type (transformers runs model_type's: here a window) as
+    the architecture's."""
     src = tiny_model("llama")
     cfg = json.loads((src / "config.json").read_text())
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
@@ -237,6 +242,26 @@ def test_configs_the_decoder_does_not_implement_are_refused(tiny_model, tmp_path
             ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ModelLoadError, "type 'dynamic'"),
             ({"rope_scaling": {"rope_type": "linear"}}, ModelLoadError, "linear rope scaling .* factor > 0"),
             ({"rope_scaling": {"rope_type": "llama3", "factor": 0}}, ModelLoadError, "factor > 0, got 0"),
+            (
+                {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+                ModelLoadError,
+                r"partial_rotary_factor 0.5 with linear rope scaling in .*config\.json",
+            ),
+            (
+                {"model_type": "mistral", "architectures": None, "sliding_window": 0},
+                ModelLoadError,
+                "sliding_window 0 in",
+            ),
+            (
+                {"model_type": "mistral", "sliding_window": 8},
+                ModelLoadError,
+                "architecture 'LlamaForCausalLM' but model_type 'mistral' .MistralForCausalLM",
+            ),
+            (
+                {"rope_scaling": {"type": "linear", "factor": 2.0}, "partial_rotary_factor": 0.25},
+                ModelLoadError,
+                "partial_rotary_factor 0.25 with linear",
+            ),
         ]
     ):
         folder = tmp_path / str(i)
@@ -457,3 +482,40 @@ def test_rotary_tables_are_transformers_bit_for_bit(scaling, tiny_model, hf_mode
     cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
     ours = RotaryEmbedding(32, 4096, model.config.rope_parameters["rope_theta"], scaling)
     assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
+
+
+def test_eos_ids_are_generation_configs_where_it_names_them(tiny_model, hf_model, tmp_path):
+    """transformers stops on generation_config.json's EOS ids and ignores a different
+    one in config.json; the engine stopped on both, ending outputs transformers continues."""
+    src, folder = tiny_model("llama"), tmp_path / "m"
+    shutil.copytree(src, folder)
+    prompts = _prompts(1024, seed=8)[:2]
+    greedy = [hf_greedy(hf_model(src), p, 10) for p in prompts]
+    gen_eos, cfg_eos = greedy[0][3], greedy[1][2]
+    assert gen_eos not in greedy[1][:3] and cfg_eos not in greedy[0][:4]
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "eos_token_id": cfg_eos}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [gen_eos], "pad_token_id": 0}))
+    model = hf_model(folder)
+    outs = LLM(str(folder)).generate(prompts, SamplingParams(temperature=0, max_tokens=10))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :]
+        assert out.outputs[0].token_ids == ref.tolist()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 10]
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("bfloat16", "float32"), ("float32", "float16")])
+def test_the_dtype_key_wins_over_legacy_torch_dtype(dtype, torch_dtype, tiny_model, tmp_path):
+    """With both keys in config.json transformers 5 loads "auto" in "dtype"; the engine's
+    "auto" took "torch_dtype", running another precision than the reference."""
+    from transformers import AutoConfig
+
+    from seer_engine.model_executor.model_config import ModelConfig
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model("llama"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "dtype": dtype, "torch_dtype": torch_dtype}))
+    assert AutoConfig.from_pretrained(folder).dtype == getattr(torch, dtype)
+    assert ModelConfig.from_pretrained(folder).dtype == getattr(torch, dtype)

