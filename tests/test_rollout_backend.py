@@ -140,7 +140,12 @@ def test_a_streamed_request_gets_each_logprob_once_from_its_instance(model, monk
             assert all(len(c.logprobs) == len(c.token_ids) for c in last.outputs)
     assert sum(sent) <= 2 * 40, "each entry sent once"
     for a, b in zip(_drain(plain)["s"].outputs, last.outputs, strict=True):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert a.token_ids == b.token_ids
+        # The same entries and ranks; the values to float noise: a chunk resumed on another
+        # instance recomputes its context as a prefill, which torch ops round differently.
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert {t: e.rank for t, e in x.items()} == {t: e.rank for t, e in y.items()}
+            assert [y[t].logprob for t in x] == pytest.approx([e.logprob for e in x.values()], abs=1e-4)
     _assert_idle(rollout)
     rollout.close()
 

@@ -88,7 +88,8 @@ def test_aborted_requests_leave_no_acceptance_behind(tiny_model):
     engine.add_request("a", prompt, params, group_id="g")
     for _ in range(20):
         engine.step()
-    engine.add_request("b", prompt, SamplingParams(n=2, temperature=0.0, max_tokens=60, ignore_eos=True), "g")
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("b", prompt, params, group_id="g")
     for _ in range(3):  # abort mid-speculation: drafts were verified and learnt
         engine.step()
     drafter = engine.drafter
