@@ -457,6 +457,19 @@ def test_a_full_disk_at_start_still_settles_every_batch(tmp_path, monkeypatch):
     assert manager.get(batch_id)["status"] == "failed" and manager.get(batch_id)["output_file_id"] is None
 
 
+def test_a_plan_whose_record_cannot_be_saved_at_start_finishes_in_memory_and_is_kept(tmp_path, monkeypatch):
+    """A batch killed with every result file written, restarted on a full disk: it ends
+    finished as its plan says, and the plan stays on disk for the next start to apply."""
+    batch_id, plan = _stop_at(tmp_path, "files", monkeypatch, _lines(3, bad=1))
+    _full_disk_for(monkeypatch, lambda b: True)
+    manager = _manager(tmp_path)
+    manager.start()
+    batch = manager.get(batch_id)
+    assert batch["status"] == "completed" and batch["output_file_id"] == plan["files"]["output_file_id"]
+    assert BatchStore(tmp_path / "batches").load_plan(batch_id) == plan
+    assert BatchStore(tmp_path / "batches").load_all()[batch_id]["status"] == "finalizing"
+
+
 def test_a_lock_file_whose_pid_cannot_be_written_still_claims_the_folder(tmp_path, monkeypatch):
     """Writing the server's pid into the lock file on a full disk stopped the start."""
 

@@ -95,12 +95,8 @@ class BatchManager:
         file_ids = [file_id for file_id in plan["files"].values() if file_id is not None]
         if batch["status"] not in TERMINAL and all(self.files.exists(f) for f in file_ids):
             logger.info("finishing batch %s from its finalization plan", batch["id"])
-            try:
-                self._set(batch, plan["status"], **plan_fields(plan))
-            except OSError as e:  # a full disk: finished in memory, the plan kept for the next start
-                logger.error("could not save batch %s as finished: %s", batch["id"], e)
-                batch.update(status=plan["status"], **plan_fields(plan))
-                return True
+            if not self._update(batch, plan["status"], **plan_fields(plan)):
+                return True  # finished in memory; the plan is kept for the next start
         elif batch["status"] not in TERMINAL:
             logger.info("batch %s was killed while writing its results: running it again", batch["id"])
             for file_id in file_ids:
@@ -215,15 +211,17 @@ class BatchManager:
         batch.update(updated)
         self._saved_at[batch["id"]] = time.monotonic()
 
-    def _update(self, batch: dict, status: str, **fields: Any) -> None:
+    def _update(self, batch: dict, status: str, **fields: Any) -> bool:
         """``_set``, or where the disk refuses the save (full), the change in memory alone:
         the batch still ends in a status; its record keeps the old one, which the next
-        start settles again."""
+        start settles again. Whether the save went through."""
         try:
             self._set(batch, status, **fields)
         except OSError as e:
             logger.error("could not save batch %s as %s: %s", batch["id"], status, e)
             batch.update(status=status, **fields)
+            return False
+        return True
 
     async def _run(self, batch: dict) -> None:
         try:
