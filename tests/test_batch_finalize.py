@@ -405,12 +405,17 @@ def test_a_batch_that_cannot_be_saved_is_not_created(tmp_path, monkeypatch):
 )
 def test_a_finalization_plan_that_is_not_a_plan_runs_the_batch_again(tmp_path, monkeypatch, plan):
     """A damaged or foreign plan that parses used to stop the server at start (a
-    KeyError or TypeError); it is ignored with a warning and the batch runs again."""
-    batch_id, _ = _stop_at(tmp_path, "files", monkeypatch, _lines(2, bad=0))
+    KeyError or TypeError); it is ignored with a warning and the batch runs again. The
+    result files the killed run wrote were left listed beside the new ones (the plan that
+    named them unreadable); they are removed as any result file of an unfinished batch."""
+    batch_id, first = _stop_at(tmp_path, "files", monkeypatch, _lines(2, bad=1))
     (tmp_path / "batches" / f"{batch_id}.plan").write_text(plan)
     batch, files = _restart(tmp_path, batch_id)
-    assert set(_records(files, batch["output_file_id"])) == {"c0", "c1"}
+    assert set(_records(files, batch["output_file_id"])) == {"c1"}
     assert not (tmp_path / "batches" / f"{batch_id}.plan").exists()
+    listed = {f["id"] for f in files.list(None, None, 100, "asc")["data"]}
+    assert listed == {batch["input_file_id"], batch["output_file_id"], batch["error_file_id"]}
+    assert not set(first["files"].values()) & listed
 
 
 def test_an_upload_whose_file_object_cannot_be_written_leaves_no_bytes(tmp_path, monkeypatch):
@@ -541,3 +546,33 @@ def test_the_content_of_a_file_whose_bytes_were_removed_is_an_error_naming_it(tm
     resp = TestClient(app, raise_server_exceptions=False).get(f"/v1/files/{file_id}/content")
     assert resp.status_code == 500 and resp.json()["error"]["code"] == "storage_error"
     assert f"the content of file {file_id!r} is missing from --data-dir" in resp.json()["error"]["message"]
+
+
+def test_a_resumed_batch_whose_endpoint_this_server_does_not_serve_fails_naming_it(tmp_path):
+    """A batch record left unfinished by a server (or version) serving other endpoints
+    failed at its next start with the message "'/v1/embeddings'" (a KeyError's) and a
+    traceback in the log."""
+    files = FileStore(tmp_path / "files")
+    row = {"custom_id": "c0", "method": "POST", "url": "/v1/embeddings", "body": {"input": "q"}}
+    file_id = asyncio.run(files.create((json.dumps(row) + "\n").encode(), "in.jsonl", "batch"))["id"]
+    foreign = {"id": "batch_foreign", "object": "batch", "status": "in_progress"}
+    foreign |= {"endpoint": "/v1/embeddings"}
+    foreign |= {"input_file_id": file_id, "created_at": 1, "request_counts": {}, "expires_at": 2**40}
+    foreign |= {"in_progress_at": 1, "completion_window": "24h"}
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "batch_foreign.json").write_text(json.dumps(foreign))
+
+    async def run() -> dict:
+        manager = _manager(tmp_path)
+        manager.start()
+        await _wait_for(lambda: manager.get("batch_foreign")["status"] in TERMINAL, "the batch to end")
+        await manager.stop()
+        return manager.get("batch_foreign")
+
+    batch = asyncio.run(run())
+    assert batch["status"] == "failed", batch
+    (error,) = batch["errors"]["data"]
+    assert error["code"] == "unsupported_endpoint" and error["param"] == "endpoint", error
+    assert error["message"] == (
+        f"this server does not serve the batch's endpoint '/v1/embeddings'; it serves {[ENDPOINT]}"
+    )

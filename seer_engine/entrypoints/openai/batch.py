@@ -82,6 +82,9 @@ class BatchManager:
                 self._update(batch, "cancelled", cancelled_at=int(time.time()))
             elif batch["status"] not in TERMINAL:
                 logger.info("resuming batch %s (was %s)", batch["id"], batch["status"])
+                for file_id in self.files.results_of(batch["id"]):  # of a plan lost or unreadable
+                    logger.info("removing %s, a result file batch %s left unlisted", file_id, batch["id"])
+                    self.files.discard(file_id)
                 batch["request_counts"] = {"total": 0, "completed": 0, "failed": 0}
                 self._update(batch, "validating")
                 self._launch(batch)
@@ -237,6 +240,16 @@ class BatchManager:
             self._saved_at.pop(batch["id"], None)
 
     async def _execute(self, batch: dict) -> None:
+        if batch["endpoint"] not in self.handlers:  # a record another server (or version) wrote
+            record = {
+                "code": "unsupported_endpoint",
+                "message": f"this server does not serve the batch's endpoint {batch['endpoint']!r}; "
+                f"it serves {sorted(self.handlers)}",
+                "param": "endpoint",
+                "line": None,
+            }
+            self._set(batch, "failed", failed_at=int(time.time()), errors=_errors([record]))
+            return
         try:
             content = await asyncio.to_thread(self.files.read, batch["input_file_id"])
             lines = await asyncio.to_thread(parse_lines, content, batch["endpoint"])

@@ -7,7 +7,9 @@ pointing at the files; then the plan is removed. So the record only ever points 
 complete files, and a server killed at any point leaves something a restart can
 settle (``BatchManager.start``): a plan whose files all exist is applied (the batch
 is finished without running again); a plan with a file missing has its files
-removed and the batch is run again; no plan means no result file was written.
+removed and the batch is run again; no plan means no result file was written (or that
+the plan was unreadable: the result files named after an unfinished batch are removed
+before it runs again).
 
 One server at a time keeps a data folder's files and batches (``BatchAPIClaim``).
 """

@@ -192,6 +192,14 @@ class FileStore:
         (self.root / f"{file_id}.json").unlink(missing_ok=True)
         self.data_path(file_id).unlink(missing_ok=True)
 
+    def results_of(self, batch_id: str) -> list[str]:
+        """Ids of the result files written for a batch (named after it, never uploaded)."""
+        prefix = f"{batch_id}_"
+        return [
+            m["id"] for m in self._files.values()
+            if m["purpose"] == "batch_output" and str(m.get("filename", "")).startswith(prefix)
+        ]  # fmt: skip
+
     def get(self, file_id: str, param: str = "file_id") -> dict:
         """The file's metadata; ``param``: the request field that named it (for the 404)."""
         meta = self._files.get(file_id)
