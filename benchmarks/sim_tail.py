@@ -18,9 +18,15 @@ import statistics
 import sys
 from pathlib import Path
 
+from seer_engine.rollout.context_manager import add_context_order_arg
 from seer_engine.rollout.history import HistoryStore
 from seer_engine.rollout.placement import SeerPlacement
-from seer_engine.rollout.policies import HISTORY_SUFFIX, distinct_policies, rollout_policy_names
+from seer_engine.rollout.policies import (
+    HISTORY_SUFFIX,
+    check_context_flags,
+    distinct_policies,
+    rollout_policy_names,
+)
 from seer_engine.rollout.types import sample_key
 from seer_engine.sim.acceptance import acceptance_for
 from seer_engine.sim.setups import SETUPS
@@ -66,12 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=1, help="rollouts of one prompt set; shows the last")
     p.add_argument("--last", type=int, default=10, help="list this many of the last responses to finish")
     p.add_argument("--out", default=None, help="write the figures here as JSON")
+    add_context_order_arg(p)
     args = p.parse_args(argv)
     if args.setup not in SETUPS:
         p.error(f"unknown setup {args.setup!r}; choose from {sorted(SETUPS)}")
     setup = SETUPS[args.setup]
     try:
         policies = distinct_policies(rollout_policy_names(args.policy))
+        check_context_flags(policies, None, args.context_order)
     except ValueError as e:
         p.error(str(e))
     if args.iterations < 1:
@@ -87,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         store = HistoryStore() if name.endswith(HISTORY_SUFFIX) else None
         for it in range(args.iterations):
             groups = setup_groups(setup, args.seed, iteration=it)
-            policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store)
+            policy = policy_for(name, groups, setup.max_tokens, setup.starvation_s, store, args.context_order)
             model = acceptance_for(store, setup.samples, prompts=[g.prompt for g in groups])
             result = simulate(
                 groups, policy, setup.profile, setup.instances, setup.max_tokens, setup.chunk_tokens,
