@@ -576,3 +576,18 @@ def test_a_resumed_batch_whose_endpoint_this_server_does_not_serve_fails_naming_
     assert error["message"] == (
         f"this server does not serve the batch's endpoint '/v1/embeddings'; it serves {[ENDPOINT]}"
     )
+
+
+def test_only_the_result_files_of_the_resumed_batch_itself_are_removed(tmp_path):
+    """The leftover result files of a batch are found by its exact file names: an upload
+    of the same name and the results of a batch whose id extends it stay."""
+    files = FileStore(tmp_path)
+
+    def make(name: str, purpose: str) -> str:
+        return asyncio.run(files.create(b"{}\n", name, purpose))["id"]
+
+    own = make("batch_a_output.jsonl", "batch_output")
+    make("batch_a_b_output.jsonl", "batch_output")
+    make("batch_a_error.jsonl", "batch")
+    names = {batch_module._result_filename("batch_a", kind) for kind in batch_module.RESULT_KINDS}
+    assert files.outputs_named(names) == [own]

@@ -48,6 +48,7 @@ LineHandler = Callable[[dict, str], Awaitable[dict]]
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
+RESULT_KINDS = ("output", "error")  # the result files a batch may get, in this order
 PERSIST_INTERVAL_S = 1.0
 _CANCELLED = {"code": "batch_cancelled", "message": "the batch was cancelled before this request finished"}
 _EXPIRED = {
@@ -82,7 +83,8 @@ class BatchManager:
                 self._update(batch, "cancelled", cancelled_at=int(time.time()))
             elif batch["status"] not in TERMINAL:
                 logger.info("resuming batch %s (was %s)", batch["id"], batch["status"])
-                for file_id in self.files.results_of(batch["id"]):  # of a plan lost or unreadable
+                names = {_result_filename(batch["id"], kind) for kind in RESULT_KINDS}
+                for file_id in self.files.outputs_named(names):  # of a plan lost or unreadable
                     logger.info("removing %s, a result file batch %s left unlisted", file_id, batch["id"])
                     self.files.discard(file_id)
                 batch["request_counts"] = {"total": 0, "completed": 0, "failed": 0}
@@ -320,7 +322,7 @@ class BatchManager:
             (outputs if ok else errors).append(record)
             in_tokens += usage.get("prompt_tokens", 0)
             out_tokens += usage.get("completion_tokens", 0)
-        by_kind = {"output": outputs, "error": errors}
+        by_kind = dict(zip(RESULT_KINDS, (outputs, errors)))
         plan = {
             "status": status,
             "fields": {
@@ -335,8 +337,8 @@ class BatchManager:
             for kind, rows in by_kind.items():
                 if rows:
                     content = await asyncio.to_thread(_jsonl, rows)
-                    file_id = plan["files"][f"{kind}_file_id"]
-                    await self.files.create(content, f"{batch['id']}_{kind}.jsonl", "batch_output", file_id)
+                    file_id, name = plan["files"][f"{kind}_file_id"], _result_filename(batch["id"], kind)
+                    await self.files.create(content, name, "batch_output", file_id)
                     await pause_for_test("partial")
             await pause_for_test("files")
             self._set(batch, status, **plan_fields(plan))
@@ -406,6 +408,10 @@ def _record(
         "response": response,
         "error": error,
     }
+
+
+def _result_filename(batch_id: str, kind: str) -> str:
+    return f"{batch_id}_{kind}.jsonl"
 
 
 def _errors(records: list[dict]) -> dict:

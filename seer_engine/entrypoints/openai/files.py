@@ -192,13 +192,10 @@ class FileStore:
         (self.root / f"{file_id}.json").unlink(missing_ok=True)
         self.data_path(file_id).unlink(missing_ok=True)
 
-    def results_of(self, batch_id: str) -> list[str]:
-        """Ids of the result files written for a batch (named after it, never uploaded)."""
-        prefix = f"{batch_id}_"
-        return [
-            m["id"] for m in self._files.values()
-            if m["purpose"] == "batch_output" and str(m.get("filename", "")).startswith(prefix)
-        ]  # fmt: skip
+    def outputs_named(self, filenames: set[str]) -> list[str]:
+        """Ids of the files the server wrote (purpose batch_output) with one of these names."""
+        files = self._files.values()
+        return [m["id"] for m in files if m["purpose"] == "batch_output" and m["filename"] in filenames]
 
     def get(self, file_id: str, param: str = "file_id") -> dict:
         """The file's metadata; ``param``: the request field that named it (for the 404)."""
