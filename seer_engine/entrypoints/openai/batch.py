@@ -83,10 +83,6 @@ class BatchManager:
                 self._update(batch, "cancelled", cancelled_at=int(time.time()))
             elif batch["status"] not in TERMINAL:
                 logger.info("resuming batch %s (was %s)", batch["id"], batch["status"])
-                names = {_result_filename(batch["id"], kind) for kind in RESULT_KINDS}
-                for file_id in self.files.outputs_named(names):  # of a plan lost or unreadable
-                    logger.info("removing %s, a result file batch %s left unlisted", file_id, batch["id"])
-                    self.files.discard(file_id)
                 batch["request_counts"] = {"total": 0, "completed": 0, "failed": 0}
                 self._update(batch, "validating")
                 self._launch(batch)
@@ -96,6 +92,11 @@ class BatchManager:
         finished the batch."""
         plan = self.store.load_plan(batch["id"])
         if plan is None:
+            if batch["status"] not in TERMINAL:  # result files of a plan lost or unreadable
+                names = {_result_filename(batch["id"], kind) for kind in RESULT_KINDS}
+                for file_id in self.files.outputs_named(names):
+                    logger.info("removing %s, a result file batch %s left unlisted", file_id, batch["id"])
+                    self.files.discard(file_id)
             return False
         file_ids = [file_id for file_id in plan["files"].values() if file_id is not None]
         if batch["status"] not in TERMINAL and all(self.files.exists(f) for f in file_ids):
@@ -242,17 +243,15 @@ class BatchManager:
             self._saved_at.pop(batch["id"], None)
 
     async def _execute(self, batch: dict) -> None:
-        if batch["endpoint"] not in self.handlers:  # a record another server (or version) wrote
-            record = {
-                "code": "unsupported_endpoint",
-                "message": f"this server does not serve the batch's endpoint {batch['endpoint']!r}; "
-                f"it serves {sorted(self.handlers)}",
-                "param": "endpoint",
-                "line": None,
-            }
-            self._set(batch, "failed", failed_at=int(time.time()), errors=_errors([record]))
-            return
         try:
+            if batch["endpoint"] not in self.handlers:  # a record another server (or version) wrote
+                message = (
+                    f"this server does not serve the batch's endpoint {batch['endpoint']!r}; "
+                    f"it serves {sorted(self.handlers)}"
+                )
+                raise BatchValidationError(
+                    [{"code": "unsupported_endpoint", "message": message, "param": "endpoint", "line": None}]
+                )
             content = await asyncio.to_thread(self.files.read, batch["input_file_id"])
             lines = await asyncio.to_thread(parse_lines, content, batch["endpoint"])
         except (APIError, BatchLineError, BatchValidationError) as e:
