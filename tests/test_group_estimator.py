@@ -112,7 +112,7 @@ def _sample(group: Group, index: int, generated: int = 0, chunks: int = 0) -> Ro
     return s
 
 
-def test_context_manager_order_by_estimated_group_maximum():
+def test_context_manager_ranks_equal_waits_shortest_estimated_group_first():
     ctx = ContextManager(starvation_s=1e9)
     params = SamplingParams(max_tokens=MAX)
     groups = {
@@ -132,13 +132,14 @@ def test_context_manager_order_by_estimated_group_maximum():
         _sample(groups["c"], 1, 0),
         _sample(groups["c"], 0, 4000, chunks=1),  # c's probe after its first chunk
     ]
+    assert ctx.estimate("a") < ctx.estimate("c") < ctx.estimate("b")
     order = ContextAwarePolicy(ctx).order(pending, now=0.0)
-    assert [s.key for s in order] == ["b/0", "b/1", "b/2", "c/0", "c/1", "a/0"]
+    assert [s.key for s in order] == ["b/0", "a/0", "c/0", "c/1", "b/1", "b/2"]
     assert ctx.take_changes()[1] == {"a", "b"}, "the groups whose keys moved"
     assert ctx.take_changes() == (False, set())
 
 
-def test_context_manager_serves_wait_order_first_and_estimates_among_equal_waits():
+def test_context_manager_serves_wait_order_first_and_the_shorter_group_among_equal_waits():
     ctx = ContextManager(starvation_s=1e9)
     params = SamplingParams(max_tokens=MAX)
     long, short = (
@@ -156,11 +157,11 @@ def test_context_manager_serves_wait_order_first_and_estimates_among_equal_waits
     together = _sample(long, 2, 12000, chunks=2)
     together.enqueued_at = 50.0
     order = ContextAwarePolicy(ctx).order([requeued, waiting, together], now=60.0)
-    assert [s.key for s in order] == ["s/3", "l/1", "l/2"], "wait order first; longest group among equals"
+    assert [s.key for s in order] == ["s/3", "l/1", "l/2"], "wait order first"
     shorter = _sample(short, 0, 400, chunks=1)
     shorter.enqueued_at = 50.0
     policy = ContextAwarePolicy(ctx)
-    assert policy.priority(together, 60.0) < policy.priority(shorter, 60.0)
+    assert policy.priority(shorter, 60.0) < policy.priority(together, 60.0), "shorter group among equals"
 
 
 def test_context_manager_records_into_and_reads_from_its_history():

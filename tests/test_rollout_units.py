@@ -221,7 +221,7 @@ def test_a_response_longer_than_half_the_finished_ones_is_long_tail(monkeypatch)
 def test_groupmax_orders_known_prompts_by_estimate_only_when_asked(order):
     """``order="estimate"``: groups the history store knows go longest-estimate-first
     across waits, ahead of unknown ones (which keep the wait order); ``"wait"``: every
-    group in wait order, the estimate only among equal waits."""
+    group in wait order, the shorter estimate first among equal waits."""
     from seer_engine.rollout.history import HistoryStore
 
     store = HistoryStore()
@@ -244,12 +244,13 @@ def test_groupmax_orders_known_prompts_by_estimate_only_when_asked(order):
         _sample(groups["new"], 1, enqueued=0.0),
         _sample(groups["long"], 1, generated=32, enqueued=5.0),
         _sample(groups["new"], 2, generated=32, enqueued=3.0),
+        _sample(groups["long"], 2, generated=32, enqueued=1.0),
     ]
     keys = [s.key for s in ContextAwarePolicy(ctx).order(pending, now=6.0)]
     if order == "wait":
-        assert keys == ["new/1", "short/1", "new/2", "long/1"]
+        assert keys == ["new/1", "short/1", "long/2", "new/2", "long/1"]
     else:
-        assert keys == ["long/1", "short/1", "new/1", "new/2"]
+        assert keys == ["long/1", "long/2", "short/1", "new/1", "new/2"]
     with pytest.raises(ValueError, match="unknown context order"):
         ContextManager(order="longest")
 

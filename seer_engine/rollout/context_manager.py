@@ -13,9 +13,8 @@ a true length):
   and, with a history store, earlier iterations of the same prompt). Samples run in
   the order they (re-)entered the buffer, as under ``divided``; among those that
   entered together (a rollout's fresh samples, a batch of chunk ends) by estimated
-  group maximum, longest first, and within a group most progress first (the likeliest
-  longest). The probe runs its first chunk before everything else, unless the history
-  store already knows the prompt.
+  group maximum, shortest first. The probe runs its first chunk before everything
+  else, unless the history store already knows the prompt.
 
 Why the group maximum: a group is done when its longest response is, so it is what
 longest-first must rank by; Seer's rule ties every group without a finished response
@@ -23,6 +22,10 @@ at max_tokens (FCFS until the first finishes) and drops a group below all unknow
 as soon as its shortest response finishes. Why wait order first: a response that
 rejoins the back of the queue after each chunk keeps every long response moving, and
 longest-first across waits packs long contexts together, which leaves less KV for rows.
+Why shortest first among equal waits: it is measured, not derived (moonlight and kimi-k2
+in the simulator, iteration 2, several seeds: ``benchmarks/results/simulator``). Longest
+first starts the groups ranked short last, and one of their responses that runs to its
+cap, which no estimate foresees, then ends the rollout.
 ``order="estimate"`` ranks the groups the history store knows longest-estimate-first
 across waits instead. It pays where prompts differ in length far more than one
 prompt's responses do: the group estimate then says which responses are long. Where
@@ -256,8 +259,7 @@ class ContextManager:
             return (1, sample.num_generated, sample.group.order)
         if self.rule == "groupmax":
             value = self.estimate(gid)
-            tie = (-value, -sample.num_generated, sample.group.order, sample.sample_index)
             if self._by_estimate and self._groups[gid].seen_before:
-                return (2, 0, *tie)
-            return (2, 1, sample.enqueued_at, *tie)
+                return (2, 0, -value, -sample.num_generated, sample.group.order, sample.sample_index)
+            return (2, 1, sample.enqueued_at, value, sample.group.order, sample.sample_index)
         return (2, -self.estimate(gid), sample.group.order, sample.sample_index)
