@@ -122,10 +122,14 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
-    def openai(self, **kwargs):
+    def openai(self, timeout: float = 60, **kwargs):
+        """A client without retries; ``timeout`` only guards against a hang, so a request
+        whose length depends on the machine's speed gets a long one."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=API_KEY, max_retries=0, timeout=60, **kwargs)
+        return openai.OpenAI(
+            base_url=self.base_url, api_key=API_KEY, max_retries=0, timeout=timeout, **kwargs
+        )
 
     def http(self, api_key: str | None = API_KEY, timeout: float = 60) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -28,7 +28,7 @@ def model(tiny_model) -> Path:
 
 
 def _request(server, g: int) -> list[tuple[int, list[int]]]:
-    with server.openai() as client:
+    with server.openai(timeout=600) as client:  # a whole group, on a loaded machine too
         out = client.completions.create(
             model=server.model,
             prompt=[3 + g, 7, 11 + g, 5],
