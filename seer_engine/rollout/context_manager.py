@@ -52,7 +52,7 @@ from seer_engine.rollout.types import Group, RolloutSample
 
 PROBE_INDEX = 0  # the sample of each group that runs as its probe
 RULES = ("seer", "groupmax")
-# ``groupmax``'s order: "wait" (wait order first, the estimate among equal waits),
+# ``groupmax``'s order: "wait" (wait order first, shortest estimate among equal waits),
 # "estimate" (groups the history store knows, longest estimate first across waits,
 # ahead of the rest, which keep the wait order), or "auto": "estimate" once the history
 # store shows prompts differing in length far more than one prompt's responses do.

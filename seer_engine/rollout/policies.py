@@ -79,7 +79,7 @@ class DividedPolicy(RolloutPolicy):
 
 class ContextAwarePolicy(RolloutPolicy):
     """Divided rollout + the Context Manager's order: probes first, then wait order, then
-    the longest estimated group first among equal waits."""
+    the shortest estimated group first among equal waits."""
 
     name = "context"
 
