@@ -23,9 +23,9 @@ as soon as its shortest response finishes. Why wait order first: a response that
 rejoins the back of the queue after each chunk keeps every long response moving, and
 longest-first across waits packs long contexts together, which leaves less KV for rows.
 Why shortest first among equal waits: it is measured, not derived (moonlight and kimi-k2
-in the simulator, iteration 2, several seeds: ``benchmarks/results/simulator``). Longest
-first starts the groups ranked short last, and one of their responses that runs to its
-cap, which no estimate foresees, then ends the rollout.
+in the simulator, iteration 2, several seeds: ``benchmarks/results/simulator``). Under
+longest first, kimi-k2's rollout was ended by a capped response of a group ranked short,
+started at 271 s; no estimate foresees such a response.
 ``order="estimate"`` ranks the groups the history store knows longest-estimate-first
 across waits instead. It pays where prompts differ in length far more than one
 prompt's responses do: the group estimate then says which responses are long. Where
